@@ -42,6 +42,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only
     rope_scaling: Mapping[str, Any] | None = None
     sliding_window: int | None = None
     # MLA targets (DeepSeek) carry kv_lora_rank; we only record it to refuse dynamic trees.
@@ -87,7 +88,8 @@ class ModelConfig:
             rope_theta=float(raw.get("rope_theta", 10000.0)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             sliding_window=int(sliding_window) if sliding_window else None,
             kv_lora_rank=raw.get("kv_lora_rank"),
@@ -204,12 +206,12 @@ class EngineConfig:
 
     max_batch_size: int = 16
     max_seq_len: int = 2048
-    max_tokens_limit: int = 1024
+    max_tokens_limit: int | None = None  # default: min(1024, max_seq_len)
     max_num_draft_tokens: int = 16  # bound on num_draft_tokens per request and tree budget
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None
-    compile: bool = True
+    compile: bool = False
     speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -219,6 +221,8 @@ class EngineConfig:
             raise ConfigError("max_seq_len", f"must be >= 16, got {self.max_seq_len}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_tokens_limit is None:
+            object.__setattr__(self, "max_tokens_limit", min(1024, self.max_seq_len))
         if not 1 <= self.max_tokens_limit <= self.max_seq_len:
             raise ConfigError("max_tokens_limit", f"must be in [1, max_seq_len={self.max_seq_len}]")
         if self.max_num_draft_tokens < 0:

@@ -128,7 +128,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.hd
         self.wqkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused q|k|v
-        self.wo = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, batch: ForwardBatch) -> Tensor:
         B, N, _ = x.shape
@@ -248,6 +248,8 @@ class Transformer(nn.Module):
             if cfg.qkv_bias:
                 own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
             own[f"layers.{i}.attn.wo.weight"] = take(a + "o_proj.weight")
+            if cfg.o_bias:
+                own[f"layers.{i}.attn.wo.bias"] = take(a + "o_proj.bias")
             own[f"layers.{i}.mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             own[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")

@@ -1,0 +1,143 @@
+"""`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from .config import ALL_METHODS, METHOD_NONE, EngineConfig, SamplingParams
+from .errors import SpecDecError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", default=None, help="HF-style model directory (default: the prepared SmolLM2 cache)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder (slower start, faster steps)")
+
+
+def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return EngineConfig(dtype=args.dtype, num_threads=args.threads, compile=args.compile, **overrides)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .models.loading import cache_is_valid, prepare_default_model
+
+    path = prepare_default_model(args.model_dir, force=args.force)
+    print(f"model ready: {path} (verified: {cache_is_valid(path, full_hash=args.verify)})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .runtime import build_engine, encode_prompt
+
+    engine = build_engine(args.model_dir, _engine_config(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    prompt_ids = encode_prompt(engine.tokenizer, args.prompt, chat=not args.raw)
+    start = time.perf_counter()
+    first = None
+    token_ids: list[int] = []
+    text = []
+    stats = None
+    for out in engine.generate(prompt_ids, params, args.method, args.num_draft_tokens):
+        now = time.perf_counter()
+        if first is None and out.new_token_ids:
+            first = now
+        token_ids += out.new_token_ids
+        text.append(out.text_delta)
+        stats = out.stats
+        if not args.json:
+            print(out.text_delta, end="", flush=True)
+    end = time.perf_counter()
+    first = first or end
+    decode_s = end - first
+    tok_s = (len(token_ids) - 1) / decode_s if len(token_ids) > 1 and decode_s > 0 else 0.0
+    result = {
+        "text": "".join(text),
+        "token_ids": token_ids,
+        "ttft_ms": (first - start) * 1e3,
+        "tok_s": tok_s,
+        "mean_acceptance_length": stats.mean_acceptance_length if stats else 0.0,
+        "acceptance_rate": stats.acceptance_rate if stats else 0.0,
+        "num_draft_tokens": args.num_draft_tokens if args.method != METHOD_NONE else 0,
+        "method": args.method,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"\n\n[{args.method}, K={result['num_draft_tokens']}] {len(token_ids)} tokens, TTFT {result['ttft_ms']:.0f} ms, "
+            f"{tok_s:.1f} tok/s, mean acceptance length {result['mean_acceptance_length']:.2f}, "
+            f"acceptance rate {result['acceptance_rate']:.2f}"
+        )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .launcher import serve_main
+
+    return serve_main(args.rest)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from .bench_engine import run_engine_bench
+
+    run_engine_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="convert the embedded SmolLM2 GGUF into the model cache (once)")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--force", action="store_true", help="rebuild even if the cache is valid")
+    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("generate", help="stream one generation in process")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--method", default=METHOD_NONE, choices=ALL_METHODS)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="start the bundled Triton server on the model repository")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench-engine", help="in-process engine benchmark -> results/engine_bench.json")
+    p.add_argument("--out", default="results/engine_bench.json")
+    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
+    p.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SpecDecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

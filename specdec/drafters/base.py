@@ -1,0 +1,30 @@
+"""The drafter interface: propose one draft tree per sequence (batched), learn what was kept."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from torch import Tensor
+
+from ..sequence import SequenceState
+from ..tree import DraftTree
+from ..verify import VerifyResult
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+    # Target layers whose hidden states the drafter needs (EAGLE-3); empty for most.
+    tap_layers: tuple[int, ...] = ()
+
+    @abstractmethod
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+        """One tree per sequence with at most budgets[i] nodes, proposed after seq.root_token."""
+
+    def on_prefill(self, seq: SequenceState, hidden: Tensor | None) -> None:
+        """After the prompt is in the target cache. hidden: [prompt_len, taps*H] or None."""
+
+    def on_verified(self, seq: SequenceState, result: VerifyResult, hidden: Tensor | None) -> None:
+        """After verification. hidden: [1 + accepted, taps*H] for root + accepted nodes."""
+
+    def on_finish(self, seq: SequenceState) -> None:
+        """Free per-sequence resources (finished, cancelled or failed)."""

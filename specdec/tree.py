@@ -1,0 +1,93 @@
+"""Draft trees. A linear chain is the special case where every node has one child.
+
+Node indices are 0..n-1 in topological order (a parent always precedes its children);
+parent ROOT (-1) means the node continues the root, i.e. the sequence's last emitted token
+(whose KV is not cached yet). The verifier feeds [root] + nodes, so input row i+1 is node i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+ROOT = -1
+
+# How the children of a node were chosen, which decides the lossless acceptance rule:
+#   DETERMINISTIC: distinct tokens picked without target randomness (n-gram, argmax, top-k):
+#       try each with probability p(x), zeroing x in p after a rejection (one-hot drafts).
+#   IID_SAMPLED: each child drawn independently from q at its parent (SpecInfer):
+#       accept with min(1, p(x)/q(x)); after a rejection p <- norm(max(p - q, 0)).
+DETERMINISTIC = "deterministic"
+IID_SAMPLED = "iid_sampled"
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)  # [n] draft token per node
+    parents: list[int] = field(default_factory=list)  # [n] parent node index or ROOT
+    # [n, V] q at each node's parent (the distribution the node was drawn from); IID only.
+    draft_probs: Tensor | None = None
+    scheme: str = DETERMINISTIC
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        for i, p in enumerate(self.parents):
+            if not ROOT <= p < i:
+                raise ValueError(f"node {i}: parent {p} must be ROOT or an earlier node")
+        if self.scheme == IID_SAMPLED and self.draft_probs is None and self.tokens:
+            raise ValueError("an IID-sampled tree needs draft_probs")
+
+    @staticmethod
+    def chain(tokens: list[int], draft_probs: Tensor | None = None) -> "DraftTree":
+        scheme = IID_SAMPLED if draft_probs is not None else DETERMINISTIC
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, scheme)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for children of the root."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p == ROOT else out[p] + 1)
+        return out
+
+    def children(self) -> list[list[int]]:
+        """children()[0] lists the root's children; children()[i + 1] those of node i."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return kids
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self) - 1))
+
+    def truncated(self, max_nodes: int) -> "DraftTree":
+        """The first max_nodes nodes (topological order keeps it a tree)."""
+        if max_nodes >= len(self):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:max_nodes]
+        return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes], probs, self.scheme)
+
+    def input_rows(self, root_token: int) -> tuple[list[int], list[int], Tensor]:
+        """What the decoder takes for [root] + nodes: tokens, depth offsets (root = 0) and
+        the [n+1, n+1] ancestor-or-self mask."""
+        n = len(self) + 1
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[:, 0] = True
+        mask[0, 0] = True
+        for i, p in enumerate(self.parents):
+            row = i + 1
+            mask[row] = mask[p + 1]
+            mask[row, row] = True
+        return [root_token] + self.tokens, [0] + self.depths(), mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node`."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]

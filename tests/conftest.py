@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random HF checkpoints (fast) and the prepared SmolLM2 target."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
+
+
+def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a random tiny HF checkpoint (config.json + safetensors) with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    )
+    common.update(overrides)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    # Random init has tiny logits spread; scale the head so sampling tests see real distributions.
+    model.eval()
+    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="200KB")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_hf(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    from specdec.models.loading import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def smol_model(smol_dir):
+    from specdec.models.loading import load_transformer
+
+    return load_transformer(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    from specdec.runtime import load_tokenizer
+
+    return load_tokenizer(smol_dir)

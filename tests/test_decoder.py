@@ -1,0 +1,122 @@
+"""The decoder against transformers, and the ragged / tree-masked / cached forward against itself."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.models.llama import build_batch
+from specdec.models.loading import load_transformer
+from specdec.tree import ROOT, DraftTree
+
+from conftest import save_tiny_hf
+
+
+def hf_logits(model_dir, ids):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def our_prefill_logits(model, ids):
+    cache = model.new_cache(2, 256, 16)
+    slot = cache.allocate()
+    return model(build_batch([slot], [0], [ids]), cache).logits[0]
+
+
+def test_smollm2_logits_match_transformers(smol_dir, smol_model):
+    ids = [1, 28120, 905, 314, 253, 1345, 2000, 77, 4096, 12]
+    ours = our_prefill_logits(smol_model, ids)
+    assert torch.allclose(ours, hf_logits(smol_dir, ids), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen2", {}),  # GQA + q/k/v bias
+        ("llama", {"attention_bias": True}),  # Llama bias also on o_proj
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    ],
+)
+def test_tiny_configs_match_transformers(tmp_path, arch, overrides):
+    model_dir = save_tiny_hf(tmp_path, arch=arch, **overrides)
+    ids = list(range(3, 40))
+    ours = our_prefill_logits(load_transformer(model_dir), ids)
+    assert torch.allclose(ours, hf_logits(model_dir, ids), atol=1e-4)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [ROOT] + [rng.randrange(-1, i) for i in range(1, n)]
+    return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
+
+
+def test_tree_forward_equals_sequential_paths(tiny_llama_dir):
+    model = load_transformer(tiny_llama_dir)
+    rng = random.Random(0)
+    prefix = [rng.randrange(96) for _ in range(11)]
+    for trial in range(4):
+        tree = random_tree(rng, 9, 96)
+        cache = model.new_cache(2, 128, 16)
+        slot = cache.allocate()
+        model(build_batch([slot], [0], [prefix]), cache)
+        cache.commit(slot, range(len(prefix)))
+        tokens, depths, mask = tree.input_rows(root_token=5)
+        tree_logits = model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask]), cache).logits[0]
+        for leaf in range(len(tree)):
+            path = tree.path_to(leaf)
+            seq = prefix + [5] + [tree.tokens[i] for i in path]
+            ref = our_prefill_logits(model, seq)
+            rows = [0] + [i + 1 for i in path]
+            assert torch.allclose(tree_logits[rows], ref[len(prefix):], atol=1e-5), f"trial {trial} leaf {leaf}"
+
+
+def test_batched_ragged_equals_solo(tiny_llama_dir):
+    model = load_transformer(tiny_llama_dir)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (3, 17, 9, 30)]
+    news = [[rng.randrange(96) for _ in range(n)] for n in (1, 5, 3, 2)]
+    cache = model.new_cache(6, 128, 16)
+    # Non-contiguous slots exercise the gathered (copying) path; contiguous the view path.
+    for slots in ([0, 1, 2, 3], [4, 0, 2, 5]):
+        cache = model.new_cache(6, 128, 16)
+        for s in range(6):
+            cache.allocate()
+        pre = model(build_batch(slots, [0] * 4, prompts), cache, last_only=True).logits
+        for s, p in zip(slots, prompts):
+            cache.commit(s, range(len(p)))
+        step = model(build_batch(slots, [len(p) for p in prompts], news), cache).logits
+        for b, (p, n) in enumerate(zip(prompts, news)):
+            solo = our_prefill_logits(model, p + n)
+            assert torch.allclose(pre[b, 0], solo[len(p) - 1], atol=1e-5)
+            assert torch.allclose(step[b, : len(n)], solo[len(p):], atol=1e-5)
+
+
+def test_commit_equals_fresh_prefill_of_kept_tokens(tiny_llama_dir):
+    model = load_transformer(tiny_llama_dir)
+    prefix = list(range(10, 22))
+    tree = DraftTree([40, 41, 42, 43, 44], [ROOT, ROOT, 1, 2, 1])  # path 1 -> 2 -> 3 kept
+    cache = model.new_cache(2, 128, 16)
+    slot = cache.allocate()
+    model(build_batch([slot], [0], [prefix]), cache)
+    cache.commit(slot, range(len(prefix)))
+    tokens, depths, mask = tree.input_rows(root_token=7)
+    model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask]), cache)
+    cache.commit(slot, [0, 2, 3, 4])  # root, nodes 1, 2, 3
+    kept = prefix + [7, 41, 42, 43]
+    fresh = model.new_cache(2, 128, 16)
+    fslot = fresh.allocate()
+    model(build_batch([fslot], [0], [kept]), fresh)
+    fresh.commit(fslot, range(len(kept)))
+    n = len(kept)
+    assert cache.lengths[slot] == n
+    assert torch.allclose(cache.k[:, slot, :, :n], fresh.k[:, fslot, :, :n], atol=1e-5)
+    assert torch.allclose(cache.v[:, slot, :, :n], fresh.v[:, fslot, :, :n], atol=1e-5)
+    # ...and the next forward sees the same context.
+    a = model(build_batch([slot], [n], [[9]]), cache).logits
+    b = model(build_batch([fslot], [n], [[9]]), fresh).logits
+    assert torch.allclose(a, b, atol=1e-5)
