@@ -834,7 +834,10 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     """``specdec serve``: start Triton, wait until ready, print the endpoints, block until
     SIGINT/SIGTERM (or the server dies), then stop it and its python stubs.  Returns an exit code.
     """
-    args = _build_parser().parse_args(list(argv) if argv is not None else None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `specdec serve -- --http-port ...` (argparse.REMAINDER keeps the "--")
+        argv = argv[1:]
+    args = _build_parser().parse_args(argv)
     stop_event = threading.Event()
     received: List[int] = []
 

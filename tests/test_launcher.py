@@ -165,6 +165,12 @@ def test_serve_main_missing_repository(tmp_path, capsys):
     assert "model repository" in capsys.readouterr().err
 
 
+def test_serve_main_accepts_leading_double_dash(tmp_path, capsys):
+    # `specdec serve -- --model-repository X` reaches serve_main with the "--" kept
+    assert L.serve_main(["--", "--model-repository", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
 def test_default_model_repository_is_under_repo_root():
     assert L.DEFAULT_MODEL_REPOSITORY == L.REPO_ROOT / "model_repository"
     assert (L.REPO_ROOT / "specdec" / "launcher.py").is_file()

@@ -1,0 +1,261 @@
+"""Speculative decoding is lossless: greedy token-for-token, sampling in distribution."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specdec.engine as engine_module
+from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.drafters.ngram import NgramDrafter, build_trie, find_continuations
+from specdec.engine import SpecEngine
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.models.llama import build_batch
+from specdec.models.loading import load_transformer
+from specdec.verify import VerifyResult
+
+from conftest import save_tiny_hf
+from toy import BigramDrafter, ScriptedDrafter
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    # A larger init spread gives peaked, tie-free logits (greedy comparisons stay stable).
+    return load_transformer(save_tiny_hf(tmp_path_factory.mktemp("spec"), initializer_range=0.3, seed=3))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 6))]
+        noise = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 8))]
+        out.append(noise + motif * rng.randrange(1, 4) + noise[:2])
+    return out
+
+
+def run_all(engine: SpecEngine, prompt_list, params, method, k, concurrent: int) -> list[list[int]]:
+    """Run prompts with at most `concurrent` in flight; return output ids per prompt."""
+    results: dict[int, list[int]] = {}
+    todo = list(enumerate(prompt_list))
+    while todo or engine.has_work():
+        while todo and len(engine.sequences) < concurrent:
+            i, p = todo.pop(0)
+            engine.add_request(str(i), p, params, method, k)
+            results[i] = []
+        for out in engine.step():
+            results[int(out.request_id)] += out.new_token_ids
+    return [results[i] for i in range(len(prompt_list))]
+
+
+def test_greedy_speculative_equals_plain_tiny(tiny_target):
+    ps = prompts(24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = EngineConfig(max_batch_size=8, max_seq_len=128, max_num_draft_tokens=8)
+    plain = run_all(SpecEngine(tiny_target, cfg), ps, params, "none", 0, concurrent=1)
+    reference = {tuple(p): out for p, out in zip(ps, plain)}
+    drafters = {
+        "ngram": NgramDrafter(SpeculativeConfig(max_draft_len=5)),
+        "ngram-tree": NgramDrafter(SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3)),
+        "chain": ScriptedDrafter(reference, VOCAB, tree=False),
+        "tree": ScriptedDrafter(reference, VOCAB, tree=True),
+    }
+    engine = SpecEngine(tiny_target, cfg, drafters=drafters)
+    for method in drafters:
+        for concurrent in (1, 8):
+            got = run_all(engine, ps, params, method, 6, concurrent)
+            assert got == plain, (method, concurrent)
+    assert engine.stats.accepted_tokens > 0 and engine.cache.num_free == 8
+    # The scripted drafts were right often enough to exercise deep accepted paths.
+    assert len(engine.stats.accepted_per_position) >= 5 and engine.stats.accepted_per_position[4] > 0
+
+
+def test_greedy_speculative_equals_plain_smollm2(smol_model, smol_tokenizer):
+    from specdec.runtime import encode_prompt
+
+    texts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown",
+             "List the numbers from 1 to 20 separated by commas.",
+             "Write a Python function that adds two numbers.",
+             "What is the capital of France? Answer in one sentence."]
+    ps = [encode_prompt(smol_tokenizer, t) for t in texts]
+    params = SamplingParams(max_tokens=32)
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=256, max_num_draft_tokens=8)
+    drafters = {
+        "ngram": NgramDrafter(SpeculativeConfig(max_draft_len=4)),
+        "ngram-tree": NgramDrafter(SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=2)),
+    }
+    engine = SpecEngine(smol_model, cfg, tokenizer=smol_tokenizer, drafters=drafters)
+    plain = run_all(engine, ps, params, "none", 0, concurrent=1)
+    for method in drafters:
+        assert run_all(engine, ps, params, method, 6, concurrent=4) == plain, method
+    assert engine.stats.accepted_tokens > 0
+
+
+# ---- statistical losslessness on a toy pair with a 12-token vocabulary ----------------
+TOY_VOCAB = 12
+TOY_PROMPT = [3, 7, 1]
+NUM_SAMPLES = 20_000
+
+
+@pytest.fixture(scope="module")
+def toy_pair(tmp_path_factory):
+    target = load_transformer(
+        save_tiny_hf(tmp_path_factory.mktemp("toy"), vocab_size=TOY_VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, initializer_range=0.15, seed=11, eos_token_id=0, bos_token_id=0)
+    )
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(TOY_VOCAB, TOY_VOCAB, generator=gen) * 1.5  # draft logits given the last token
+    return target, table
+
+
+def exact_first3(target, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) under the target with the same logits processing."""
+    from specdec.sampling import logits_to_probs
+
+    prefixes = [()] + [(a,) for a in range(TOY_VOCAB)] + list(itertools.product(range(TOY_VOCAB), repeat=2))
+    cache = target.new_cache(len(prefixes), 16, 4)
+    slots = [cache.allocate() for _ in prefixes]
+    rows = [TOY_PROMPT + list(p) for p in prefixes]
+    logits = target(build_batch(slots, [0] * len(rows), rows), cache, last_only=True).logits[:, 0]
+    probs = {p: logits_to_probs(logits[i], params).double().numpy() for i, p in enumerate(prefixes)}
+    joint = np.zeros((TOY_VOCAB,) * 3)
+    for a, b in itertools.product(range(TOY_VOCAB), repeat=2):
+        joint[a, b] = probs[()][a] * probs[(a,)][b] * probs[(a, b)]
+    return joint.ravel()
+
+
+def sample_first3(target, drafter, params: SamplingParams, seed0: int, n: int = NUM_SAMPLES) -> np.ndarray:
+    cfg = EngineConfig(max_batch_size=500, max_seq_len=32, max_num_draft_tokens=8)
+    engine = SpecEngine(target, cfg, drafters={"toy": drafter})
+    counts = np.zeros(TOY_VOCAB**3)
+    issued = 0
+    outputs: dict[str, list[int]] = {}
+    while issued < n or engine.has_work():
+        while issued < n and len(engine.sequences) < cfg.max_batch_size:
+            rid = str(issued)
+            engine.add_request(rid, TOY_PROMPT, SamplingParams(**{**params.__dict__, "seed": seed0 + issued}), "toy", 6)
+            outputs[rid] = []
+            issued += 1
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            toks = outputs[out.request_id]
+            if len(toks) >= 3 and not out.finished:
+                engine.cancel(out.request_id)  # only the first three tokens are scored
+            if len(toks) >= 3:
+                a, b, c = toks[:3]
+                counts[(a * TOY_VOCAB + b) * TOY_VOCAB + c] += 1
+                del outputs[out.request_id]
+    assert counts.sum() == n
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    big = expected >= 5  # pool the sparse cells so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+CASES = {
+    "chain_with_draft_probs": dict(iid=True, branches=1, depth=4),
+    "chain_one_hot": dict(iid=False, branches=1, depth=4),
+    "tree_with_draft_probs": dict(iid=True, branches=2, depth=2),
+    "tree_one_hot": dict(iid=False, branches=3, depth=2),
+}
+PARAMS = SamplingParams(max_tokens=8, temperature=0.9, top_k=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_is_lossless(toy_pair, case):
+    target, table = toy_pair
+    counts = sample_first3(target, BigramDrafter(table, **CASES[case]), PARAMS, seed0=1000)
+    p = chi_square_p(counts, exact_first3(target, PARAMS))
+    assert p > 1e-3, f"{case}: chi-square p={p:.2e}"
+
+
+def test_chi_square_detects_a_wrong_rule(toy_pair, monkeypatch):
+    """Accepting a sampled draft whenever it equals the target argmax is not lossless;
+    the same test must reject it."""
+    target, table = toy_pair
+
+    def wrong_verify(tree, target_probs, generator):
+        path, row = [], 0
+        kids = tree.children()
+        while kids[row]:
+            best = int(target_probs[row].argmax())
+            match = next((c for c in kids[row] if tree.tokens[c] == best), None)
+            if match is None:
+                break
+            path.append(match)
+            row = match + 1
+        nxt = int(torch.multinomial(target_probs[row], 1, generator=generator))
+        return VerifyResult(path, [tree.tokens[i] for i in path], nxt, not kids[row])
+
+    monkeypatch.setattr(engine_module, "verify_sampled", wrong_verify)
+    counts = sample_first3(target, BigramDrafter(table, iid=False, branches=1, depth=4), PARAMS, seed0=1000)
+    assert chi_square_p(counts, exact_first3(target, PARAMS)) < 1e-3
+
+
+def test_seeds_reproduce_speculative_sampling(toy_pair):
+    target, table = toy_pair
+    drafter = BigramDrafter(table, iid=True, branches=2, depth=2)
+    a = sample_first3(target, drafter, PARAMS, seed0=7, n=300)
+    b = sample_first3(target, drafter, PARAMS, seed0=7, n=300)
+    c = sample_first3(target, drafter, PARAMS, seed0=8, n=300)
+    assert (a == b).all() and not (a == c).all()
+
+
+# ---- n-gram drafter, config validation, bad requests -----------------------------------
+def test_ngram_continuations_and_trie():
+    hist = np.array([5, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])
+    conts = find_continuations(hist, 2, 3, max_matches=4)
+    assert [c.tolist() for c in conts] == [[4, 8, 1], [3, 9, 1]]  # most recent first
+    tree = build_trie(conts, max_nodes=5, max_branches=2)
+    assert tree.tokens == [4, 8, 1, 3, 9] and tree.parents == [-1, 0, 1, -1, 3]
+
+
+def test_speculative_config_rules():
+    assert SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3).max_total_draft_tokens == 12
+    with pytest.raises(ConfigError, match="max_draft_len"):
+        SpeculativeConfig(max_draft_len=0)
+    with pytest.raises(ConfigError, match="max_total_draft_tokens"):
+        SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=9)
+    with pytest.raises(ConfigError, match="max_total_draft_tokens"):
+        SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, max_total_draft_tokens=3)
+    with pytest.raises(ConfigError, match="method"):
+        SpeculativeConfig(method="medusa")
+    from specdec.config import ModelConfig
+
+    base = dict(model_type="mistral", vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2)
+    swa = ModelConfig.from_hf_dict({**base, "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="use_dynamic_tree.*sliding"):
+        SpeculativeConfig(use_dynamic_tree=True).check_target(swa)
+    SpeculativeConfig(use_dynamic_tree=False).check_target(swa)  # linear drafting is fine
+    mla = ModelConfig.from_hf_dict({**base, "model_type": "llama", "kv_lora_rank": 512})
+    with pytest.raises(ConfigError, match="MLA"):
+        SpeculativeConfig(use_dynamic_tree=True).check_target(mla)
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
+
+
+def test_bad_speculative_requests_leave_others_running(tiny_target):
+    engine = SpecEngine(tiny_target, EngineConfig(max_batch_size=4, max_seq_len=64, max_num_draft_tokens=8),
+                        drafters={"ngram": NgramDrafter(SpeculativeConfig())})
+    engine.add_request("ok", [5, 6, 7, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True), "ngram", 4)
+    engine.step()
+    for method, k, field in (("medusa", 4, "method"), ("ngram", -1, "num_draft_tokens"), ("ngram", 9, "num_draft_tokens")):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4), method, k)
+        assert err.value.field == field
+    out = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert len(out) == 9 and engine.cache.num_free == 4

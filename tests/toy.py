@@ -1,0 +1,84 @@
+"""Test-only drafters: scripted trees around a known greedy continuation, and a bigram
+draft model with real draft probabilities for the statistical losslessness tests."""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from specdec.drafters.base import Drafter
+from specdec.sampling import logits_to_probs
+from specdec.sequence import SequenceState
+from specdec.tree import DETERMINISTIC, IID_SAMPLED, ROOT, DraftTree
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the reference greedy continuation with random corruptions plus random
+    sibling branches, so verification exercises accepts, rejections and deep paths."""
+
+    name = "scripted"
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], vocab: int, tree: bool, seed: int = 0):
+        self.reference, self.vocab, self.tree = reference, vocab, tree
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+        return [self._one(s, b) for s, b in zip(seqs, budgets)]
+
+    def _one(self, seq: SequenceState, budget: int) -> DraftTree:
+        ref = self.reference[tuple(seq.prompt_ids)]
+        done = len(seq.output_ids)
+        truth = ref[done : done + budget]
+        tokens, parents = [], []
+        parent = ROOT
+        for tok in truth:
+            if len(tokens) >= budget:
+                break
+            if self.tree and len(tokens) + 1 < budget and self.rng.random() < 0.5:
+                tokens.append(self.rng.randrange(self.vocab))  # a wrong sibling first
+                parents.append(parent)
+            if self.rng.random() < 0.15:
+                tok = self.rng.randrange(self.vocab)  # corrupt the true path
+            tokens.append(tok)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        return DraftTree(tokens[:budget], parents[:budget])
+
+
+class BigramDrafter(Drafter):
+    """q(x | last token) = processed softmax(table[last]). Chains or trees, i.i.d. sampled
+    with draft probabilities or deterministic (argmax / top-k: one-hot)."""
+
+    name = "bigram"
+
+    def __init__(self, table: torch.Tensor, iid: bool, branches: int, depth: int):
+        self.table, self.iid, self.branches, self.depth = table, iid, branches, depth
+
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+        return [self._one(s, b) for s, b in zip(seqs, budgets)]
+
+    def _one(self, seq: SequenceState, budget: int) -> DraftTree:
+        tokens, parents, probs = [], [], []
+        frontier = [(ROOT, seq.root_token)]
+        for _ in range(self.depth):
+            nxt = []
+            for parent, last in frontier:
+                q = logits_to_probs(self.table[last], seq.params)
+                if self.iid:
+                    kids = torch.multinomial(q, self.branches, replacement=True, generator=seq.generator).tolist()
+                else:
+                    kids = torch.topk(q, self.branches).indices.tolist()
+                for tok in kids:
+                    if len(tokens) >= budget:
+                        break
+                    tokens.append(int(tok))
+                    parents.append(parent)
+                    probs.append(q)
+                    nxt.append((len(tokens) - 1, int(tok)))
+            frontier = nxt
+        if not tokens:
+            return DraftTree()
+        return DraftTree(
+            tokens, parents, torch.stack(probs) if self.iid else None, IID_SAMPLED if self.iid else DETERMINISTIC
+        )
