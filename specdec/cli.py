@@ -78,12 +78,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from .launcher import serve_main
-
-    return serve_main(args.rest)
-
-
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from .bench_engine import run_engine_bench
 
@@ -118,9 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="start the bundled Triton server on the model repository")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_serve)
+    sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
 
     p = sub.add_parser("bench-engine", help="in-process engine benchmark -> results/engine_bench.json")
     p.add_argument("--out", default="results/engine_bench.json")
@@ -130,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the launcher owns its flags (and passes extras to tritonserver)
+        from .launcher import serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

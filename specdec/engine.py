@@ -1,4 +1,5 @@
-"""The multi-sequence speculative engine.
+"""The in-process multi-sequence speculative engine: the request loop over a TargetVerifier
+and a DraftService (the Triton models run the same two halves in separate processes).
 
 Each `step()`:
   1. prefills newly added sequences (one batched forward) and samples their first token;
@@ -10,26 +11,20 @@ num_draft_tokens == 0 is plain decoding through the same path: the matched basel
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-import torch
-from torch import Tensor
-
 from .config import METHOD_NONE, EngineConfig, SamplingParams
 from .detok import IncrementalDetokenizer
 from .drafters.base import Drafter
-from .errors import InvalidRequestError, UnknownSequenceError
+from .drafting import DraftService
+from .errors import CapacityError, InvalidRequestError, UnknownSequenceError
 from .metrics import SpecStats
-from .models.llama import Transformer, build_batch
-from .sampling import logits_to_probs, make_generator, sample
-from .sequence import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SequenceState
+from .models.llama import Transformer
+from .sequence import FINISH_CANCELLED, RequestState
 from .tree import DraftTree
-from .verify import VerifyResult, verify_greedy, verify_sampled
-
-log = logging.getLogger(__name__)
+from .verifier import TargetVerifier
 
 
 @dataclass
@@ -42,6 +37,24 @@ class StepOutput:
     stats: SpecStats
 
 
+def eos_ids_of(target: Transformer, tokenizer) -> frozenset[int]:
+    eos = set(target.cfg.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+def validate_request(config: EngineConfig, params: SamplingParams, method: str, num_draft_tokens: int, methods: Sequence[str]) -> int:
+    """Checks shared by the engine and the server; returns the effective draft budget."""
+    params.validate(config.max_tokens_limit)
+    if method not in methods:
+        raise InvalidRequestError("method", f"unknown method {method!r}; this server offers: {', '.join(methods)}")
+    limit = config.max_num_draft_tokens
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= limit:
+        raise InvalidRequestError("num_draft_tokens", f"must be an integer in [0, {limit}], got {num_draft_tokens!r}")
+    return 0 if method == METHOD_NONE else num_draft_tokens
+
+
 class SpecEngine:
     def __init__(
         self,
@@ -50,24 +63,22 @@ class SpecEngine:
         tokenizer=None,
         drafters: Mapping[str, Drafter] | None = None,
     ):
-        self.target = target
         self.config = config
         self.tokenizer = tokenizer
-        self.drafters: dict[str, Drafter] = dict(drafters or {})
-        self.device = target.embed.weight.device
-        self.cache = target.new_cache(config.max_batch_size, config.max_seq_len, config.max_num_draft_tokens + 1)
-        eos = set(target.cfg.eos_token_ids)
-        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.sequences: dict[str, SequenceState] = {}
-        self._pending: list[SequenceState] = []
-        self.stats = SpecStats()  # aggregate over all finished and running sequences
+        self.drafts = DraftService(drafters or {})
+        self.verifier = TargetVerifier(target, config, tap_layers=self.drafts.tap_layers)
+        self.eos_token_ids = eos_ids_of(target, tokenizer)
+        self.sequences: dict[str, RequestState] = {}
+        self._pending: list[RequestState] = []
+        self.stats = SpecStats()  # aggregate over every request
 
-    # ---- requests -------------------------------------------------------------------
+    @property
+    def cache(self):
+        return self.verifier.cache
+
     @property
     def methods(self) -> tuple[str, ...]:
-        return (METHOD_NONE, *self.drafters)
+        return (METHOD_NONE, *self.drafts.drafters)
 
     def add_request(
         self,
@@ -76,193 +87,94 @@ class SpecEngine:
         params: SamplingParams,
         method: str = METHOD_NONE,
         num_draft_tokens: int = 0,
-    ) -> SequenceState:
-        """Validate, then take a KV slot. On any error nothing is changed."""
+    ) -> RequestState:
+        """Validate and queue; the prompt is prefilled by the next step. On error nothing changes."""
         if request_id in self.sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if len(prompt_ids) >= self.config.max_seq_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_seq_len} (max_seq_len)"
-            )
-        vocab = self.target.cfg.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        params.validate(self.config.max_tokens_limit)
-        if method not in self.methods:
-            raise InvalidRequestError("method", f"unknown method {method!r}; this engine serves: {', '.join(self.methods)}")
-        limit = self.config.max_num_draft_tokens
-        if not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= limit:
-            raise InvalidRequestError("num_draft_tokens", f"must be an integer in [0, {limit}], got {num_draft_tokens!r}")
-        if method == METHOD_NONE:
-            num_draft_tokens = 0
-        slot = self.cache.allocate()  # CapacityError leaves everything unchanged
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        seq = SequenceState(
-            request_id=request_id,
-            slot=slot,
-            prompt_ids=prompt_ids,
-            params=params,
-            method=method if num_draft_tokens else METHOD_NONE,
-            num_draft_tokens=num_draft_tokens,
-            generator=make_generator(params.seed),
-            detok=detok,
-            arrival_time=time.perf_counter(),
+        self.verifier.check_prompt(prompt_ids)
+        budget = validate_request(self.config, params, method, num_draft_tokens, self.methods)
+        if len(self.sequences) >= self.config.max_batch_size:
+            raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
+        req = RequestState(
+            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            method=method if budget else METHOD_NONE, num_draft_tokens=budget,
+            max_seq_len=self.config.max_seq_len, eos_token_ids=self.eos_token_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
-        self.sequences[request_id] = seq
-        self._pending.append(seq)
-        return seq
+        self.sequences[request_id] = req
+        self._pending.append(req)
+        return req
 
     def cancel(self, request_id: str) -> StepOutput:
-        seq = self.sequences.get(request_id)
-        if seq is None:
+        req = self.sequences.get(request_id)
+        if req is None:
             raise UnknownSequenceError("request_id", f"no running request {request_id!r}")
-        self._finish(seq, FINISH_CANCELLED)
-        return StepOutput(request_id, [], "", True, FINISH_CANCELLED, seq.stats)
+        req.finish(FINISH_CANCELLED)
+        self._release(req)
+        return StepOutput(request_id, [], "", True, FINISH_CANCELLED, req.stats)
 
     def has_work(self) -> bool:
         return bool(self.sequences)
 
-    # ---- the step -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        running = [s for s in self.sequences.values() if s.output_ids and not s.finished]
+        running = [r for r in self.sequences.values() if r.output_ids]
         outputs: list[StepOutput] = []
         if self._pending:
-            outputs += self._prefill(self._pending)
-            self._pending = []
+            pending, self._pending = self._pending, []
+            outputs += self._prefill(pending)
         if running:
             outputs += self._decode(running)
         return outputs
 
-    def _taps_for(self, seqs: Sequence[SequenceState]) -> tuple[int, ...]:
-        layers: set[int] = set()
-        for seq in seqs:
-            drafter = self.drafters.get(seq.method)
-            if drafter is not None:
-                layers.update(drafter.tap_layers)
-        return tuple(sorted(layers))
-
-    def _prefill(self, seqs: list[SequenceState]) -> list[StepOutput]:
-        taps = self._taps_for(seqs)
-        batch = build_batch(
-            [s.slot for s in seqs], [0] * len(seqs), [s.prompt_ids for s in seqs],
-            sliding_window=self.target.cfg.sliding_window, device=self.device,
-        )
-        out = self.target(batch, self.cache, tap_layers=taps, last_only=True)
+    def _prefill(self, reqs: list[RequestState]) -> list[StepOutput]:
+        want_hidden = any(self.drafts.needs_hidden(r.method) for r in reqs)
+        results = self.verifier.prefill([(r.request_id, r.prompt_ids, r.params) for r in reqs], want_hidden)
         outputs = []
-        for b, seq in enumerate(seqs):
-            self.cache.commit(seq.slot, range(len(seq.prompt_ids)))
-            token = self._sample_one(out.logits[b, 0], seq)
-            seq.first_token_time = time.perf_counter()
-            drafter = self.drafters.get(seq.method)
-            if drafter is not None:
-                hidden = out.hidden_taps[b, : len(seq.prompt_ids)] if out.hidden_taps is not None else None
-                drafter.on_prefill(seq, hidden)
-            outputs.append(self._emit(seq, [token]))
+        for req, res in zip(reqs, results):
+            if req.speculative:
+                self.drafts.start(req.request_id, req.prompt_ids, res.first_token, req.params, req.method, res.hidden)
+            outputs.append(self._emit(req, [res.first_token]))
         return outputs
 
-    def _sample_one(self, logits: Tensor, seq: SequenceState) -> int:
-        if seq.params.greedy:
-            return int(logits.argmax())
-        return sample(logits_to_probs(logits, seq.params), seq.generator)
-
-    def _budget(self, seq: SequenceState) -> int:
-        """Draft no more than could be emitted: leave room for the bonus token."""
-        left = min(
-            seq.params.max_tokens - len(seq.output_ids),
-            self.config.max_seq_len - self.cache.lengths[seq.slot] - 1,
-        )
-        return max(0, min(seq.num_draft_tokens, left - 1))
-
-    def _draft(self, seqs: list[SequenceState]) -> tuple[list[DraftTree], float]:
+    def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        trees: list[DraftTree] = [DraftTree() for _ in seqs]
-        by_method: dict[str, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            if seq.speculative:
-                by_method.setdefault(seq.method, []).append(i)
-        for method, idx in by_method.items():
-            group = [seqs[i] for i in idx]
-            proposed = self.drafters[method].propose(group, [self._budget(s) for s in group])
-            for i, tree in zip(idx, proposed):
-                trees[i] = tree.truncated(self._budget(seqs[i]))
-        return trees, time.perf_counter() - t0
-
-    def _decode(self, seqs: list[SequenceState]) -> list[StepOutput]:
-        seqs = sorted(seqs, key=lambda s: s.slot)  # contiguous slots let the cache be a view
-        trees, draft_s = self._draft(seqs)
-        t0 = time.perf_counter()
-        rows = [tree.input_rows(seq.root_token) for seq, tree in zip(seqs, trees)]
-        batch = build_batch(
-            [s.slot for s in seqs], [self.cache.lengths[s.slot] for s in seqs],
-            [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-            sliding_window=self.target.cfg.sliding_window, device=self.device,
-        )
-        taps = self._taps_for(seqs)
-        out = self.target(batch, self.cache, tap_layers=taps)
-        results = []
-        for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            logits = out.logits[b, : len(tree) + 1]  # [n+1, V]
-            if seq.params.greedy:
-                result = verify_greedy(tree, logits)
-            else:
-                result = verify_sampled(tree, logits_to_probs(logits, seq.params), seq.generator)
-            kept = [0] + [node + 1 for node in result.accepted_nodes]
-            self.cache.commit(seq.slot, kept)
-            results.append((result, kept))
-        verify_s = time.perf_counter() - t0
-        self.stats.draft_seconds += draft_s
-        self.stats.verify_seconds += verify_s
+        spec = [r for r in reqs if r.speculative]
+        proposed = self.drafts.propose([(r.request_id, r.draft_budget()) for r in spec])
+        trees = {r.request_id: t for r, t in zip(spec, proposed)}
+        t1 = time.perf_counter()
+        want_hidden = any(self.drafts.needs_hidden(r.method) for r in spec)
+        results = self.verifier.verify([(r.request_id, trees.get(r.request_id, DraftTree())) for r in reqs], want_hidden)
+        t2 = time.perf_counter()
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
         outputs = []
-        for b, (seq, tree, (result, kept)) in enumerate(zip(seqs, trees, results)):
-            seq.stats.draft_seconds += draft_s
-            seq.stats.verify_seconds += verify_s
-            depth = max(tree.depths(), default=0)
-            for stats in (seq.stats, self.stats):
-                stats.record_step(depth, len(tree), len(result.accepted_nodes), len(result.emitted))
-            drafter = self.drafters.get(seq.method)
-            if drafter is not None:
-                hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
-                drafter.on_verified(seq, result, hidden)
-            outputs.append(self._emit(seq, result.emitted))
+        for req, out in zip(reqs, results):
+            tree, result = trees.get(req.request_id, DraftTree()), out.result
+            req.stats.draft_seconds += t1 - t0
+            req.stats.verify_seconds += t2 - t1
+            for stats in (req.stats, self.stats):
+                stats.record_step(max(tree.depths(), default=0), len(tree), len(result.accepted_nodes), len(result.emitted))
+            if req.speculative:
+                self.drafts.advance(req.request_id, result.emitted, len(result.accepted_nodes), out.hidden)
+            outputs.append(self._emit(req, result.emitted))
         return outputs
 
-    def _emit(self, seq: SequenceState, tokens: list[int]) -> StepOutput:
-        """Apply stop conditions to newly emitted tokens and record them."""
-        reason = None
-        if not seq.params.ignore_eos:
-            for i, tok in enumerate(tokens):
-                if tok in self.eos_token_ids:
-                    tokens, reason = tokens[:i], FINISH_EOS
-                    break
-        room = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_seq_len - len(seq.prompt_ids) - len(seq.output_ids))
-        if len(tokens) >= room and reason is None:
-            tokens, reason = tokens[:room], FINISH_LENGTH
-        seq.output_ids.extend(tokens)
-        text = ""
-        if seq.detok is not None:
-            text = seq.detok.add(tokens)
-            if seq.detok.stopped:
-                reason = FINISH_STOP
-            elif reason is not None:
-                text += seq.detok.flush()
-        if reason is not None:
-            self._finish(seq, reason)
-        return StepOutput(seq.request_id, tokens, text, reason is not None, reason, seq.stats)
+    def _emit(self, req: RequestState, tokens: list[int]) -> StepOutput:
+        kept, text = req.accept(tokens)
+        if req.finished:
+            self._release(req)
+        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats)
 
-    def _finish(self, seq: SequenceState, reason: str) -> None:
-        seq.finished, seq.finish_reason = True, reason
-        drafter = self.drafters.get(seq.method)
-        if drafter is not None:
-            drafter.on_finish(seq)
-        self.cache.release(seq.slot)
-        self.sequences.pop(seq.request_id, None)
-        if seq in self._pending:
-            self._pending.remove(seq)
+    def _release(self, req: RequestState) -> None:
+        self.sequences.pop(req.request_id, None)
+        if req in self._pending:
+            self._pending.remove(req)
+            return  # never prefilled: holds no slot
+        self.verifier.release(req.request_id)
+        if req.request_id in self.drafts:
+            self.drafts.release(req.request_id)
 
-    # ---- convenience ----------------------------------------------------------------
     def generate(
         self,
         prompt_ids: Sequence[int],

@@ -1,4 +1,6 @@
-"""Per-sequence state shared by the engine and the drafters."""
+"""Per-sequence state: the drafter side's view (SequenceState) and the request loop's
+(RequestState: stop conditions, draft budget, text, stats). Shared by the in-process
+engine and the Triton models so both apply exactly the same rules."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,22 +20,17 @@ FINISH_CANCELLED = "cancelled"
 
 @dataclass
 class SequenceState:
+    """What a drafter sees of one sequence."""
+
     request_id: str
-    slot: int
     prompt_ids: list[int]
     params: SamplingParams
     method: str
-    num_draft_tokens: int  # draft budget per step; 0 = plain decoding (the baseline)
     generator: torch.Generator
-    detok: IncrementalDetokenizer | None
     output_ids: list[int] = field(default_factory=list)
-    stats: SpecStats = field(default_factory=SpecStats)
-    finished: bool = False
-    finish_reason: str | None = None
-    # Drafter-owned state (e.g. the EAGLE head's cache slot), keyed by drafter name.
+    # Drafter-owned state (e.g. the EAGLE head's cache slot).
     drafter_state: dict[str, Any] = field(default_factory=dict)
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
+    last_used: float = 0.0
 
     @property
     def root_token(self) -> int:
@@ -44,6 +41,60 @@ class SequenceState:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+
+@dataclass
+class RequestState:
+    """The request loop's state: what has been emitted and when to stop."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    num_draft_tokens: int  # draft budget per step; 0 = plain decoding (the baseline)
+    max_seq_len: int
+    eos_token_ids: frozenset[int]
+    detok: IncrementalDetokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finished: bool = False
+    finish_reason: str | None = None
+
     @property
     def speculative(self) -> bool:
         return self.num_draft_tokens > 0
+
+    @property
+    def room(self) -> int:
+        """Tokens this request may still emit (max_tokens and the context both bound it)."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_seq_len - len(self.prompt_ids) - len(self.output_ids))
+
+    def draft_budget(self) -> int:
+        """Draft no more than could be emitted, leaving room for the bonus token."""
+        return max(0, min(self.num_draft_tokens, self.room - 1))
+
+    def accept(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Apply EOS / max_tokens / context / stop strings to newly emitted tokens.
+        Returns (tokens kept, final text delta); sets finished/finish_reason."""
+        reason = None
+        if not self.params.ignore_eos:
+            for i, tok in enumerate(tokens):
+                if tok in self.eos_token_ids:
+                    tokens, reason = tokens[:i], FINISH_EOS
+                    break
+        room = self.room
+        if len(tokens) >= room and reason is None:
+            tokens, reason = tokens[:room], FINISH_LENGTH
+        self.output_ids.extend(tokens)
+        text = ""
+        if self.detok is not None:
+            text = self.detok.add(tokens)
+            if self.detok.stopped:
+                reason = FINISH_STOP
+            elif reason is not None:
+                text += self.detok.flush()
+        if reason is not None:
+            self.finish(reason)
+        return tokens, text
+
+    def finish(self, reason: str) -> None:
+        self.finished, self.finish_reason = True, reason

@@ -71,6 +71,8 @@ def test_no_free_slot_and_unknown_cancel(tiny_llama_dir):
     engine = make_tiny_engine(tiny_llama_dir)
     engine.add_request("a", [5, 6], SamplingParams(max_tokens=4))
     engine.add_request("b", [5, 6], SamplingParams(max_tokens=4))
+    engine.step()  # prefill: both now hold a KV slot
+    assert engine.cache.num_free == 0
     with pytest.raises(CapacityError):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=4))
     assert set(engine.sequences) == {"a", "b"}

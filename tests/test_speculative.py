@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdec.engine as engine_module
+import specdec.verifier as verifier_module
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.drafters.ngram import NgramDrafter, build_trie, find_continuations
 from specdec.engine import SpecEngine
@@ -198,7 +198,7 @@ def test_chi_square_detects_a_wrong_rule(toy_pair, monkeypatch):
         nxt = int(torch.multinomial(target_probs[row], 1, generator=generator))
         return VerifyResult(path, [tree.tokens[i] for i in path], nxt, not kids[row])
 
-    monkeypatch.setattr(engine_module, "verify_sampled", wrong_verify)
+    monkeypatch.setattr(verifier_module, "verify_sampled", wrong_verify)
     counts = sample_first3(target, BigramDrafter(table, iid=False, branches=1, depth=4), PARAMS, seed0=1000)
     assert chi_square_p(counts, exact_first3(target, PARAMS)) < 1e-3
 

@@ -8,7 +8,6 @@ from torch import Tensor
 
 from ..sequence import SequenceState
 from ..tree import DraftTree
-from ..verify import VerifyResult
 
 
 class Drafter(ABC):
@@ -23,8 +22,10 @@ class Drafter(ABC):
     def on_prefill(self, seq: SequenceState, hidden: Tensor | None) -> None:
         """After the prompt is in the target cache. hidden: [prompt_len, taps*H] or None."""
 
-    def on_verified(self, seq: SequenceState, result: VerifyResult, hidden: Tensor | None) -> None:
-        """After verification. hidden: [1 + accepted, taps*H] for root + accepted nodes."""
+    def on_verified(self, seq: SequenceState, emitted: list[int], accepted: int, hidden: Tensor | None) -> None:
+        """After verification; seq.output_ids already ends with `emitted` (the `accepted`
+        draft tokens, then the bonus/recovered token). hidden: [1 + accepted, taps*H] for
+        the previous root and the accepted tokens (the positions whose KV was committed)."""
 
     def on_finish(self, seq: SequenceState) -> None:
         """Free per-sequence resources (finished, cancelled or failed)."""

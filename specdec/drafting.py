@@ -1,0 +1,94 @@
+"""The draft side: per-sequence drafter state keyed by sequence id, drafts batched per method.
+
+Like TargetVerifier it can live in its own process (the Triton `drafter` model). It keeps
+each sequence's tokens (prompt + emitted) because n-gram lookup needs them and EAGLE needs
+to know which tokens its hidden states belong to.
+"""
+from __future__ import annotations
+
+import time
+from typing import Hashable, Mapping, Sequence
+
+from torch import Tensor
+
+from .config import SamplingParams
+from .drafters.base import Drafter
+from .errors import InvalidRequestError, UnknownSequenceError
+from .sampling import make_generator
+from .sequence import SequenceState
+from .tree import DraftTree
+
+# Draft randomness uses its own stream so it never shifts the verifier's acceptance draws.
+_DRAFT_SEED_OFFSET = 0x5EED
+
+
+class DraftService:
+    def __init__(self, drafters: Mapping[str, Drafter]):
+        self.drafters = dict(drafters)
+        self._seqs: dict[Hashable, SequenceState] = {}
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for d in self.drafters.values() for layer in d.tap_layers}))
+
+    def needs_hidden(self, method: str) -> bool:
+        drafter = self.drafters.get(method)
+        return bool(drafter and drafter.tap_layers)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def start(
+        self, seq_id: Hashable, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+        method: str, hidden: Tensor | None = None,
+    ) -> None:
+        if method not in self.drafters:
+            raise InvalidRequestError("method", f"no drafter {method!r}; available: {', '.join(self.drafters)}")
+        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
+        seq = SequenceState(
+            request_id=str(seq_id), prompt_ids=list(prompt_ids), output_ids=[first_token], params=params,
+            method=method, generator=make_generator(seed), last_used=time.monotonic(),
+        )
+        self._seqs[seq_id] = seq
+        self.drafters[method].on_prefill(seq, hidden)
+
+    def propose(self, items: Sequence[tuple[Hashable, int]]) -> list[DraftTree]:
+        """items: (seq_id, budget). Each drafter is called once for all of its sequences."""
+        seqs = [self._get(seq_id) for seq_id, _ in items]
+        trees = [DraftTree() for _ in items]
+        by_method: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_method.setdefault(seq.method, []).append(i)
+        for method, idx in by_method.items():
+            budgets = [max(0, items[i][1]) for i in idx]
+            proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
+            for i, tree, budget in zip(idx, proposed, budgets):
+                trees[i] = tree.truncated(budget)
+        return trees
+
+    def advance(self, seq_id: Hashable, emitted: Sequence[int], accepted: int, hidden: Tensor | None = None) -> None:
+        """Tell the drafter what the verifier kept: `accepted` draft tokens, then the
+        bonus/recovered token, i.e. `emitted` (accepted + 1 tokens)."""
+        seq = self._get(seq_id)
+        seq.output_ids.extend(emitted)
+        seq.last_used = time.monotonic()
+        self.drafters[seq.method].on_verified(seq, list(emitted), accepted, hidden)
+
+    def release(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the drafter")
+        self.drafters[seq.method].on_finish(seq)
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        cutoff = time.monotonic() - max_idle_s
+        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale
+
+    def _get(self, seq_id: Hashable) -> SequenceState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the drafter")
+        return seq

@@ -1,0 +1,160 @@
+"""The target side: KV-cache slots per sequence, batched prefill, batched tree verification.
+
+Keyed by sequence id so it can live in its own process (the Triton `verifier` model) or
+in process beside the drafters (SpecEngine). It remembers each sequence's root token (the
+last emitted token, not yet in the cache), its sampling settings and its generator.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from .config import EngineConfig, SamplingParams
+from .errors import InvalidRequestError, UnknownSequenceError
+from .models.llama import Transformer, build_batch
+from .sampling import logits_to_probs, make_generator, sample
+from .tree import DraftTree
+from .verify import VerifyResult, verify_greedy, verify_sampled
+
+
+@dataclass
+class _TargetSequence:
+    slot: int
+    params: SamplingParams
+    generator: torch.Generator
+    root_token: int = -1
+    last_used: float = 0.0
+
+
+@dataclass
+class PrefillOutput:
+    first_token: int
+    hidden: Tensor | None  # [prompt_len, taps * H] when taps were asked for
+
+
+@dataclass
+class VerifyOutput:
+    result: VerifyResult
+    hidden: Tensor | None  # [1 + accepted, taps * H]: root + accepted path, when asked for
+
+
+class TargetVerifier:
+    def __init__(self, target: Transformer, config: EngineConfig, tap_layers: Sequence[int] = ()):
+        self.target = target
+        self.config = config
+        self.tap_layers = tuple(tap_layers)
+        self.device = target.embed.weight.device
+        self.cache = target.new_cache(config.max_batch_size, config.max_seq_len, config.max_num_draft_tokens + 1)
+        self._seqs: dict[Hashable, _TargetSequence] = {}
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def context_len(self, seq_id: Hashable) -> int:
+        return self.cache.lengths[self._get(seq_id).slot]
+
+    def _get(self, seq_id: Hashable) -> _TargetSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the verifier")
+        return seq
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if len(prompt_ids) >= self.config.max_seq_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_seq_len} (max_seq_len)"
+            )
+        vocab = self.target.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+
+    def prefill(
+        self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
+    ) -> list[PrefillOutput]:
+        """Start sequences: take a slot each, run their prompts in one forward, sample the
+        first token. Raises before changing anything if a prompt is invalid or slots run out."""
+        for seq_id, prompt, _ in items:
+            self.check_prompt(prompt)
+            if seq_id in self._seqs:
+                raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
+        if len(items) > self.cache.num_free:
+            from .errors import CapacityError
+
+            raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
+        now = time.monotonic()
+        started = []
+        for seq_id, _, params in items:
+            seq = _TargetSequence(self.cache.allocate(), params, make_generator(params.seed), last_used=now)
+            self._seqs[seq_id] = seq
+            started.append(seq)
+        prompts = [list(p) for _, p, _ in items]
+        batch = build_batch(
+            [s.slot for s in started], [0] * len(items), prompts,
+            sliding_window=self.target.cfg.sliding_window, device=self.device,
+        )
+        taps = self.tap_layers if want_hidden else ()
+        out = self.target(batch, self.cache, tap_layers=taps, last_only=True)
+        results = []
+        for b, (seq, prompt) in enumerate(zip(started, prompts)):
+            self.cache.commit(seq.slot, range(len(prompt)))
+            logits = out.logits[b, 0]
+            seq.root_token = int(logits.argmax()) if seq.params.greedy else sample(logits_to_probs(logits, seq.params), seq.generator)
+            hidden = out.hidden_taps[b, : len(prompt)] if out.hidden_taps is not None else None
+            results.append(PrefillOutput(seq.root_token, hidden))
+        return results
+
+    def verify(self, items: Sequence[tuple[Hashable, DraftTree]], want_hidden: bool = False) -> list[VerifyOutput]:
+        """One batched target forward over [root] + tree for every sequence; accept each
+        tree (greedy or lossless sampling) and commit the kept path's KV."""
+        seqs = [self._get(seq_id) for seq_id, _ in items]
+        trees = [tree for _, tree in items]
+        # Contiguous slots let the cache be a view: run the rows in slot order.
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        rows = [trees[i].input_rows(seqs[i].root_token) for i in order]
+        batch = build_batch(
+            [seqs[i].slot for i in order], [self.cache.lengths[seqs[i].slot] for i in order],
+            [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+            sliding_window=self.target.cfg.sliding_window, device=self.device,
+        )
+        taps = self.tap_layers if want_hidden else ()
+        out = self.target(batch, self.cache, tap_layers=taps)
+        now = time.monotonic()
+        results: list[VerifyOutput | None] = [None] * len(seqs)
+        for b, i in enumerate(order):
+            seq, tree = seqs[i], trees[i]
+            logits = out.logits[b, : len(tree) + 1]  # [n+1, V]: row 0 = root, row j+1 = node j
+            if seq.params.greedy:
+                result = verify_greedy(tree, logits)
+            else:
+                result = verify_sampled(tree, logits_to_probs(logits, seq.params), seq.generator)
+            kept = [0] + [node + 1 for node in result.accepted_nodes]
+            self.cache.commit(seq.slot, kept)
+            seq.root_token = result.next_token
+            seq.last_used = now
+            hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
+            results[i] = VerifyOutput(result, hidden)
+        return results  # type: ignore[return-value]
+
+    def release(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the verifier")
+        self.cache.release(seq.slot)
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
+        cutoff = time.monotonic() - max_idle_s
+        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale
