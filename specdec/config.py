@@ -227,3 +227,65 @@ class EngineConfig:
             raise ConfigError("max_tokens_limit", f"must be in [1, max_seq_len={self.max_seq_len}]")
         if self.max_num_draft_tokens < 0:
             raise ConfigError("max_num_draft_tokens", f"must be >= 0, got {self.max_num_draft_tokens}")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Everything the served models share, read from one JSON file
+    (model_repository/specdec.json): the single source of deployment values."""
+
+    engine: EngineConfig
+    methods: Mapping[str, SpeculativeConfig]  # request-visible name -> drafter config
+    default_method: str
+    model_dir: str | None = None  # None = the prepared default target
+    apply_chat_template: bool = True
+    idle_timeout_s: float = 300.0
+    threads: Mapping[str, int] = field(default_factory=dict)  # per model: verifier, drafter, ...
+
+    @staticmethod
+    def from_dict(raw: Mapping[str, Any]) -> "ServingConfig":
+        raw = dict(raw)
+        known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s", "threads"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], f"unknown setting; known: {', '.join(sorted(known))}")
+        engine_raw = dict(raw.get("engine", {}))
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}
+        for key in engine_raw:
+            if key not in engine_fields:
+                raise ConfigError(f"engine.{key}", f"unknown setting; known: {', '.join(sorted(engine_fields))}")
+        engine = EngineConfig(**engine_raw)
+        methods: dict[str, SpeculativeConfig] = {}
+        spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        for name, spec in dict(raw.get("methods", {})).items():
+            if name == METHOD_NONE:
+                raise ConfigError(f"methods.{name}", "'none' is reserved for plain decoding")
+            for key in spec:
+                if key not in spec_fields:
+                    raise ConfigError(f"methods.{name}.{key}", f"unknown setting; known: {', '.join(sorted(spec_fields))}")
+            cfg = SpeculativeConfig(**spec)
+            if cfg.max_total_draft_tokens > engine.max_num_draft_tokens:
+                raise ConfigError(
+                    f"methods.{name}.max_total_draft_tokens",
+                    f"{cfg.max_total_draft_tokens} exceeds engine.max_num_draft_tokens={engine.max_num_draft_tokens}",
+                )
+            methods[name] = cfg
+        default = raw.get("default_method", next(iter(methods), METHOD_NONE))
+        if default != METHOD_NONE and default not in methods:
+            raise ConfigError("default_method", f"{default!r} is not one of the configured methods {sorted(methods)}")
+        return ServingConfig(
+            engine=engine, methods=methods, default_method=default, model_dir=raw.get("model_dir"),
+            apply_chat_template=bool(raw.get("apply_chat_template", True)),
+            idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=dict(raw.get("threads", {})),
+        )
+
+    @staticmethod
+    def from_file(path: Path) -> "ServingConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError("settings", f"cannot read {path}: {exc}") from exc
+        return ServingConfig.from_dict(raw)
+
+    def default_draft_tokens(self, method: str) -> int:
+        return 0 if method == METHOD_NONE else int(self.methods[method].max_total_draft_tokens)

@@ -35,6 +35,10 @@ class DraftService:
         drafter = self.drafters.get(method)
         return bool(drafter and drafter.tap_layers)
 
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 

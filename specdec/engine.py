@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from .config import METHOD_NONE, EngineConfig, SamplingParams
+from .config import METHOD_NONE, EngineConfig, ModelConfig, SamplingParams
 from .detok import IncrementalDetokenizer
 from .drafters.base import Drafter
 from .drafting import DraftService
@@ -37,8 +37,9 @@ class StepOutput:
     stats: SpecStats
 
 
-def eos_ids_of(target: Transformer, tokenizer) -> frozenset[int]:
-    eos = set(target.cfg.eos_token_ids)
+def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
+    """EOS ids from the model config and the tokenizer (they sometimes disagree)."""
+    eos = set(target_cfg.eos_token_ids)
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     return frozenset(eos)
@@ -67,7 +68,7 @@ class SpecEngine:
         self.tokenizer = tokenizer
         self.drafts = DraftService(drafters or {})
         self.verifier = TargetVerifier(target, config, tap_layers=self.drafts.tap_layers)
-        self.eos_token_ids = eos_ids_of(target, tokenizer)
+        self.eos_token_ids = eos_ids_of_config(target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
         self._pending: list[RequestState] = []
         self.stats = SpecStats()  # aggregate over every request

@@ -55,3 +55,42 @@ def smol_tokenizer(smol_dir):
     from specdec.runtime import load_tokenizer
 
     return load_tokenizer(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, smol_dir):
+    """The real model repository on the real tritonserver, on free ports, with settings
+    that keep the KV cache small (max_seq_len 512)."""
+    import json
+
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+
+    settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
+    settings["engine"].update(max_seq_len=512, max_tokens_limit=512)
+    path = tmp_path_factory.mktemp("settings") / "specdec.json"
+    path.write_text(json.dumps(settings))
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(log_path=tmp_path_factory.mktemp("triton") / "triton.log")
+    server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                 env={"SPECDEC_SETTINGS": str(path)})
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def grpc_client(triton_server):
+    from specdec_client import SpecDecClient
+
+    with SpecDecClient(triton_server.endpoints.grpc, protocol="grpc") as client:
+        yield client
+
+
+@pytest.fixture()
+def http_client(triton_server):
+    from specdec_client import SpecDecClient
+
+    with SpecDecClient(triton_server.endpoints.http, protocol="http") as client:
+        yield client

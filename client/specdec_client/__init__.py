@@ -1,0 +1,8 @@
+"""Client for the speculative-decoding Triton ensemble (gRPC / HTTP, sync / asyncio)."""
+from .client import AsyncSpecDecClient, Chunk, Generation, GenerateRequest, SpecDecClient
+from .errors import ClientConnectionError, RequestTimeoutError, ServerError, SpecDecClientError
+
+__all__ = [
+    "AsyncSpecDecClient", "Chunk", "ClientConnectionError", "Generation", "GenerateRequest", "RequestTimeoutError",
+    "ServerError", "SpecDecClient", "SpecDecClientError",
+]

@@ -1,0 +1,356 @@
+"""Clients for the speculative-decoding ensemble over tritonclient: gRPC (default) and
+HTTP (generate / generate_stream SSE), sync and asyncio. Streaming yields text chunks with
+their arrival times; every failure becomes a specific exception carrying the server's text.
+
+Tensor names come from specdec.protocol (the TensorRT-LLM ensemble's names), so this
+client drives either this server or a TensorRT-LLM one.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import numpy as np
+
+from specdec import protocol as P
+
+from .errors import ClientConnectionError, RequestTimeoutError, ServerError
+
+PERF_FIELDS = (P.ACCEPTANCE_RATE, *[row[0] for row in P.PERF_COUNTS])
+
+
+@dataclass
+class Chunk:
+    text: str
+    time: float  # time.perf_counter() at arrival
+    perf: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    """A finished request: text, timestamps and the server's perf counters."""
+
+    text: str
+    send_time: float
+    chunk_times: list[float]
+    end_time: float
+    perf: dict[str, float]
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.chunk_times[0] if self.chunk_times else self.end_time) - self.send_time
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    max_tokens: int = 128
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    method: str | None = None  # None = the server's default method
+    num_draft_tokens: int | None = None  # 0 = plain decoding (the matched baseline)
+    return_perf_metrics: bool = True
+    ignore_eos: bool | None = None
+    apply_chat_template: bool | None = None
+
+    def fields(self, stream: bool) -> dict[str, Any]:
+        """Input name -> python value (None values are omitted)."""
+        values = {
+            P.TEXT_INPUT: self.prompt, P.MAX_TOKENS: self.max_tokens, P.STREAM: stream,
+            P.TEMPERATURE: self.temperature, P.TOP_K: self.top_k, P.TOP_P: self.top_p,
+            P.RANDOM_SEED: self.seed, P.SPECULATIVE_METHOD: self.method, P.NUM_DRAFT_TOKENS: self.num_draft_tokens,
+            P.RETURN_PERF_METRICS: self.return_perf_metrics, P.IGNORE_EOS: self.ignore_eos,
+            P.APPLY_CHAT_TEMPLATE: self.apply_chat_template,
+        }
+        out = {k: v for k, v in values.items() if v is not None}
+        if self.stop:
+            out[P.STOP_WORDS] = list(self.stop)
+        return out
+
+
+_NUMPY_TYPES = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64, "TYPE_BOOL": np.bool_}
+_WIRE_TYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_UINT64": "UINT64", "TYPE_BOOL": "BOOL"}
+
+
+def grpc_inputs(module, fields: dict[str, Any]) -> list:
+    """tritonclient InferInput list with a batch dimension of one."""
+    specs = P.MODELS["ensemble"][0]
+    inputs = []
+    for name, value in fields.items():
+        spec = specs[name]
+        values = value if isinstance(value, list) else [value]
+        if spec.dtype == "TYPE_STRING":
+            values = [v.encode("utf-8") for v in values]
+        array = np.array([values], dtype=_NUMPY_TYPES[spec.dtype])
+        tensor = module.InferInput(name, list(array.shape), _WIRE_TYPES[spec.dtype])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _text_of(result) -> str:
+    array = result.as_numpy(P.TEXT_OUTPUT)
+    if array is None or array.size == 0:
+        return ""
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _perf_of(result) -> dict[str, float]:
+    perf = {}
+    for name in PERF_FIELDS:
+        array = result.as_numpy(name)
+        if array is not None and array.size:
+            perf[name] = float(array.reshape(-1)[0])
+    return perf
+
+
+def _is_final(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def _grpc_error(exc: Exception) -> Exception:
+    text = str(exc)
+    if "unavailable" in text.lower() or "failed to connect" in text.lower() or "connection refused" in text.lower():
+        return ClientConnectionError(text)
+    if "deadline" in text.lower() or "timeout" in text.lower():
+        return RequestTimeoutError(text)
+    return ServerError(text)
+
+
+def _collect(request_fields: dict, chunks: Iterator[Chunk], send_time: float) -> Generation:
+    texts, times, perf = [], [], {}
+    for chunk in chunks:
+        if chunk.text:
+            texts.append(chunk.text)
+            times.append(chunk.time)
+        perf.update(chunk.perf)
+    return Generation("".join(texts), send_time, times, time.perf_counter(), perf)
+
+
+class SpecDecClient:
+    """Synchronous client. url: host:port of gRPC (default 8001) or HTTP (8000)."""
+
+    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        self._grpc = None
+
+    # ---- health -----------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """{'live': bool, 'ready': bool, 'models': [{'name', 'state'}]}; raises ClientConnectionError."""
+        try:
+            if self.protocol == "grpc":
+                client = self._grpc_client()
+                index = client.get_model_repository_index(as_json=True).get("models", [])
+                return {"live": client.is_server_live(), "ready": client.is_server_ready(),
+                        "models": [{"name": m["name"], "state": m.get("state", "")} for m in index]}
+            live = self._http_status("/v2/health/live") == 200
+            ready = self._http_status("/v2/health/ready") == 200
+            index = json.loads(self._http_post("/v2/repository/index", {}).read() or b"[]")
+            return {"live": live, "ready": ready, "models": [{"name": m["name"], "state": m.get("state", "")} for m in index]}
+        except (ClientConnectionError, ServerError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - normalised into our exception types
+            raise _grpc_error(exc) from exc
+
+    # ---- generation -------------------------------------------------------------------
+    def stream(self, request: GenerateRequest) -> Iterator[Chunk]:
+        """Yield chunks as they arrive. Closing the generator early cancels the request."""
+        if self.protocol == "grpc":
+            yield from self._grpc_stream(request, stream=True)
+        else:
+            yield from self._sse(request)
+
+    def generate(self, request: GenerateRequest, stream: bool = True) -> Generation:
+        """Run a request to completion (streamed or one response) and time it."""
+        send = time.perf_counter()
+        if stream:
+            return _collect(request.fields(True), self.stream(request), send)
+        if self.protocol == "grpc":
+            return _collect(request.fields(False), self._grpc_stream(request, stream=False), send)
+        body = json.loads(self._http_post(f"/v2/models/{self.model}/generate", request.fields(False)).read())
+        now = time.perf_counter()
+        perf = {k: float(body[k]) for k in PERF_FIELDS if k in body}
+        return Generation(body.get(P.TEXT_OUTPUT, ""), send, [now], now, perf)
+
+    def close(self) -> None:
+        if self._grpc is not None:
+            self._grpc.close()
+            self._grpc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- gRPC -------------------------------------------------------------------------
+    def _grpc_client(self):
+        if self._grpc is None:
+            import tritonclient.grpc as grpcclient
+
+            self._grpc = grpcclient.InferenceServerClient(self.url)
+        return self._grpc
+
+    def _grpc_stream(self, request: GenerateRequest, stream: bool) -> Iterator[Chunk]:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.url)  # one stream per client object
+        results: queue.Queue = queue.Queue()
+        finished = False
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())),
+                                stream_timeout=self.timeout_s)
+            client.async_stream_infer(self.model, grpc_inputs(grpcclient, request.fields(stream)),
+                                      enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error, arrived = results.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise RequestTimeoutError(f"no response within {self.timeout_s} s") from None
+                if error is not None:
+                    finished = True
+                    raise _grpc_error(error)
+                text, perf = _text_of(result), _perf_of(result)
+                final = _is_final(result)
+                if text or perf:
+                    yield Chunk(text, arrived, perf)
+                if final:
+                    finished = True
+                    return
+        except grpcclient.InferenceServerException as exc:
+            raise _grpc_error(exc) from exc
+        finally:
+            try:
+                client.stop_stream(cancel_requests=not finished)
+            finally:
+                client.close()
+
+    # ---- HTTP -------------------------------------------------------------------------
+    def _http_status(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.url}{path}", timeout=self.timeout_s) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError) as exc:
+            raise ClientConnectionError(f"{self.url}: {exc}") from exc
+
+    def _http_post(self, path: str, body: dict):
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(f"http://{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(req, timeout=self.timeout_s)
+        except urllib.error.HTTPError as exc:
+            raise ServerError(_http_error_text(exc.read())) from exc
+        except TimeoutError as exc:
+            raise RequestTimeoutError(str(exc)) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise ClientConnectionError(f"{self.url}: {exc}") from exc
+
+    def _sse(self, request: GenerateRequest) -> Iterator[Chunk]:
+        response = self._http_post(f"/v2/models/{self.model}/generate_stream", request.fields(True))
+        with response:  # closing the connection early cancels the request on the server
+            for event in _sse_events(response):
+                yield event
+
+
+def _http_error_text(raw: bytes) -> str:
+    try:
+        return json.loads(raw).get("error", raw.decode())
+    except (ValueError, AttributeError):
+        return raw.decode("utf-8", "replace")
+
+
+def _event_chunk(payload: dict) -> Chunk:
+    if "error" in payload:
+        raise ServerError(payload["error"])
+    perf = {k: float(payload[k]) for k in PERF_FIELDS if k in payload}
+    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf)
+
+
+def _sse_events(lines) -> Iterator[Chunk]:
+    for raw in lines:
+        line = raw.decode("utf-8").strip()
+        if line.startswith("data:"):
+            yield _event_chunk(json.loads(line[5:]))
+
+
+class AsyncSpecDecClient:
+    """asyncio client: gRPC through tritonclient.grpc.aio, HTTP SSE through aiohttp."""
+
+    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        self._session = None
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        gen = self._grpc_stream(request, True) if self.protocol == "grpc" else self._sse(request)
+        async for chunk in gen:
+            yield chunk
+
+    async def generate(self, request: GenerateRequest, stream: bool = True) -> Generation:
+        send = time.perf_counter()
+        texts, times, perf = [], [], {}
+        gen = self.stream(request) if stream or self.protocol == "http" else self._grpc_stream(request, False)
+        async for chunk in gen:
+            if chunk.text:
+                texts.append(chunk.text)
+                times.append(chunk.time)
+            perf.update(chunk.perf)
+        return Generation("".join(texts), send, times, time.perf_counter(), perf)
+
+    async def _grpc_stream(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Chunk]:
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as aioclient
+
+        client = aioclient.InferenceServerClient(self.url)
+        fields = request.fields(stream)
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": grpc_inputs(grpcclient, fields), "enable_empty_final_response": True}
+
+        try:
+            async for result, error in client.stream_infer(requests(), stream_timeout=self.timeout_s):
+                arrived = time.perf_counter()
+                if error is not None:
+                    raise _grpc_error(error)
+                text, perf = _text_of(result), _perf_of(result)
+                if text or perf:
+                    yield Chunk(text, arrived, perf)
+                if _is_final(result):
+                    return
+        except grpcclient.InferenceServerException as exc:
+            raise _grpc_error(exc) from exc
+        finally:
+            await client.close()  # closing the stream cancels an unfinished request
+
+    async def _sse(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.post(f"http://{self.url}/v2/models/{self.model}/generate_stream", json=request.fields(True)) as resp:
+                    if resp.status != 200:
+                        raise ServerError(_http_error_text(await resp.read()))
+                    async for raw in resp.content:
+                        line = raw.decode("utf-8").strip()
+                        if line.startswith("data:"):
+                            yield _event_chunk(json.loads(line[5:]))
+        except aiohttp.ClientConnectionError as exc:
+            raise ClientConnectionError(f"{self.url}: {exc}") from exc
+        except TimeoutError as exc:
+            raise RequestTimeoutError(str(exc)) from exc

@@ -1,0 +1,76 @@
+"""drafter: every configured drafting method. Stateful per sequence (keyed by CORRID).
+
+START carries the prompt + first token (and the target's hidden states for EAGLE); later
+requests carry what the verifier emitted since the last call. Every request except END
+returns the next draft tree; the trees of all sequences in one execute() are proposed
+together (one batched call per method).
+"""
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from specdec import protocol as P
+from specdec.drafting import DraftService
+from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.models.loading import read_model_config
+from specdec.runtime import build_drafters, resolve_model_dir
+from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, sampling_params, scalar, strings
+
+EMPTY_PROBS = np.zeros((0, 0), dtype=np.float32)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        settings = load_settings(args)
+        check_max_batch_size(args, settings)
+        self.settings = settings
+        target_cfg = read_model_config(resolve_model_dir(settings.model_dir))
+        self.drafts = DraftService(build_drafters(target_cfg, settings.methods))
+        self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding drafter state")})
+        self.metrics.set("specdec_active_sequences", 0, model="drafter")
+
+    def execute(self, requests):
+        self.drafts.release_idle(self.settings.idle_timeout_s)
+        responses = [None] * len(requests)
+        proposing = []
+        for i, request in enumerate(requests):
+            seq_id = request.correlation_id()
+            try:
+                if control(request, P.CONTROL_START):
+                    self._start(seq_id, request)
+                elif array(request, P.INPUT_IDS) is not None:
+                    emitted = array(request, P.INPUT_IDS).reshape(-1).tolist()
+                    self.drafts.advance(seq_id, emitted, scalar(request, P.NUM_ACCEPTED, 0, int), self._hidden(request))
+                if not control(request, P.CONTROL_END):
+                    proposing.append((i, seq_id, scalar(request, P.DRAFT_BUDGET, 0, int)))
+            except SpecDecError as exc:
+                responses[i] = error_response(exc)
+        if proposing:
+            trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in proposing])
+            for (i, *_), tree in zip(proposing, trees):
+                probs = EMPTY_PROBS if tree.draft_probs is None else tree.draft_probs.float().numpy()
+                responses[i] = pb_utils.InferenceResponse([
+                    batched(P.DRAFT_TOKENS, np.asarray(tree.tokens, dtype=np.int32)),
+                    batched(P.DRAFT_PARENTS, np.asarray(tree.parents, dtype=np.int32)),
+                    batched(P.DRAFT_PROBS, probs),
+                ])
+        for request in requests:
+            if control(request, P.CONTROL_END) and request.correlation_id() in self.drafts:
+                self.drafts.release(request.correlation_id())
+        self.metrics.set("specdec_active_sequences", self.drafts.active, model="drafter")
+        return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
+
+    def _start(self, seq_id, request):
+        ids = array(request, P.INPUT_IDS)
+        if ids is None or ids.size < 2:
+            raise InvalidRequestError(P.INPUT_IDS, "START needs the prompt followed by the first generated token")
+        ids = ids.reshape(-1).tolist()
+        method = (strings(request, P.SPECULATIVE_METHOD) or [""])[0]
+        self.drafts.start(seq_id, ids[:-1], ids[-1], sampling_params(request), method, self._hidden(request))
+
+    @staticmethod
+    def _hidden(request):
+        hidden = array(request, P.HIDDEN_STATES)
+        if hidden is None or hidden.size == 0:
+            return None
+        return torch.from_numpy(hidden.reshape(-1, hidden.shape[-1]).copy())

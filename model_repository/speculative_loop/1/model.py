@@ -1,0 +1,212 @@
+"""speculative_loop: decoupled BLS model that runs specdec.loop.run_loop per request, with
+the drafter and verifier models as its backend (one correlation id per request).
+Streams final text as it is accepted; every request ends with a final response.
+
+Takes input_ids (from preprocessing, inside the ensemble) or text_input (called directly,
+like TensorRT-LLM's tensorrt_llm_bls, with the ensemble's tensor names)."""
+import asyncio
+import concurrent.futures
+import random
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from specdec import protocol as P
+from specdec.config import METHOD_NONE
+from specdec.detok import IncrementalDetokenizer
+from specdec.engine import eos_ids_of_config, validate_request
+from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.loop import LoopBackend, TargetReply, run_loop
+from specdec.models.loading import read_model_config
+from specdec.runtime import build_drafters, encode_prompt, load_tokenizer, resolve_model_dir
+from specdec.sequence import RequestState
+from specdec.tree import DETERMINISTIC, IID_SAMPLED, DraftTree
+from specdec_triton.common import Metrics, array, batched, error_response, load_settings, requested_method, sampling_params, scalar, strings, text_tensor
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+TARGET_OUT = [P.OUTPUT_IDS, P.NUM_ACCEPTED, P.HIDDEN_STATES]
+DRAFT_OUT = [P.DRAFT_TOKENS, P.DRAFT_PARENTS, P.DRAFT_PROBS]
+METRICS = {
+    "specdec_draft_tokens_total": ("counter", "Draft tokens proposed"),
+    "specdec_accepted_tokens_total": ("counter", "Draft tokens accepted by the target"),
+    "specdec_emitted_tokens_total": ("counter", "Tokens emitted (accepted + bonus/recovered)"),
+    "specdec_verification_steps_total": ("counter", "Target verification steps"),
+    "specdec_drafted_per_position_total": ("counter", "Drafts that reached draft position `position`"),
+    "specdec_accepted_per_position_total": ("counter", "Drafts accepted at draft position `position`"),
+    "specdec_acceptance_length_total": ("counter", "Verification steps that emitted `length` tokens (histogram)"),
+    "specdec_draft_seconds_total": ("counter", "Time spent drafting"),
+    "specdec_verify_seconds_total": ("counter", "Time spent verifying"),
+    "specdec_requests_total": ("counter", "Finished requests by finish reason"),
+}
+
+
+class BLSBackend(LoopBackend):
+    def __init__(self, cid):
+        self.cid = cid
+
+    async def _call(self, model, inputs, outputs, flags=0):
+        request = pb_utils.InferenceRequest(
+            model_name=model, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
+            correlation_id=self.cid, flags=flags,
+        )
+        response = await request.async_exec()
+        if response.has_error():
+            raise SpecDecError(response.error().message())
+        return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0] for name in outputs}
+
+    @staticmethod
+    def _sampling(params):
+        out = {P.TEMPERATURE: np.float32([params.temperature]), P.TOP_K: np.int32([params.top_k]), P.TOP_P: np.float32([params.top_p])}
+        if params.seed is not None:
+            out[P.RANDOM_SEED] = np.uint64([params.seed])
+        return out
+
+    @staticmethod
+    def _hidden(array_):
+        return torch.from_numpy(array_.copy()) if array_.size else None
+
+    def _reply(self, out):
+        return TargetReply(out[P.OUTPUT_IDS].tolist(), int(out[P.NUM_ACCEPTED][0]), self._hidden(out[P.HIDDEN_STATES]))
+
+    @staticmethod
+    def _tree(out):
+        probs = out[P.DRAFT_PROBS]
+        probs = torch.from_numpy(probs.copy()) if probs.size else None
+        scheme = IID_SAMPLED if probs is not None else DETERMINISTIC
+        return DraftTree(out[P.DRAFT_TOKENS].tolist(), out[P.DRAFT_PARENTS].tolist(), probs, scheme)
+
+    async def start_target(self, prompt_ids, params, want_hidden):
+        inputs = {P.INPUT_IDS: np.int32(prompt_ids), P.RETURN_HIDDEN: np.bool_([want_hidden]), **self._sampling(params)}
+        return self._reply(await self._call("verifier", inputs, TARGET_OUT, START))
+
+    async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
+        inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), P.DRAFT_BUDGET: np.int32([budget]),
+                  P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **self._sampling(params)}
+        if hidden is not None:
+            inputs[P.HIDDEN_STATES] = hidden.numpy()
+        return self._tree(await self._call("drafter", inputs, DRAFT_OUT, START))
+
+    async def draft(self, last, budget):
+        inputs = {P.INPUT_IDS: np.int32(last.emitted), P.NUM_ACCEPTED: np.int32([last.accepted]), P.DRAFT_BUDGET: np.int32([budget])}
+        if last.hidden is not None:
+            inputs[P.HIDDEN_STATES] = last.hidden.numpy()
+        return self._tree(await self._call("drafter", inputs, DRAFT_OUT))
+
+    async def verify(self, tree, want_hidden):
+        inputs = {P.RETURN_HIDDEN: np.bool_([want_hidden])}
+        if len(tree):
+            inputs.update({P.DRAFT_TOKENS: np.int32(tree.tokens), P.DRAFT_PARENTS: np.int32(tree.parents)})
+            if tree.draft_probs is not None:
+                inputs[P.DRAFT_PROBS] = tree.draft_probs.float().numpy()
+        return self._reply(await self._call("verifier", inputs, TARGET_OUT))
+
+    async def release(self, target_started, drafter_started):
+        for model, started in (("drafter", drafter_started), ("verifier", target_started)):
+            if started:
+                await self._call(model, {}, [], END)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.settings = load_settings(args)
+        model_dir = resolve_model_dir(self.settings.model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        target_cfg = read_model_config(model_dir)
+        self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
+        self.hidden_methods = {n for n, d in build_drafters(target_cfg, self.settings.methods).items() if d.tap_layers}
+        self.methods = (METHOD_NONE, *self.settings.methods)
+        self.metrics = Metrics(METRICS)
+        self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
+        self._executor_set = False
+
+    async def execute(self, requests):
+        if not self._executor_set:  # each in-flight BLS call holds a pool thread; the default pool is tiny
+            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
+            self._executor_set = True
+        await asyncio.gather(*(self._serve(request) for request in requests))
+        return None
+
+    def _prompt_ids(self, request):
+        texts = strings(request, P.TEXT_INPUT)
+        if texts:
+            if not texts[0].strip():
+                raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+            chat = scalar(request, P.APPLY_CHAT_TEMPLATE, self.settings.apply_chat_template, bool)
+            return encode_prompt(self.tokenizer, texts[0], chat=chat)
+        prompt = array(request, P.INPUT_IDS)
+        return [] if prompt is None else prompt.reshape(-1).tolist()
+
+    def _parse(self, request):
+        prompt = self._prompt_ids(request)
+        if not prompt:
+            raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+        limit = self.settings.engine.max_seq_len
+        if len(prompt) >= limit:
+            raise InvalidRequestError(P.TEXT_INPUT, f"the prompt has {len(prompt)} tokens; the context holds {limit}")
+        max_tokens = scalar(request, P.MAX_TOKENS, None, int)
+        if max_tokens is None:
+            raise InvalidRequestError(P.MAX_TOKENS, "required")
+        params = sampling_params(request, max_tokens, strings(request, P.STOP_WORDS), scalar(request, P.IGNORE_EOS, False, bool))
+        method, k = requested_method(request, self.settings)
+        k = validate_request(self.settings.engine, params, method, k, self.methods)
+        return RequestState(
+            request_id=str(self._next_cid), prompt_ids=prompt, params=params, method=method if k else METHOD_NONE,
+            num_draft_tokens=k, max_seq_len=limit, eos_token_ids=self.eos_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+        )
+
+    async def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            req = self._parse(request)
+        except SpecDecError as exc:
+            sender.send(error_response(exc), flags=FINAL)
+            return
+        self._next_cid += 1
+        stream = scalar(request, P.STREAM, False, bool)
+        perf = scalar(request, P.RETURN_PERF_METRICS, False, bool)
+        pieces = []
+        try:
+            backend = BLSBackend(int(req.request_id))
+            async for update in run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled):
+                self._record(req.method, update)
+                pieces.append(update.text)
+                if update.finished:
+                    self.metrics.inc("specdec_requests_total", reason=update.finish_reason, method=req.method)
+                if stream and (update.text or update.finished):
+                    sender.send(self._response(req, update.text, update.token_ids, perf), flags=FINAL if update.finished else 0)
+            if not stream:
+                sender.send(self._response(req, "".join(pieces), req.output_ids, perf), flags=FINAL)
+        except Exception as exc:  # noqa: BLE001 - every request must end with a final response
+            sender.send(error_response(exc), flags=FINAL)
+
+    def _response(self, req, text, token_ids, perf):
+        stats = req.stats
+        return pb_utils.InferenceResponse([
+            text_tensor(P.TEXT_OUTPUT, text),
+            batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
+            batched(P.RETURN_PERF_METRICS, np.bool_([perf])),
+            batched(P.ACCEPTANCE_RATE, np.float32([stats.acceptance_rate])),
+            batched(P.TOTAL_ACCEPTED_DRAFT_TOKENS, np.int32([stats.accepted_tokens])),
+            batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
+            batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
+            batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+        ])
+
+    def _record(self, method, update):
+        if not update.verified:
+            return
+        m = self.metrics
+        m.inc("specdec_draft_seconds_total", update.draft_seconds, method=method)
+        m.inc("specdec_verify_seconds_total", update.verify_seconds, method=method)
+        m.inc("specdec_draft_tokens_total", update.draft_tokens, method=method)
+        m.inc("specdec_accepted_tokens_total", update.accepted, method=method)
+        m.inc("specdec_emitted_tokens_total", len(update.token_ids), method=method)
+        m.inc("specdec_verification_steps_total", 1, method=method)
+        m.inc("specdec_acceptance_length_total", 1, method=method, length=str(update.accepted + 1))
+        for position in range(update.draft_depth):
+            m.inc("specdec_drafted_per_position_total", 1, method=method, position=str(position))
+        for position in range(update.accepted):
+            m.inc("specdec_accepted_per_position_total", 1, method=method, position=str(position))

@@ -1,0 +1,139 @@
+"""Tensor names and types of the served models: defined once, used by the Triton adapters,
+the client and the tests (which check every config.pbtxt against these tables).
+
+The client-facing names are those of the TensorRT-LLM backend's `ensemble`, so tools
+written for Triton + TensorRT-LLM (e.g. posting text_input / max_tokens / stream to
+/v2/models/ensemble/generate_stream) work unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- client-facing (ensemble) --------------------------------------------------------
+TEXT_INPUT = "text_input"
+MAX_TOKENS = "max_tokens"
+STREAM = "stream"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+RANDOM_SEED = "random_seed"
+STOP_WORDS = "stop_words"
+NUM_DRAFT_TOKENS = "num_draft_tokens"
+RETURN_PERF_METRICS = "return_perf_metrics"
+# Ours (optional): which drafting method; absent = the server's default method.
+SPECULATIVE_METHOD = "speculative_method"
+# Ours (optional): apply the chat template to text_input (default from the server config).
+APPLY_CHAT_TEMPLATE = "apply_chat_template"
+IGNORE_EOS = "ignore_eos"
+
+TEXT_OUTPUT = "text_output"
+ACCEPTANCE_RATE = "acceptance_rate"
+TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"
+TOTAL_DRAFT_TOKENS = "total_draft_tokens"
+# Ours: verification steps so far (mean acceptance length = output tokens / steps).
+VERIFICATION_STEPS = "verification_steps"
+OUTPUT_TOKENS = "output_tokens"
+
+# ---- internal (between models) -------------------------------------------------------
+INPUT_IDS = "input_ids"
+OUTPUT_IDS = "output_ids"
+TEXT_DELTA = "text_delta"
+NUM_ACCEPTED = "num_accepted"
+DRAFT_BUDGET = "draft_budget"
+DRAFT_TOKENS = "draft_tokens"
+DRAFT_PARENTS = "draft_parents"
+DRAFT_PROBS = "draft_probs"
+HIDDEN_STATES = "hidden_states"
+RETURN_HIDDEN = "return_hidden"
+
+# Sequence-batcher control inputs of the stateful drafter and verifier.
+CONTROL_START = "START"
+CONTROL_END = "END"
+CONTROL_READY = "READY"
+CONTROL_CORRID = "CORRID"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton config type, e.g. TYPE_INT32
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+def _specs(*rows: tuple) -> dict[str, TensorSpec]:
+    return {row[0]: TensorSpec(*row) for row in rows}
+
+
+SAMPLING_INPUTS = (
+    (TEMPERATURE, "TYPE_FP32", (1,), True),
+    (TOP_K, "TYPE_INT32", (1,), True),
+    (TOP_P, "TYPE_FP32", (1,), True),
+    (RANDOM_SEED, "TYPE_UINT64", (1,), True),
+)
+REQUEST_INPUTS = (
+    (MAX_TOKENS, "TYPE_INT32", (1,)),
+    (STREAM, "TYPE_BOOL", (1,), True),
+    *SAMPLING_INPUTS,
+    (STOP_WORDS, "TYPE_STRING", (-1,), True),
+    (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
+    (RETURN_PERF_METRICS, "TYPE_BOOL", (1,), True),
+    (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+    (IGNORE_EOS, "TYPE_BOOL", (1,), True),
+)
+# Running totals the loop reports with every response; postprocessing derives the rate.
+PERF_COUNTS = (
+    (TOTAL_ACCEPTED_DRAFT_TOKENS, "TYPE_INT32", (1,)),
+    (TOTAL_DRAFT_TOKENS, "TYPE_INT32", (1,)),
+    (VERIFICATION_STEPS, "TYPE_INT32", (1,)),
+    (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
+)
+PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS)
+
+# model name -> (inputs, outputs); the tests compare each config.pbtxt with these.
+MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
+    "ensemble": (
+        _specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
+    ),
+    "preprocessing": (
+        _specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True)),
+        _specs((INPUT_IDS, "TYPE_INT32", (-1,))),
+    ),
+    # Also client-facing (like TensorRT-LLM's tensorrt_llm_bls): text_input in, text_output
+    # out. Called directly it sees client cancellation, which Triton's ensemble scheduler
+    # does not forward into a running decoupled step (<= 2.51).
+    "speculative_loop": (
+        _specs(
+            (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),
+            (INPUT_IDS, "TYPE_INT32", (-1,), True), *REQUEST_INPUTS,
+        ),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), (RETURN_PERF_METRICS, "TYPE_BOOL", (1,)), *PERF_OUTPUTS),
+    ),
+    "postprocessing": (
+        _specs((TEXT_DELTA, "TYPE_STRING", (1,)), (RETURN_PERF_METRICS, "TYPE_BOOL", (1,)), *PERF_COUNTS),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
+    ),
+    "verifier": (
+        _specs(
+            (INPUT_IDS, "TYPE_INT32", (-1,), True),
+            (DRAFT_TOKENS, "TYPE_INT32", (-1,), True),
+            (DRAFT_PARENTS, "TYPE_INT32", (-1,), True),
+            (DRAFT_PROBS, "TYPE_FP32", (-1, -1), True),
+            (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
+            *SAMPLING_INPUTS,
+        ),
+        _specs((OUTPUT_IDS, "TYPE_INT32", (-1,)), (NUM_ACCEPTED, "TYPE_INT32", (1,)), (HIDDEN_STATES, "TYPE_FP32", (-1, -1))),
+    ),
+    "drafter": (
+        _specs(
+            (INPUT_IDS, "TYPE_INT32", (-1,), True),
+            (NUM_ACCEPTED, "TYPE_INT32", (1,), True),
+            (HIDDEN_STATES, "TYPE_FP32", (-1, -1), True),
+            (DRAFT_BUDGET, "TYPE_INT32", (1,), True),
+            (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+            *SAMPLING_INPUTS,
+        ),
+        _specs((DRAFT_TOKENS, "TYPE_INT32", (-1,)), (DRAFT_PARENTS, "TYPE_INT32", (-1,)), (DRAFT_PROBS, "TYPE_FP32", (-1, -1))),
+    ),
+}

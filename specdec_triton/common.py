@@ -1,0 +1,142 @@
+"""The one shared helper of the Triton Python models: settings, tensor I/O, request
+parsing, errors and metrics. Imported only inside Triton (it needs pb_utils)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specdec import protocol as P
+from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
+from specdec.errors import ConfigError, InvalidRequestError
+
+SETTINGS_FILE = "specdec.json"
+
+
+def load_settings(args: dict[str, Any]) -> ServingConfig:
+    """The repository-wide settings file next to the model directories; a model's
+    config.pbtxt may point elsewhere with parameter `settings_file`."""
+    model_config = json.loads(args["model_config"])
+    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    default = Path(args["model_repository"]).resolve().parent / SETTINGS_FILE
+    path = Path(os.environ.get("SPECDEC_SETTINGS", params.get("settings_file") or default))
+    settings = ServingConfig.from_file(path)
+    threads = settings.threads.get(model_config["name"])
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    logging.getLogger("specdec").info("%s: settings from %s", model_config["name"], path)
+    return settings
+
+
+def check_max_batch_size(args: dict[str, Any], settings: ServingConfig) -> None:
+    """The sequence batcher and the KV-cache slots must agree, or sequences would queue
+    for slots that do not exist (or slots would sit idle)."""
+    model_config = json.loads(args["model_config"])
+    if model_config["max_batch_size"] != settings.engine.max_batch_size:
+        raise ConfigError(
+            "max_batch_size",
+            f"{model_config['name']}/config.pbtxt has {model_config['max_batch_size']} but specdec.json has "
+            f"engine.max_batch_size={settings.engine.max_batch_size}",
+        )
+
+
+# ---- tensor I/O ----------------------------------------------------------------------
+def array(request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def scalar(request, name: str, default: Any, cast=lambda v: v) -> Any:
+    value = array(request, name)
+    if value is None:
+        return default
+    if value.size != 1:
+        raise InvalidRequestError(name, f"expected one value, got shape {list(value.shape)}")
+    return cast(value.reshape(-1)[0])
+
+
+def strings(request, name: str) -> list[str]:
+    value = array(request, name)
+    if value is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in value.reshape(-1)]
+
+
+def batched(name: str, value: np.ndarray) -> "pb_utils.Tensor":
+    """A tensor for a model with max_batch_size > 0: one request = batch of one."""
+    return pb_utils.Tensor(name, np.ascontiguousarray(value)[None])
+
+
+def text_tensor(name: str, text: str) -> "pb_utils.Tensor":
+    return batched(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def control(request, name: str) -> bool:
+    value = array(request, name)
+    return bool(value is not None and value.reshape(-1)[0])
+
+
+def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+
+
+# ---- request parsing ------------------------------------------------------------------
+def sampling_params(request, max_tokens: int = 1, stop: Iterable[str] = (), ignore_eos: bool = False) -> SamplingParams:
+    seed = scalar(request, P.RANDOM_SEED, None, int)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=scalar(request, P.TEMPERATURE, 0.0, float),
+        top_k=scalar(request, P.TOP_K, 0, int),
+        top_p=scalar(request, P.TOP_P, 1.0, float),
+        seed=seed,
+        stop=tuple(stop),
+        ignore_eos=ignore_eos,
+    )
+
+
+def requested_method(request, settings: ServingConfig) -> tuple[str, int]:
+    """(method, num_draft_tokens). No method given: the server's default. No
+    num_draft_tokens: that method's configured budget. num_draft_tokens = 0: the baseline."""
+    method = (strings(request, P.SPECULATIVE_METHOD) or [settings.default_method])[0] or settings.default_method
+    if method != METHOD_NONE and method not in settings.methods:
+        known = ", ".join([METHOD_NONE, *settings.methods])
+        raise InvalidRequestError(P.SPECULATIVE_METHOD, f"unknown method {method!r}; this server offers: {known}")
+    k = scalar(request, P.NUM_DRAFT_TOKENS, None, int)
+    if k is None:
+        k = settings.default_draft_tokens(method)
+    return (method if k else METHOD_NONE), k
+
+
+# ---- metrics --------------------------------------------------------------------------
+class Metrics:
+    """Prometheus metrics on Triton's metrics port (pb_utils.MetricFamily), one metric per
+    label set, created lazily."""
+
+    def __init__(self, families: dict[str, tuple[str, str]]):
+        # families: name -> (kind "counter" | "gauge", help)
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        self._families = {
+            name: pb_utils.MetricFamily(name=name, description=help_, kind=kinds[kind]) for name, (kind, help_) in families.items()
+        }
+        self._metrics: dict[tuple, Any] = {}
+
+    def _metric(self, name: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = self._families[name].Metric(labels=labels)
+        return metric
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        if value:
+            self._metric(name, labels).increment(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._metric(name, labels).set(value)

@@ -1,0 +1,173 @@
+"""The model repository on the real Triton server (bundled in nvidia-pytriton), driven
+with tritonclient through specdec_client: streaming, protocols, losslessness, concurrency,
+cancellation and bad input."""
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from specdec import protocol as P
+from specdec_client import GenerateRequest, ServerError, SpecDecClient
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "List the days of the week.",
+    "Repeat after me: speculative decoding is lossless. Repeat it again.",
+    "Write a Python function that returns the square of a number.",
+    "What is the capital of Italy?",
+    "Count from one to ten in words.",
+    "Name three primary colors.",
+    "Explain what a CPU does in one sentence.",
+    "Give me a short greeting in French.",
+]
+
+
+def request(prompt: str, **kw) -> GenerateRequest:
+    return GenerateRequest(prompt, max_tokens=kw.pop("max_tokens", 32), **kw)
+
+
+def metric(server, name: str, **labels) -> float:
+    text = urllib.request.urlopen(server.endpoints.metrics_url).read().decode()
+    label_re = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    assert label_re is not None
+    return total
+
+
+def ready(server) -> bool:
+    return urllib.request.urlopen(server.endpoints.http_url + "/v2/health/ready").status == 200
+
+
+def test_grpc_stream_speculative_equals_baseline(triton_server, grpc_client):
+    for prompt in PROMPTS[:3]:
+        base = grpc_client.generate(request(prompt, num_draft_tokens=0))
+        spec = grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4))
+        tree = grpc_client.generate(request(prompt, method="ngram-tree", num_draft_tokens=6))
+        assert base.text and spec.text == base.text and tree.text == base.text
+        assert len(spec.chunk_times) >= 2  # streamed, not one blob
+        assert base.perf[P.TOTAL_DRAFT_TOKENS] == 0 and base.perf[P.VERIFICATION_STEPS] == base.perf[P.OUTPUT_TOKENS] - 1
+    assert spec.perf[P.TOTAL_DRAFT_TOKENS] > 0
+    assert 0.0 <= spec.perf[P.ACCEPTANCE_RATE] <= 1.0
+
+
+def test_sse_and_non_streaming_http_match_grpc(triton_server, grpc_client, http_client):
+    prompt = PROMPTS[1]
+    ref = grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4)).text
+    chunks = list(http_client.stream(request(prompt, method="ngram", num_draft_tokens=4)))
+    assert len(chunks) >= 2 and "".join(c.text for c in chunks) == ref
+    assert http_client.generate(request(prompt, method="ngram", num_draft_tokens=4), stream=False).text == ref
+    assert grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4), stream=False).text == ref
+
+
+def test_concurrent_streams_equal_solo(triton_server, grpc_client):
+    solo = [grpc_client.generate(request(p, method="ngram", num_draft_tokens=4)).text for p in PROMPTS]
+
+    def run(prompt):
+        with SpecDecClient(triton_server.endpoints.grpc) as client:
+            return client.generate(request(prompt, method="ngram", num_draft_tokens=4)).text
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, PROMPTS))
+    assert together == solo
+
+
+def test_loop_model_is_client_facing_too(triton_server, grpc_client):
+    """speculative_loop takes the ensemble's tensor names directly (like tensorrt_llm_bls)."""
+    with SpecDecClient(triton_server.endpoints.grpc, model="speculative_loop") as direct:
+        assert direct.generate(request(PROMPTS[0], method="ngram")).text == grpc_client.generate(request(PROMPTS[0], method="ngram")).text
+
+
+def test_cancel_mid_stream_frees_state(triton_server):
+    # Called directly: Triton (<= 2.51) does not forward an ensemble client's cancellation
+    # into the running decoupled step, so cancellation needs the loop as the entry point.
+    client = SpecDecClient(triton_server.endpoints.grpc, model="speculative_loop")
+    gen = client.stream(request(PROMPTS[4], max_tokens=400, ignore_eos=True, method="ngram"))
+    for _ in range(3):
+        next(gen)
+    assert metric(triton_server, "specdec_active_sequences", model="verifier") >= 1
+    gen.close()  # stops the stream with cancel_requests=True
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(triton_server, "specdec_active_sequences", model="verifier") > 0:
+        time.sleep(0.2)
+    assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
+    assert metric(triton_server, "specdec_active_sequences", model="drafter") == 0
+    assert metric(triton_server, "specdec_requests_total", reason="cancelled") >= 1
+    assert ready(triton_server)
+    assert client.generate(request(PROMPTS[3], max_tokens=4)).text
+    client.close()
+
+
+def test_metrics_count_drafts(triton_server, grpc_client):
+    before = metric(triton_server, "specdec_draft_tokens_total", method="ngram")
+    grpc_client.generate(request(PROMPTS[1], method="ngram", num_draft_tokens=4))
+    assert metric(triton_server, "specdec_draft_tokens_total", method="ngram") > before
+    assert metric(triton_server, "specdec_acceptance_length_total", method="ngram") > 0
+
+
+BAD = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"num_draft_tokens": -1}, "num_draft_tokens"),
+    ({"num_draft_tokens": 999}, "num_draft_tokens"),
+    ({"method": "medusa"}, "speculative_method"),
+]
+
+
+@pytest.mark.parametrize("fields,name", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_request_fields_are_named(triton_server, grpc_client, fields, name):
+    max_tokens = fields.pop("max_tokens", 8)
+    with pytest.raises(ServerError, match=name):
+        grpc_client.generate(GenerateRequest(PROMPTS[0], max_tokens=max_tokens, **fields))
+    assert ready(triton_server)
+
+
+def post(server, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(server.endpoints.http_url + "/v2/models/ensemble/generate", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_malformed_requests_are_named(triton_server):
+    cases = [
+        ({"max_tokens": 8}, "text_input"),  # missing required input
+        ({"text_input": "", "max_tokens": 8}, "text_input"),  # empty prompt
+        ({"text_input": "hi " * 600, "max_tokens": 8}, "text_input"),  # longer than the context
+        ({"text_input": "hi", "max_tokens": 8, "temperature": "hot"}, "temperature"),  # wrong type
+    ]
+    for body, name in cases:
+        status, text = post(triton_server, body)
+        assert status >= 400 and re.search(name, text), (body, text)
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+    wrong = grpcclient.InferInput(P.MAX_TOKENS, [1, 1], "FP32")  # wrong dtype over gRPC
+    wrong.set_data_from_numpy(np.array([[8.0]], dtype=np.float32))
+    text_in = grpcclient.InferInput(P.TEXT_INPUT, [1, 1], "BYTES")
+    text_in.set_data_from_numpy(np.array([[b"hi"]], dtype=np.object_))
+    replies: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: replies.put(error))
+    client.async_stream_infer("ensemble", [text_in, wrong])
+    error = replies.get(timeout=30)
+    client.stop_stream()
+    assert error is not None and "max_tokens" in str(error) and "FP32" in str(error)
+    assert ready(triton_server)
+    assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
