@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run test bench-engine clean
+.PHONY: setup prepare run serve generate test bench-engine clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,7 +20,12 @@ prepare: setup
 	$(BIN)/specdec prepare
 
 run: prepare
-	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method none --max-tokens 96
+	$(BIN)/specdec demo
+
+serve: prepare
+	$(BIN)/specdec serve
+
+generate: prepare
 	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method ngram --max-tokens 96
 
 test: prepare

@@ -113,10 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
+    sub.add_parser("demo", help="start the server, stream a prompt with and without speculation, stop (make run)")
 
     p = sub.add_parser("bench-engine", help="in-process engine benchmark -> results/engine_bench.json")
     p.add_argument("--out", default="results/engine_bench.json")
-    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (smoke run)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts and shapes (smoke run)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model-dir", default=None)
     p.set_defaults(func=cmd_bench_engine)
     return parser
 
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

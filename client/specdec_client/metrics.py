@@ -1,0 +1,245 @@
+"""Service metrics of a benchmark, as pure functions over request timestamp traces.
+
+Definitions (DESIGN.md, "Vocabulary and metric definitions"); all times in seconds here,
+the summary converts to milliseconds:
+
+- TTFT = first text chunk time - request send time.
+- ITL  = gaps between successive text chunks, pooled over all requests of a run. A chunk
+  may carry several tokens (a speculative step emits accepted + bonus tokens at once), so
+  ITL is per chunk, not per token; TPOT is the per-token view.
+- TPOT = (E2E - TTFT) / (output tokens - 1), per request.
+- per-user throughput = output tokens / (E2E - TTFT), per request.
+  A request with <= 1 output token (or E2E == TTFT) has neither TPOT nor per-user
+  throughput: the quantity is undefined, so it is left out of those two distributions
+  (it still counts in `requests`, TTFT, E2E and the aggregate throughput).
+- aggregate throughput = all output tokens / benchmark wall time of the run.
+- mean acceptance length = tokens emitted per target verification step, bonus or
+  recovered token included (plain decoding = 1.0). The first output token comes from
+  the prefill, not from a verification step, so per run it is
+  sum(output_tokens - 1) / sum(verification_steps), pooled over requests (a token-weighted
+  mean, not a mean of per-request ratios); undefined when no step ran.
+- acceptance rate = accepted draft tokens / draft tokens (undefined with no drafts).
+- per-position acceptance = P(position i of a draft is accepted) = accepted_i / drafted_i.
+
+Distributions are reported as mean, p50, p90, p99; percentiles interpolate linearly
+between closest ranks (numpy's default "linear" method).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One request as the client saw it (perf_counter seconds) plus the server's counters."""
+
+    send: float
+    chunks: Sequence[float]  # arrival time of each chunk that carried text
+    end: float
+    output_tokens: int
+    verification_steps: int = 0
+    accepted: int = 0  # accepted draft tokens
+    drafted: int = 0  # draft tokens
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Stats:
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    def as_dict(self, scale: float = 1.0) -> dict[str, float | None]:
+        return {k: (None if v is None else v * scale) for k, v in
+                (("mean", self.mean), ("p50", self.p50), ("p90", self.p90), ("p99", self.p99))}
+
+
+# ---- per request -------------------------------------------------------------------------
+def ttft(t: Trace) -> float | None:
+    return t.chunks[0] - t.send if t.chunks else None
+
+
+def e2e(t: Trace) -> float:
+    return t.end - t.send
+
+
+def itls(t: Trace) -> list[float]:
+    return [b - a for a, b in zip(t.chunks, t.chunks[1:])]
+
+
+def _decode_time(t: Trace) -> float | None:
+    first = ttft(t)
+    if first is None or t.output_tokens <= 1:
+        return None
+    span = e2e(t) - first
+    return span if span > 0 else None
+
+
+def tpot(t: Trace) -> float | None:
+    span = _decode_time(t)
+    return None if span is None else span / (t.output_tokens - 1)
+
+
+def per_user_tok_s(t: Trace) -> float | None:
+    span = _decode_time(t)
+    return None if span is None else t.output_tokens / span
+
+
+# ---- distributions -----------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """q-th percentile (0..100), linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(values: Iterable[float | None]) -> Stats:
+    """mean/p50/p90/p99 of the defined values; all None when there are none."""
+    data = [v for v in values if v is not None]
+    if not data:
+        return Stats(None, None, None, None)
+    return Stats(sum(data) / len(data), *(percentile(data, q) for q in PERCENTILES))
+
+
+# ---- per run -----------------------------------------------------------------------------
+def acceptance_length(output_tokens: int, verification_steps: int) -> float | None:
+    """Tokens per verification step; the first token is the prefill's (see module doc)."""
+    if verification_steps <= 0:
+        return None
+    return (output_tokens - 1) / verification_steps
+
+
+def pooled_acceptance_length(traces: Iterable[Trace]) -> float | None:
+    done = [t for t in traces if t.ok and t.output_tokens > 0]
+    steps = sum(t.verification_steps for t in done)
+    if steps <= 0:
+        return None
+    return sum(t.output_tokens - 1 for t in done) / steps
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float | None:
+    return accepted / drafted if drafted > 0 else None
+
+
+def aggregate_tok_s(traces: Iterable[Trace], wall_s: float) -> float | None:
+    if wall_s <= 0:
+        return None
+    return sum(t.output_tokens for t in traces if t.ok) / wall_s
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    requests: int
+    failures: int
+    output_tokens: int
+    wall_s: float
+    ttft: Stats
+    itl: Stats
+    tpot: Stats
+    e2e: Stats
+    per_user_tok_s: Stats
+    output_tok_s: float | None
+    requests_per_s: float | None
+    mean_acceptance_length: float | None
+    acceptance_rate: float | None
+
+
+def run_metrics(traces: Sequence[Trace], wall_s: float) -> RunMetrics:
+    """All metrics of one (mode, load) run; latency metrics over successful requests."""
+    ok = [t for t in traces if t.ok]
+    return RunMetrics(
+        requests=len(traces),
+        failures=len(traces) - len(ok),
+        output_tokens=sum(t.output_tokens for t in ok),
+        wall_s=wall_s,
+        ttft=summarize(ttft(t) for t in ok),
+        itl=summarize(gap for t in ok for gap in itls(t)),
+        tpot=summarize(tpot(t) for t in ok),
+        e2e=summarize(e2e(t) for t in ok),
+        per_user_tok_s=summarize(per_user_tok_s(t) for t in ok),
+        output_tok_s=aggregate_tok_s(ok, wall_s),
+        requests_per_s=len(ok) / wall_s if wall_s > 0 else None,
+        mean_acceptance_length=pooled_acceptance_length(ok),
+        acceptance_rate=acceptance_rate(sum(t.accepted for t in ok), sum(t.drafted for t in ok)),
+    )
+
+
+# ---- per-position acceptance (from the server's Prometheus counters) ---------------------
+@dataclass(frozen=True)
+class PositionAcceptance:
+    position: int
+    drafted: int
+    accepted: int
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def per_position(drafted: Mapping[int, float], accepted: Mapping[int, float]) -> list[PositionAcceptance]:
+    """Join per-position counter deltas (position -> count) into a sorted list."""
+    positions = sorted(set(drafted) | set(accepted))
+    return [PositionAcceptance(p, int(round(drafted.get(p, 0))), int(round(accepted.get(p, 0)))) for p in positions]
+
+
+# ---- speculative mode vs the matched baseline --------------------------------------------
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base; None when either is missing or the base is 0."""
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+@dataclass(frozen=True)
+class Speedup:
+    output_tok_s_ratio: float | None  # > 1: more aggregate throughput
+    per_user_tok_s_ratio: float | None  # ratio of the means; > 1: faster per user
+    ttft_p50_ratio: float | None  # < 1: faster first token
+    itl_p50_ratio: float | None  # per chunk; > 1 is expected when chunks carry more tokens
+    tpot_p50_ratio: float | None  # < 1: less time per output token
+    e2e_p50_ratio: float | None  # < 1: requests finish sooner
+    block_output_tok_s_ratios: list[float] = field(default_factory=list)
+
+
+def speedup(spec: RunMetrics, base: RunMetrics, block_ratios: Sequence[float] = ()) -> Speedup:
+    return Speedup(
+        output_tok_s_ratio=ratio(spec.output_tok_s, base.output_tok_s),
+        per_user_tok_s_ratio=ratio(spec.per_user_tok_s.mean, base.per_user_tok_s.mean),
+        ttft_p50_ratio=ratio(spec.ttft.p50, base.ttft.p50),
+        itl_p50_ratio=ratio(spec.itl.p50, base.itl.p50),
+        tpot_p50_ratio=ratio(spec.tpot.p50, base.tpot.p50),
+        e2e_p50_ratio=ratio(spec.e2e.p50, base.e2e.p50),
+        block_output_tok_s_ratios=list(block_ratios),
+    )
+
+
+PAYS, COSTS, UNCLEAR = "pays", "costs", "no clear difference"
+
+
+def verdict(s: Speedup, margin: float = 0.05) -> str:
+    """pays / costs when the aggregate throughput ratio is outside 1 +- margin and every
+    paired block agrees on the sign; otherwise no clear difference (noise)."""
+    r = s.output_tok_s_ratio
+    if r is None:
+        return UNCLEAR
+    blocks = s.block_output_tok_s_ratios
+    if r >= 1 + margin and all(b > 1 for b in blocks):
+        return PAYS
+    if r <= 1 - margin and all(b < 1 for b in blocks):
+        return COSTS
+    return UNCLEAR

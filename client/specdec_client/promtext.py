@@ -1,0 +1,71 @@
+"""Read the server's Prometheus metrics (text exposition format) and diff counters
+between two scrapes: the benchmark scrapes before and after each block of requests."""
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from typing import Mapping
+
+from .errors import ClientConnectionError
+
+DRAFTED_PER_POSITION = "specdec_drafted_per_position_total"
+ACCEPTED_PER_POSITION = "specdec_accepted_per_position_total"
+
+# name{label="value",...} value [timestamp]
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[tuple[str, frozenset], float]  # (name, {(label, value)}) -> value
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        samples[(name, frozenset(_LABEL.findall(labels or "")))] = number
+    return samples
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Samples:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return parse(resp.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError) as exc:
+        raise ClientConnectionError(f"metrics {url}: {exc}") from exc
+
+
+def by_label(samples: Samples, name: str, key: str, **match: str) -> dict[str, float]:
+    """label `key` -> value of metric `name`, over samples whose labels include `match`."""
+    out: dict[str, float] = {}
+    wanted = set(match.items())
+    for (sample_name, labels), value in samples.items():
+        if sample_name != name or not wanted <= labels:
+            continue
+        label = dict(labels).get(key)
+        if label is not None:
+            out[label] = out.get(label, 0.0) + value
+    return out
+
+
+def delta(before: Samples, after: Samples) -> Samples:
+    """after - before per series (a series absent before counts from 0)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def positions(samples: Samples, name: str, method: str) -> dict[int, float]:
+    """position -> value of a per-position counter for one method."""
+    return {int(p): v for p, v in by_label(samples, name, "position", method=method).items() if p.isdigit()}
+
+
+def per_position_counts(diff: Mapping, method: str) -> tuple[dict[int, float], dict[int, float]]:
+    return positions(diff, DRAFTED_PER_POSITION, method), positions(diff, ACCEPTED_PER_POSITION, method)
