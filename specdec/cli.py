@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
+    sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("demo", help="start the server, stream a prompt with and without speculation, stop (make run)")
 
     p = sub.add_parser("bench-engine", help="in-process engine benchmark -> results/engine_bench.json")
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["train-eagle3"]:
+        from .train_eagle3 import main as train_main
+
+        return train_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

@@ -155,6 +155,8 @@ class SpeculativeConfig:
     max_total_draft_tokens: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    # Draft model / EAGLE-3 head directory (TensorRT-LLM's name); None = the shipped default.
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .config import SamplingParams
 from .drafters.base import Drafter
-from .errors import InvalidRequestError, UnknownSequenceError
+from .errors import ConfigError, InvalidRequestError, UnknownSequenceError
 from .sampling import make_generator
 from .sequence import SequenceState
 from .tree import DraftTree
@@ -29,7 +29,11 @@ class DraftService:
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        return tuple(sorted({layer for d in self.drafters.values() for layer in d.tap_layers}))
+        """The target layers (in order) whose outputs the drafters need; all must agree."""
+        wanted = {d.tap_layers for d in self.drafters.values() if d.tap_layers}
+        if len(wanted) > 1:
+            raise ConfigError("tap_layers", f"drafters need different target layers {sorted(wanted)}; serve them separately")
+        return next(iter(wanted), ())
 
     def needs_hidden(self, method: str) -> bool:
         drafter = self.drafters.get(method)

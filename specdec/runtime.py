@@ -8,13 +8,15 @@ from typing import Mapping
 
 import torch
 
-from .config import METHOD_NGRAM, EngineConfig, ModelConfig, SpeculativeConfig
+from .config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NGRAM, EngineConfig, ModelConfig, SpeculativeConfig
 from .drafters.base import Drafter
+from .drafters.eagle3 import Eagle3Drafter
 from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine
 from .errors import ConfigError
 from .models.llama import Transformer
-from .models.loading import default_model_dir, load_transformer
+from .models.eagle3 import load_eagle3
+from .models.loading import default_model_dir, load_embedding, load_transformer
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +34,59 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def build_drafters(target_cfg: ModelConfig, speculative: Mapping[str, SpeculativeConfig]) -> dict[str, Drafter]:
-    """One drafter per configured method name (e.g. "ngram", "eagle3", "eagle3-tree")."""
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_EAGLE3_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+
+
+def resolve_head_dir(spec: SpeculativeConfig) -> Path:
+    path = Path(spec.speculative_model) if spec.speculative_model else DEFAULT_EAGLE3_HEAD
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def build_drafters(
+    target_cfg: ModelConfig,
+    speculative: Mapping[str, SpeculativeConfig],
+    engine: EngineConfig | None = None,
+    model_dir: Path | None = None,
+    embed: torch.nn.Embedding | None = None,
+) -> dict[str, Drafter]:
+    """One drafter per configured method name (e.g. "ngram", "eagle3", "eagle3-tree").
+    EAGLE-3 heads use the target's embedding: pass it, or it is read from model_dir."""
+    engine = engine or EngineConfig()
     drafters: dict[str, Drafter] = {}
     for name, spec in speculative.items():
         spec.check_target(target_cfg)
         if spec.method == METHOD_NGRAM:
             drafters[name] = NgramDrafter(spec)
+        elif spec.method in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
+            if embed is None:
+                embed = load_embedding(resolve_model_dir(model_dir))
+            head = load_eagle3(resolve_head_dir(spec), embed, target_cfg)
+            drafters[name] = Eagle3Drafter(head, spec, engine.max_batch_size, engine.max_seq_len)
         else:
             raise ConfigError("method", f"method {spec.method!r} is not available in this build")
     return drafters
+
+
+def needs_hidden(spec: SpeculativeConfig) -> bool:
+    return spec.method in (METHOD_EAGLE3, METHOD_EAGLE3_TREE)
+
+
+def tap_layers_for(target_cfg: ModelConfig, speculative: Mapping[str, SpeculativeConfig]) -> tuple[int, ...]:
+    """Target layers the configured drafters need, read from the heads' config.json only
+    (the verifier needs the layer ids, not the heads)."""
+    import json
+
+    from .models.eagle3 import Eagle3Config
+
+    wanted = set()
+    for spec in speculative.values():
+        if needs_hidden(spec):
+            raw = json.loads((resolve_head_dir(spec) / "config.json").read_text())
+            wanted.add(Eagle3Config.from_hf_dict(raw, target_cfg).tap_layers)
+    if len(wanted) > 1:
+        raise ConfigError("methods", f"EAGLE-3 heads need different target layers {sorted(wanted)}")
+    return next(iter(wanted), ())
 
 
 def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:
@@ -63,7 +108,7 @@ def build_engine(
     config = config or EngineConfig()
     model_dir = Path(model_dir or default_model_dir())
     target = load_target(model_dir, config)
-    drafters = build_drafters(target.cfg, DEFAULT_SPECULATIVE if speculative is None else speculative)
+    drafters = build_drafters(target.cfg, DEFAULT_SPECULATIVE if speculative is None else speculative, config, embed=target.embed)
     return SpecEngine(target, config, tokenizer=load_tokenizer(model_dir), drafters=drafters)
 
 

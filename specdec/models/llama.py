@@ -157,7 +157,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused q|k|v
         self.wo = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: Tensor, step: "_Step", cache: KVCache) -> Tensor:
+    def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
         B, N, _ = x.shape
         batch = step.batch
         h, kvh = self.n_heads, self.n_kv
@@ -205,13 +205,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, step: "_Step", cache: KVCache) -> Tensor:
+    def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
         x = x + self.attn(self.attn_norm(x), step, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
 @dataclass
-class _Step:
+class Step:
     """Per-forward inputs shared by all layers, computed once."""
     batch: ForwardBatch
     cos: Tensor  # [B, N, 1, hd]
@@ -220,10 +220,26 @@ class _Step:
     p0: int  # first write column when B == 1
 
 
+def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [B, N, 1, hd]; sin's first half is negated for apply_rope."""
+    freqs = positions[:, :, None, None].float() * inv_freq  # [B, N, 1, hd/2]
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype) -> Step:
+    cos, sin = rope_tables(batch.positions, inv_freq, dtype)
+    # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
+    mask = torch.zeros(batch.attn_mask.shape, dtype=dtype, device=batch.attn_mask.device)
+    mask.masked_fill_(~batch.attn_mask, float("-inf"))
+    p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
+    return Step(batch, cos, sin, mask, p0)
+
+
 @dataclass
 class ForwardOutput:
     logits: Tensor  # [B, N, V] (or [B, 1, V] with last_only) float32
-    hidden_taps: Tensor | None  # [B, N, len(tap_layers) * H] outputs of the requested layers
+    hidden_taps: Tensor | None  # [B, N, len(tap_layers) * H] outputs of the requested layers, in order
 
 
 class Transformer(nn.Module):
@@ -252,11 +268,6 @@ class Transformer(nn.Module):
             max_new_per_step, dtype=self.act_dtype, device=p.device,
         )
 
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape [B, N, 1, hd]; sin's first half is negated for apply_rope."""
-        freqs = positions[:, :, None, None].float() * self.inv_freq  # [B, N, 1, hd/2]
-        sin = freqs.sin()
-        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     @torch.inference_mode()
     def forward(
@@ -267,22 +278,17 @@ class Transformer(nn.Module):
         last_only: bool = False,
     ) -> ForwardOutput:
         x = self.embed(batch.tokens).to(self.act_dtype)  # [B, N, H]
-        cos, sin = self.rope(batch.positions, x.dtype)
-        # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
-        mask = torch.zeros(batch.attn_mask.shape, dtype=x.dtype, device=x.device)
-        mask.masked_fill_(~batch.attn_mask, float("-inf"))
-        p0 = int(batch.write_index[0, 0]) if x.shape[0] == 1 else 0
-        step = _Step(batch, cos, sin, mask, p0)
-        taps = []
+        step = prepare_step(batch, self.inv_freq, x.dtype)
+        taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache)
             if i in tap_layers:
-                taps.append(x)
+                taps[i] = x
         if last_only:  # prefill: only the last real token's logits are needed
             last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         logits = self.lm_head(self.norm(x)).float()
-        hidden = torch.cat(taps, dim=-1) if taps else None
+        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None  # in the order asked
         return ForwardOutput(logits=logits, hidden_taps=hidden)
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

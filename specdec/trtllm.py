@@ -1,0 +1,507 @@
+"""`specdec trtllm-config`: the TensorRT-LLM variant of the model repository (LLM API,
+PyTorch backend), written from the same typed SpeculativeConfig the engine uses.
+
+Three served configurations share one Triton model (`ensemble`, the tensor names of
+specdec.protocol, so specdec-client and the Locust scenarios drive it unchanged):
+
+  baseline.yaml     the matched baseline: no speculative_config, everything else identical
+  eagle3.yaml       EAGLE-3, linear draft of max_draft_len tokens
+  eagle3-tree.yaml  EAGLE-3 with a dynamic (EAGLE-2 style) draft tree
+
+Keys other than `triton_config` go to `tensorrt_llm.LLM(...)` (as in TensorRT-LLM's own
+`llmapi` model); the container picks one file with LLM_CONFIG_PATH. The budget rules and
+the target checks (no dynamic tree for sliding-window or MLA targets) are those of
+SpeculativeConfig, so an invalid variant is refused here, naming the field, before a GPU
+is involved. The request helpers below (parse_request, perf_counts) are what the Triton
+model in deploy/trtllm/ calls; they are pure and tested on the CPU.
+
+This module needs neither TensorRT-LLM nor Triton (the `trtllm` extra is installed only in
+the GPU container).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import protocol as P
+from .config import (
+    METHOD_EAGLE3,
+    METHOD_EAGLE3_TREE,
+    METHOD_NONE,
+    ModelConfig,
+    SamplingParams,
+    SpeculativeConfig,
+)
+from .errors import ConfigError, InvalidRequestError, SpecDecError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "deploy" / "trtllm" / "model_repository"
+MODEL_NAME = "ensemble"  # the client-facing name of our own repository
+DEFAULT_TARGET = "meta-llama/Llama-3.1-8B-Instruct"
+DEFAULT_DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+DEFAULT_CONFIG_FILE = "eagle3.yaml"  # what the model serves when LLM_CONFIG_PATH is unset
+BASELINE = "baseline"
+
+# Llama-3.1-8B-Instruct's config.json (the values SpeculativeConfig.check_target needs and
+# the rest of ModelConfig), so the default generation works offline without the weights.
+LLAMA_3_1_8B_INSTRUCT: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+# ---- generation --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrtllmDeployment:
+    """Everything the generated files say. Sizes shared by all variants live here once, so
+    the baseline is matched by construction: only `speculative_config` differs."""
+
+    target: ModelConfig
+    variants: Mapping[str, SpeculativeConfig | None]  # file stem -> config (None = baseline)
+    model: str = DEFAULT_TARGET
+    draft_model: str = DEFAULT_DRAFT
+    # TensorRT-LLM preallocates its runtime buffers (KV-cache blocks, CUDA graphs, draft
+    # buffers) from these, so they are stated, not left to defaults.
+    max_batch_size: int = 64
+    max_seq_len: int = 8192
+    max_num_tokens: int = 8192
+    free_gpu_memory_fraction: float = 0.85
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    apply_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError("max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        if not 1 <= self.max_seq_len <= self.target.max_position_embeddings:
+            raise ConfigError(
+                "max_seq_len",
+                f"must be in [1, max_position_embeddings={self.target.max_position_embeddings}], got {self.max_seq_len}",
+            )
+        if self.max_num_tokens < 1:
+            raise ConfigError("max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
+        if not 0.0 < self.free_gpu_memory_fraction < 1.0:
+            raise ConfigError("free_gpu_memory_fraction", f"must be in (0, 1), got {self.free_gpu_memory_fraction}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.dtype not in ("bfloat16", "float16", "auto"):
+            raise ConfigError("dtype", f"must be bfloat16, float16 or auto, got {self.dtype!r}")
+        for name, spec in self.variants.items():
+            if spec is None:
+                continue
+            expected = METHOD_EAGLE3_TREE if spec.use_dynamic_tree else METHOD_EAGLE3
+            if spec.method != expected:
+                raise ConfigError(
+                    f"{name}.method",
+                    f"TensorRT-LLM's Eagle3 decoding serves {expected!r} for use_dynamic_tree={spec.use_dynamic_tree}, "
+                    f"got {spec.method!r}",
+                )
+            spec.check_target(self.target)
+
+    def speculative_config(self, spec: SpeculativeConfig) -> dict[str, Any]:
+        """The `speculative_config` block, in TensorRT-LLM's field names (Eagle3DecodingConfig)."""
+        out: dict[str, Any] = {
+            "decoding_type": "Eagle3",
+            "speculative_model": self.draft_model,
+            "max_draft_len": spec.max_draft_len,
+        }
+        if spec.use_dynamic_tree:
+            out["use_dynamic_tree"] = True
+            out["dynamic_tree_max_topK"] = spec.dynamic_tree_max_topK
+            out["max_total_draft_tokens"] = spec.max_total_draft_tokens
+        return out
+
+    def llm_config(self, name: str) -> dict[str, Any]:
+        """One model.yaml as a dict: LLM(...) keyword arguments plus `triton_config`."""
+        config: dict[str, Any] = {
+            "model": self.model,
+            "backend": "pytorch",
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len,
+            "max_num_tokens": self.max_num_tokens,
+            # Block reuse (prefix caching) off: repeated benchmark prompts would otherwise
+            # measure cache hits, not decoding.
+            "kv_cache_config": {"free_gpu_memory_fraction": self.free_gpu_memory_fraction, "enable_block_reuse": False},
+            "cuda_graph_config": {"max_batch_size": self.max_batch_size, "enable_padding": True},
+        }
+        spec = self.variants[name]
+        if spec is not None:
+            config["speculative_config"] = self.speculative_config(spec)
+        config["triton_config"] = {
+            "max_batch_size": self.max_batch_size,
+            "decoupled": True,
+            "apply_chat_template": self.apply_chat_template,
+        }
+        return config
+
+    def files(self) -> dict[str, str]:
+        """Relative path (inside the model repository) -> file content."""
+        out = {f"{MODEL_NAME}/config.pbtxt": render_config_pbtxt(self.max_batch_size)}
+        for name in self.variants:
+            out[f"{MODEL_NAME}/1/{name}.yaml"] = render_yaml(self.llm_config(name), header=_yaml_header(name, self.variants[name]))
+        return out
+
+
+def default_variants(
+    max_draft_len: int = 3, tree_max_draft_len: int = 6, tree_topk: int = 10, tree_max_total_draft_tokens: int | None = 60
+) -> dict[str, SpeculativeConfig | None]:
+    return {
+        BASELINE: None,
+        METHOD_EAGLE3: SpeculativeConfig(method=METHOD_EAGLE3, max_draft_len=max_draft_len),
+        METHOD_EAGLE3_TREE: SpeculativeConfig(
+            method=METHOD_EAGLE3_TREE,
+            max_draft_len=tree_max_draft_len,
+            use_dynamic_tree=True,
+            dynamic_tree_max_topK=tree_topk,
+            max_total_draft_tokens=tree_max_total_draft_tokens,
+        ),
+    }
+
+
+def _yaml_header(name: str, spec: SpeculativeConfig | None) -> str:
+    if spec is None:
+        what = "the matched baseline: no speculative_config, every other key as in the speculative variants"
+    elif spec.use_dynamic_tree:
+        what = (
+            f"EAGLE-3 dynamic tree (depth max_draft_len={spec.max_draft_len}, top-K {spec.dynamic_tree_max_topK}, "
+            f"{spec.max_total_draft_tokens} draft tokens per step)"
+        )
+    else:
+        what = f"EAGLE-3 linear draft of max_draft_len={spec.max_draft_len} tokens"
+    return (
+        "# Generated by `specdec trtllm-config` (specdec/trtllm.py) -- do not edit; regenerate.\n"
+        f"# Variant {name!r}: {what}.\n"
+        "# Keys other than triton_config are passed to tensorrt_llm.LLM(...); serve this file with\n"
+        f"# LLM_CONFIG_PATH={name}.yaml. max_batch_size sizes preallocated buffers (KV cache, CUDA graphs).\n"
+    )
+
+
+def _scalar_yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid YAML double-quoted scalar
+    raise TypeError(f"cannot write {type(value).__name__} to YAML")
+
+
+def render_yaml(data: Mapping[str, Any], header: str = "", indent: int = 0) -> str:
+    """Block-style YAML for nested mappings of scalars (deterministic: no PyYAML in the loop)."""
+    lines = [header.rstrip("\n")] if header else []
+    pad = "  " * indent
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            lines.append(f"{pad}{key}:")
+            lines.append(render_yaml(value, indent=indent + 1).rstrip("\n"))
+        else:
+            lines.append(f"{pad}{key}: {_scalar_yaml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def render_config_pbtxt(max_batch_size: int) -> str:
+    """config.pbtxt of the TensorRT-LLM `ensemble`: the tensors of protocol.MODELS['ensemble']."""
+    inputs, outputs = P.MODELS[MODEL_NAME]
+
+    def rows(specs: Mapping[str, P.TensorSpec]) -> str:
+        out = []
+        for spec in specs.values():
+            dims = ", ".join(str(d) for d in spec.dims)
+            optional = " optional: true" if spec.optional else ""
+            out.append(f'  {{ name: "{spec.name}" data_type: {spec.dtype} dims: [ {dims} ]{optional} }}')
+        return ",\n".join(out)
+
+    return (
+        "# Generated by `specdec trtllm-config` (specdec/trtllm.py) -- do not edit; regenerate.\n"
+        "# TensorRT-LLM (LLM API, PyTorch backend) behind the tensor names of our ensemble\n"
+        "# (specdec/protocol.py). Decoupled: one response per streamed chunk, the last one final.\n"
+        "# max_batch_size equals the LLM's max_batch_size in every model.yaml (checked at load).\n"
+        f'name: "{MODEL_NAME}"\n'
+        'backend: "python"\n'
+        f"max_batch_size: {max_batch_size}\n"
+        "model_transaction_policy { decoupled: true }\n"
+        f"input [\n{rows(inputs)}\n]\n"
+        f"output [\n{rows(outputs)}\n]\n"
+        "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
+    )
+
+
+def target_model_config(target: str, target_config: Path | None) -> ModelConfig:
+    """The target's ModelConfig: --target-config, else <target>/config.json for a local
+    directory, else the built-in values of the default Llama-3.1-8B-Instruct."""
+    if target_config is not None:
+        return ModelConfig.from_file(Path(target_config))
+    local = Path(target) / "config.json"
+    if local.is_file():
+        return ModelConfig.from_file(local)
+    if target != DEFAULT_TARGET:
+        raise ConfigError(
+            "target_config",
+            f"needed for {target!r}: pass --target-config path/to/config.json (built-in values exist only for {DEFAULT_TARGET})",
+        )
+    return ModelConfig.from_hf_dict(LLAMA_3_1_8B_INSTRUCT)
+
+
+def write_files(files: Mapping[str, str], out: Path) -> list[Path]:
+    written = []
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            written.append(path)
+    return written
+
+
+def stale_files(files: Mapping[str, str], out: Path) -> list[str]:
+    return [rel for rel, text in files.items() if not (out / rel).is_file() or (out / rel).read_text() != text]
+
+
+# ---- serving (called by deploy/trtllm/model_repository/ensemble/1/model.py) -------------
+@dataclass(frozen=True)
+class ServedVariant:
+    """What one model.yaml serves, as the request path needs it."""
+
+    method: str  # none | eagle3 | eagle3-tree
+    num_draft_tokens: int  # draft tokens per verification step (0 for the baseline)
+    max_batch_size: int
+    max_tokens_limit: int
+    apply_chat_template: bool
+
+
+def served_variant(config: Mapping[str, Any]) -> ServedVariant:
+    """Validate a loaded model.yaml with the same rules as the generator (a hand edit that
+    breaks the tree budget fails at model load, naming the field)."""
+    triton = dict(config.get("triton_config") or {})
+    for key in ("max_batch_size", "max_seq_len"):
+        if not isinstance(config.get(key), int):
+            raise ConfigError(key, "must be stated in model.yaml (TensorRT-LLM preallocates buffers from it)")
+    if triton.get("max_batch_size") != config["max_batch_size"]:
+        raise ConfigError(
+            "triton_config.max_batch_size",
+            f"must equal max_batch_size={config['max_batch_size']}, got {triton.get('max_batch_size')!r}",
+        )
+    if triton.get("decoupled") is not True:
+        raise ConfigError("triton_config.decoupled", "must be true: responses are streamed")
+    spec_raw = config.get("speculative_config")
+    if spec_raw is None:
+        method, budget = METHOD_NONE, 0
+    else:
+        if spec_raw.get("decoding_type") != "Eagle3":
+            raise ConfigError("speculative_config.decoding_type", f"must be 'Eagle3', got {spec_raw.get('decoding_type')!r}")
+        tree = bool(spec_raw.get("use_dynamic_tree", False))
+        if tree and "dynamic_tree_max_topK" not in spec_raw:
+            raise ConfigError("speculative_config.dynamic_tree_max_topK", "is required with use_dynamic_tree")
+        spec = SpeculativeConfig(
+            method=METHOD_EAGLE3_TREE if tree else METHOD_EAGLE3,
+            max_draft_len=spec_raw.get("max_draft_len"),
+            use_dynamic_tree=tree,
+            dynamic_tree_max_topK=spec_raw.get("dynamic_tree_max_topK", 1),  # unused without a tree
+            max_total_draft_tokens=spec_raw.get("max_total_draft_tokens"),
+        )
+        method, budget = spec.method, int(spec.max_total_draft_tokens)
+    return ServedVariant(
+        method=method,
+        num_draft_tokens=budget,
+        max_batch_size=config["max_batch_size"],
+        max_tokens_limit=config["max_seq_len"],
+        apply_chat_template=bool(triton.get("apply_chat_template", True)),
+    )
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    prompt: str
+    apply_chat_template: bool
+    stream: bool
+    return_perf_metrics: bool
+    sampling: dict[str, Any] = field(default_factory=dict)  # tensorrt_llm.SamplingParams(**sampling)
+
+
+def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value, dtype=object).reshape(-1).tolist()
+    return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
+
+
+def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast=lambda v: v) -> Any:
+    values = _values(inputs, name)
+    if values is None:
+        return default
+    if len(values) != 1:
+        raise InvalidRequestError(name, f"expected one value, got {len(values)}")
+    try:
+        return cast(values[0])
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(name, f"cannot read {values[0]!r}: {exc}") from exc
+
+
+def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmRequest:
+    """Our ensemble's inputs (name -> array, absent = None) -> one LLM API request.
+
+    TensorRT-LLM fixes the speculative configuration when the LLM is built, so a request
+    may not ask for another method or draft budget: it is refused naming the field (the
+    matched baseline is the same repository served with LLM_CONFIG_PATH=baseline.yaml).
+    """
+    prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
+    if not prompt:
+        raise InvalidRequestError(P.TEXT_INPUT, "must be a non-empty string")
+    method = _scalar(inputs, P.SPECULATIVE_METHOD, "", str) or served.method
+    if method != served.method:
+        raise InvalidRequestError(
+            P.SPECULATIVE_METHOD,
+            f"this TensorRT-LLM server runs {served.method!r} (chosen at start by LLM_CONFIG_PATH); got {method!r}",
+        )
+    k = _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int)
+    if k is not None and k != served.num_draft_tokens:
+        raise InvalidRequestError(
+            P.NUM_DRAFT_TOKENS,
+            f"this TensorRT-LLM server drafts a fixed {served.num_draft_tokens} tokens per step "
+            f"({served.method}); got {k}",
+        )
+    max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
+    if max_tokens is None:
+        raise InvalidRequestError(P.MAX_TOKENS, "is required")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_scalar(inputs, P.TEMPERATURE, 0.0, float),
+        top_k=_scalar(inputs, P.TOP_K, 0, int),
+        top_p=_scalar(inputs, P.TOP_P, 1.0, float),
+        seed=_scalar(inputs, P.RANDOM_SEED, None, int),
+        stop=tuple(_values(inputs, P.STOP_WORDS) or ()),
+        ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
+    ).validate(served.max_tokens_limit)
+    return_perf = _scalar(inputs, P.RETURN_PERF_METRICS, False, bool)
+    # Our conventions -> TensorRT-LLM's: temperature 0 is greedy there too; top_k 0 and
+    # top_p 1 mean "off", which is TensorRT-LLM's default when the field is absent.
+    sampling: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature}
+    if params.top_k:
+        sampling["top_k"] = params.top_k
+    if params.top_p < 1.0:
+        sampling["top_p"] = params.top_p
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.ignore_eos:
+        sampling["ignore_eos"] = True
+    if return_perf:
+        sampling["return_perf_metrics"] = True
+    return LlmRequest(
+        prompt=prompt,
+        apply_chat_template=_scalar(inputs, P.APPLY_CHAT_TEMPLATE, served.apply_chat_template, bool),
+        stream=_scalar(inputs, P.STREAM, False, bool),
+        return_perf_metrics=return_perf,
+        sampling=sampling,
+    )
+
+
+def perf_counts(output_tokens: int, accepted: int, drafted: int) -> dict[str, float]:
+    """Our perf outputs from what TensorRT-LLM reports per request.
+
+    TensorRT-LLM does not report its iteration count per request. The prefill emits the
+    first token and every verification step emits its accepted draft tokens plus one
+    (recovered or bonus), so steps = output tokens - 1 - accepted (plain decoding:
+    tokens - 1, as our own server reports). Tokens accepted past max_tokens and dropped
+    make this a slight undercount on the last step.
+    """
+    steps = max(0, output_tokens - 1 - accepted)
+    return {
+        P.ACCEPTANCE_RATE: accepted / drafted if drafted else 0.0,
+        P.TOTAL_ACCEPTED_DRAFT_TOKENS: accepted,
+        P.TOTAL_DRAFT_TOKENS: drafted,
+        P.VERIFICATION_STEPS: steps,
+        P.OUTPUT_TOKENS: output_tokens,
+    }
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specdec trtllm-config",
+        description="Write the TensorRT-LLM (LLM API) model repository: baseline, EAGLE-3 linear and dynamic tree.",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model repository to write (default: %(default)s)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files there differ")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model (HF id or local directory)")
+    p.add_argument("--target-config", type=Path, default=None, help="the target's config.json (required for other targets)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE-3 head (HF id or local directory)")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--free-gpu-memory-fraction", type=float, default=0.85)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-draft-len", type=int, default=3, help="linear EAGLE-3 draft length")
+    p.add_argument("--tree-max-draft-len", type=int, default=6, help="dynamic tree depth")
+    p.add_argument("--tree-topk", type=int, default=10, help="dynamic_tree_max_topK")
+    p.add_argument(
+        "--tree-max-total-draft-tokens", type=int, default=60,
+        help="draft tokens per step, in [depth, topK * depth] (default %(default)s)",
+    )
+    return p
+
+
+def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
+    return TrtllmDeployment(
+        target=target_model_config(args.target, args.target_config),
+        variants=default_variants(args.max_draft_len, args.tree_max_draft_len, args.tree_topk, args.tree_max_total_draft_tokens),
+        model=args.target,
+        draft_model=args.draft,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        free_gpu_memory_fraction=args.free_gpu_memory_fraction,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        files = deployment_from_args(args).files()
+    except SpecDecError as exc:
+        print(f"specdec trtllm-config: error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        stale = stale_files(files, args.out)
+        for rel in stale:
+            print(f"specdec trtllm-config: out of date: {args.out / rel}", file=sys.stderr)
+        return 1 if stale else 0
+    for path in write_files(files, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

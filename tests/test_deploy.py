@@ -1,0 +1,740 @@
+"""Deployment files, checked offline: no Docker, no cluster, no network.
+
+- Kubernetes: both overlays (and the load test) rendered by deploy/k8s/kustomize_lite.py
+  (and compared with `kubectl kustomize` where kubectl exists), every object validated
+  against the Kubernetes schemas, probes / ports / the HPA metric consistent with the
+  server, the launcher and the prometheus-adapter rule.
+- docker-compose.yml: the compose-spec schema, and the services, ports, volumes and
+  profiles deploy/README.md documents.
+- The TensorRT-LLM variant: generated files up to date, budget rules, matched baseline,
+  tensor names of our ensemble, invalid requests refused naming the field.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from specdec import protocol as P
+from specdec import trtllm
+from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ServingConfig
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.launcher import _build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+TRTLLM_REPO = DEPLOY / "trtllm" / "model_repository"
+K8S_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests are checked against
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "loadtest")
+SERVER_SERVICES = {"triton": "gpu", "triton-cpu": "cpu", "triton-trtllm": "trtllm"}
+CRD_KINDS = {"ServiceMonitor"}
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kl = _load(K8S / "kustomize_lite.py", "kustomize_lite")
+
+
+def env_file(path: Path) -> dict[str, str]:
+    return kl._env_file(path)
+
+
+VALUES = env_file(K8S / "base" / "deploy.env")
+LOADTEST = env_file(K8S / "loadtest" / "loadtest.env")
+
+
+@functools.lru_cache(maxsize=None)
+def _render(rel: str) -> tuple:
+    return tuple(kl.build(K8S / rel))
+
+
+def render(rel: str) -> list[dict]:
+    return [json.loads(json.dumps(obj)) for obj in _render(rel)]  # a private copy per test
+
+
+def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def config_map(objects: list[dict], base_name: str) -> dict:
+    found = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith(base_name + "-")]
+    assert len(found) == 1, f"expected one generated ConfigMap {base_name}-<hash>"
+    return found[0]
+
+
+def pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def container(obj: dict, name: str) -> dict:
+    spec = pod_spec(obj)
+    (found,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
+    return found
+
+
+def triton(rel: str) -> dict:
+    return one(render(rel), "Deployment", "specdec-triton")
+
+
+@functools.lru_cache(maxsize=None)
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def launcher_ports() -> dict[str, int]:
+    args = _build_parser().parse_args([])
+    return {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
+
+
+# ---- Kubernetes: rendering and schemas ----------------------------------------------------
+@pytest.mark.parametrize("rel", KUSTOMIZATIONS)
+def test_kustomize_lite_renders_what_kubectl_renders(rel):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the lite renderer is the only one here")
+    out = subprocess.run([kubectl, "kustomize", str(K8S / rel)], capture_output=True, text=True, timeout=60, check=True).stdout
+    theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out) if o}
+    ours = {(o["kind"], o["metadata"]["name"]): o for o in render(rel)}
+    assert sorted(ours) == sorted(theirs)
+    for key, obj in ours.items():
+        assert obj == theirs[key], f"{rel}: {key} differs from kubectl kustomize"
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu", "loadtest"))
+def test_rendered_objects_match_kubernetes_schemas(rel):
+    import kubernetes_validate
+
+    objects = render(rel)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked field by field below
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{rel}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_kustomize_lite_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
+    with pytest.raises(kl.KustomizeError, match="namePrefix"):
+        kl.build(tmp_path)
+
+
+def test_expected_objects_in_each_overlay():
+    for rel in ("overlays/cpu", "overlays/gpu"):
+        kinds = sorted(o["kind"] for o in render(rel))
+        assert kinds == sorted([
+            "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
+            "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "ServiceMonitor",
+        ]), rel
+        for obj in render(rel):
+            assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "specdec"
+            assert obj["metadata"]["labels"]["specdec.io/variant"] == rel.split("/")[1]
+    assert sorted(o["kind"] for o in render("loadtest")) == ["ConfigMap", "Job", "Job", "Service"]
+
+
+# ---- one source of truth: ports, images, the NGC release ----------------------------------
+def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
+    ports = launcher_ports()
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert {name: int(VALUES[f"{name.upper()}_PORT"]) for name in ports} == ports
+    for rel in ("overlays/cpu", "overlays/gpu"):
+        objects = render(rel)
+        server = container(one(objects, "Deployment", "specdec-triton"), "triton")
+        assert {p["name"]: p["containerPort"] for p in server["ports"]} == ports
+        service = one(objects, "Service", "specdec-triton")
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {n: (v, n) for n, v in ports.items()}
+    published = {f"{v}:{v}" for v in ports.values()}
+    for name in SERVER_SERVICES:
+        assert set(compose()["services"][name]["ports"]) == published, name
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = prometheus["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == [f"triton:{ports['metrics']}"]
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        for exposed in re.findall(r"^EXPOSE (.+)$", (DEPLOY / "docker" / dockerfile).read_text(), re.M):
+            assert sorted(int(p) for p in exposed.split()) == sorted(ports.values())
+
+
+def test_locust_ports_and_target_agree():
+    assert LOADTEST["SPECDEC_LOCUST_WEB_PORT"] == "8089"
+    assert LOADTEST["SPECDEC_TRITON_GRPC_PORT"] == VALUES["GRPC_PORT"]
+    assert LOADTEST["SPECDEC_TRITON_HOST"] == one(render("overlays/cpu"), "Service")["metadata"]["name"]
+    objects = render("loadtest")
+    service = one(objects, "Service", "specdec-locust")
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert ports == {"web": 8089, "master": int(LOADTEST["SPECDEC_LOCUST_MASTER_PORT"])}
+    master = container(one(objects, "Job", "specdec-locust-master"), "locust")
+    assert {p["name"]: p["containerPort"] for p in master["ports"]} == ports
+    workers = one(objects, "Job", "specdec-locust-worker")
+    assert workers["spec"]["parallelism"] == workers["spec"]["completions"] == int(LOADTEST["SPECDEC_LOCUST_WORKERS"])
+    services = compose()["services"]
+    assert services["locust-master"]["ports"] == ["8089:8089"]
+    assert "--web-port" in services["locust-master"]["command"]
+    assert services["locust-master"]["command"][services["locust-master"]["command"].index("--web-port") + 1] == "8089"
+
+
+def test_images_agree_between_compose_and_kubernetes():
+    services = compose()["services"]
+    assert services["triton"]["image"] == "specdec-triton:gpu"
+    assert services["triton-cpu"]["image"] == services["prepare"]["image"] == "specdec-triton:cpu"
+    for rel, image in (("overlays/cpu", "specdec-triton:cpu"), ("overlays/gpu", "specdec-triton:gpu")):
+        deployment = triton(rel)
+        assert {c["image"] for c in pod_spec(deployment)["containers"] + pod_spec(deployment)["initContainers"]} == {image}
+    locust = {c["image"] for job in render("loadtest") if job["kind"] == "Job" for c in pod_spec(job)["containers"]}
+    assert locust == {services["locust-master"]["image"]} == {services["locust-worker"]["image"]}
+
+
+def test_triton_release_is_chosen_in_one_place():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile.gpu").read_text()
+    (release,) = re.findall(r"^ARG TRITON_VERSION=(\d\d\.\d\d)$", dockerfile, re.M)
+    froms = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert froms == [
+        "nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3",
+        "nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-trtllm-python-py3",
+    ]
+    texts = [COMPOSE_FILE.read_text()] + [
+        p.read_text() for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in {".md", ".yaml", ".yml", ".py", ".env", ""}
+    ]
+    mentioned = {m for text in texts for m in re.findall(r"tritonserver:(\d\d\.\d\d)-", text)}
+    assert mentioned <= {release}, f"NGC release mentioned as {mentioned}, Dockerfile.gpu says {release}"
+
+
+# ---- Kubernetes: probes, wiring, security -------------------------------------------------
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+def test_probes_match_the_server(rel):
+    server = container(triton(rel), "triton")
+    port_names = {p["name"] for p in server["ports"]}
+    assert server["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    for probe in ("readinessProbe", "startupProbe"):
+        assert server[probe]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert "http" in port_names
+    # The first start loads the models: the startup probe allows minutes, not seconds.
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+def test_server_command_reads_the_ports_from_the_config_map(rel):
+    objects = render(rel)
+    server = container(one(objects, "Deployment", "specdec-triton"), "triton")
+    cm = config_map(objects, "specdec-deploy")
+    assert [s["configMapRef"]["name"] for s in server["envFrom"]] == [cm["metadata"]["name"]]
+    args = server["args"]
+    for name in ("http", "grpc", "metrics"):
+        flag = f"--{name}-port=$({name.upper()}_PORT)"
+        assert flag in args
+        assert f"{name.upper()}_PORT" in cm["data"]
+    assert "--model-repository=/models/model_repository" in args
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+def test_service_monitor_network_policy_pdb_and_service_select_the_server(rel):
+    objects = render(rel)
+    deployment = one(objects, "Deployment", "specdec-triton")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    service = one(objects, "Service", "specdec-triton")
+
+    def selects(selector: dict, labels: dict) -> bool:
+        return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert selects(service["spec"]["selector"], pod_labels)
+    monitor = one(objects, "ServiceMonitor")
+    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    policy = one(objects, "NetworkPolicy")
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted = [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]]
+    assert sorted(admitted) == ["grpc", "http", "metrics"]
+    assert set(admitted) <= {p["name"] for p in container(deployment, "triton")["ports"]}
+    pdb = one(objects, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+    # The load generator's pods are not behind the server's Service.
+    for job in render("loadtest"):
+        if job["kind"] == "Job":
+            assert not selects(service["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+def test_hpa_scales_on_the_prometheus_adapter_metric(rel):
+    objects = render(rel)
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdec-triton"}
+    assert "replicas" not in one(objects, "Deployment")["spec"], "the HPA owns the replica count"
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert rule["seriesQuery"].startswith("nv_inference_queue_duration_us{")
+    assert re.fullmatch(rule["name"]["matches"], "nv_inference_queue_duration_us")
+    query = rule["metricsQuery"]
+    assert "nv_inference_queue_duration_us{<<.LabelMatchers>>}" in query
+    assert "nv_inference_request_success{<<.LabelMatchers>>}" in query
+    assert query.index("nv_inference_queue_duration_us") < query.index("/") < query.index("nv_inference_request_success")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert int(metric["pods"]["target"]["averageValue"]) > 0
+    # docker-compose's Prometheus records the same ratio.
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    (recorded,) = rules["groups"][0]["rules"]
+    assert "rate(nv_inference_queue_duration_us[1m])" in recorded["expr"]
+    assert "rate(nv_inference_request_success[1m])" in recorded["expr"]
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu", "loadtest"))
+def test_pods_run_unprivileged_with_a_read_only_root(rel):
+    for obj in render(rel):
+        if obj["kind"] not in ("Deployment", "Job"):
+            continue
+        spec = pod_spec(obj)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        assert spec["automountServiceAccountToken"] is False
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert "emptyDir" in volumes[mounts["/tmp"]], f"{c['name']}: /tmp must be writable"
+            assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+def test_model_repository_comes_from_the_pvc_filled_by_the_prepare_init_container(rel):
+    objects = render(rel)
+    deployment = one(objects, "Deployment", "specdec-triton")
+    spec = pod_spec(deployment)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    pvc = one(objects, "PersistentVolumeClaim")
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    (prepare,) = spec["initContainers"]
+    script = " ".join(prepare["command"])
+    assert "specdec prepare" in script and "/opt/specdec/model_repository" in script and "/models/model_repository" in script
+    cache = config_map(objects, "specdec-deploy")["data"]["SPECDEC_CACHE_DIR"]
+    for c in (prepare, container(deployment, "triton")):
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/models"] == "models"
+        assert cache.startswith("/models/")
+        assert c["envFrom"] == container(deployment, "triton")["envFrom"]
+    assert {m["mountPath"]: m["name"] for m in container(deployment, "triton")["volumeMounts"]}["/dev/shm"] == "dshm"
+
+
+def test_gpu_overlay_requests_a_gpu_and_serves_gpu_settings():
+    objects = render("overlays/gpu")
+    deployment = one(objects, "Deployment", "specdec-triton")
+    spec = pod_spec(deployment)
+    server = container(deployment, "triton")
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert server["command"] == ["tritonserver"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    settings = config_map(objects, "specdec-deploy")["data"]["SPECDEC_SETTINGS"]
+    assert settings == compose()["services"]["triton"]["environment"]["SPECDEC_SETTINGS"]
+    assert settings == "/opt/specdec/deploy/settings/gpu.json"
+    assert config_map(objects, "specdec-deploy")["metadata"]["name"] != config_map(render("overlays/cpu"), "specdec-deploy")["metadata"]["name"]
+
+
+def test_cpu_overlay_runs_the_launcher_without_gpus():
+    objects = render("overlays/cpu")
+    deployment = one(objects, "Deployment", "specdec-triton")
+    server = container(deployment, "triton")
+    assert "command" not in server  # the image's ENTRYPOINT: specdec
+    assert server["args"][:2] == ["serve", "--address=0.0.0.0"]
+    assert "nodeSelector" not in pod_spec(deployment)
+    assert not any("nvidia.com/gpu" in str(c["resources"]) for c in pod_spec(deployment)["containers"])
+    settings = config_map(objects, "specdec-deploy")["data"]["SPECDEC_SETTINGS"]
+    assert settings == compose()["services"]["triton-cpu"]["environment"]["SPECDEC_SETTINGS"]
+    assert settings == "/opt/specdec/deploy/settings/cpu.json"
+    # The launcher understands the flags the manifest passes it.
+    parsed = _build_parser().parse_args([a.replace("$(HTTP_PORT)", "1").replace("$(GRPC_PORT)", "2").replace("$(METRICS_PORT)", "3") for a in server["args"][1:]])
+    assert (parsed.address, str(parsed.model_repository), parsed.http_port) == ("0.0.0.0", "/models/model_repository", 1)
+
+
+def test_loadtest_runs_the_production_scenario_against_the_service():
+    objects = render("loadtest")
+    master = container(one(objects, "Job", "specdec-locust-master"), "locust")
+    worker = container(one(objects, "Job", "specdec-locust-worker"), "locust")
+    assert master["args"][:3] == ["-f", "loadtest/locustfile.py", "--master"]
+    assert "--host=$(SPECDEC_TRITON_HOST):$(SPECDEC_TRITON_GRPC_PORT)" in master["args"]
+    assert "--expect-workers=$(SPECDEC_LOCUST_WORKERS)" in master["args"]
+    assert worker["args"][:3] == ["-f", "loadtest/locustfile.py", "--worker"]
+    assert "--master-host=specdec-locust" in worker["args"]
+    cm = config_map(objects, "specdec-loadtest")
+    for c in (master, worker):
+        assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+        assert c["workingDir"] == "/opt/specdec"
+    assert cm["data"]["SPECDEC_SCENARIO"] == "production"
+    assert {"SPECDEC_METHOD", "SPECDEC_NUM_DRAFT_TOKENS"} <= set(cm["data"])
+
+
+# ---- served settings ----------------------------------------------------------------------
+def _verifier_max_batch_size() -> int:
+    text = (ROOT / "model_repository" / "verifier" / "config.pbtxt").read_text()
+    return int(re.search(r"^max_batch_size:\s*(\d+)", text, re.M).group(1))
+
+
+@pytest.mark.parametrize("name, device, dtype", [("cpu", "cpu", None), ("gpu", "cuda", "bfloat16")])
+def test_settings_files_differ_from_the_repository_settings_only_in_device_and_dtype(name, device, dtype):
+    path = DEPLOY / "settings" / f"{name}.json"
+    settings = ServingConfig.from_file(path)
+    assert settings.engine.device == device
+    assert settings.engine.max_batch_size == _verifier_max_batch_size()
+    reference = json.loads((ROOT / "model_repository" / "specdec.json").read_text())
+    ours = json.loads(path.read_text())
+    if dtype:
+        assert ours["engine"]["dtype"] == dtype
+    for raw in (reference, ours):
+        raw["engine"].pop("device", None)
+        raw["engine"].pop("dtype", None)
+    assert ours == reference, f"{path} drifted from model_repository/specdec.json: copy the change there"
+
+
+# ---- Dockerfiles and packaging --------------------------------------------------------------
+def test_dockerfiles_install_the_project_as_documented():
+    cpu = (DEPLOY / "docker" / "Dockerfile").read_text()
+    gpu = (DEPLOY / "docker" / "Dockerfile.gpu").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (torch_pin,) = re.findall(r'"(torch==[^"]+)"', pyproject)
+    assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "cpu"), ("cpu", "locust")]
+    assert f"--index-url https://download.pytorch.org/whl/cpu {torch_pin}" in cpu
+    assert 'pip install "/opt/specdec[serve]"' in cpu
+    assert 'ENTRYPOINT ["specdec"]' in cpu
+    assert 'CMD ["serve", "--address", "0.0.0.0", "--model-repository", "/models/model_repository"]' in cpu
+    assert re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+", gpu)
+    assert f'--index-url "${{TORCH_INDEX_URL}}" {torch_pin}' in gpu
+    assert 'CMD ["tritonserver", "--model-repository=/models/model_repository"]' in gpu
+    assert "pip install --no-deps /opt/specdec" in gpu  # trtllm stage: keep the container's torch
+    for text in (cpu, gpu):
+        assert re.findall(r"^USER (\S+)", text, re.M)[-1].split(":")[0] == "1000"
+    # The build contexts carry what the images and manifests use.
+    for name, needed in (("Dockerfile", ("model_repository", "deploy/settings", "loadtest")), ("Dockerfile.gpu", ("model_repository", "deploy/settings", "deploy/trtllm"))):
+        allowed = (DEPLOY / "docker" / f"{name}.dockerignore").read_text().split()
+        for path in ("pyproject.toml", "specdec", "specdec_triton", "client", *needed):
+            assert f"!{path}" in allowed, f"{name}.dockerignore drops {path}"
+
+
+def test_trtllm_extra_is_declared_but_never_installed_by_setup_or_ci():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["trtllm"] == ["tensorrt-llm"]
+    for extra, packages in extras.items():
+        if extra != "trtllm":
+            assert not any("tensorrt" in p for p in packages), extra
+    for path in (ROOT / "Makefile", ROOT / ".ci" / "run"):
+        if path.exists():
+            assert "trtllm" not in path.read_text(), path
+
+
+# ---- docker-compose -------------------------------------------------------------------------
+def test_compose_file_matches_the_compose_specification():
+    import importlib.resources
+
+    import jsonschema
+
+    schema = json.loads((importlib.resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose())]
+    assert not errors, "\n".join(errors)
+
+
+def test_compose_services_and_profiles():
+    services = compose()["services"]
+    assert set(services) == {"prepare", *SERVER_SERVICES, "locust-master", "locust-worker", "prometheus"}
+    for name, profile in SERVER_SERVICES.items():
+        assert services[name]["profiles"] == [profile]
+    for name in set(services) - set(SERVER_SERVICES):
+        assert "profiles" not in services[name], f"{name} runs with every server profile"
+    # Load generator and Prometheus address the server as `triton` whichever profile runs.
+    for name in ("triton-cpu", "triton-trtllm"):
+        assert services[name]["networks"]["default"]["aliases"] == ["triton"]
+    assert set(compose()["volumes"]) == {"model-cache", "hf-cache", "prometheus-data"}
+
+
+@pytest.mark.parametrize("name", ["triton", "triton-cpu"])
+def test_compose_servers_mount_the_repository_and_the_prepared_cache(name):
+    service = compose()["services"][name]
+    volumes = dict(v.split(":", 1) for v in service["volumes"])
+    assert volumes["./model_repository"] == "/models/model_repository:ro"
+    assert volumes["model-cache"] == service["environment"]["SPECDEC_CACHE_DIR"] == "/models/cache"
+    assert volumes["./deploy/settings"] == "/opt/specdec/deploy/settings:ro"
+    settings = service["environment"]["SPECDEC_SETTINGS"]
+    assert (ROOT / settings.replace("/opt/specdec/", "")).is_file()
+    assert service["depends_on"] == {"prepare": {"condition": "service_completed_successfully"}}
+    assert service["shm_size"]
+    check = service["healthcheck"]["test"]
+    assert check[0] == "CMD" and f"http://localhost:{launcher_ports()['http']}/v2/health/ready" in check[-1]
+    prepare = compose()["services"]["prepare"]
+    assert prepare["command"] == ["prepare"]
+    assert prepare["environment"]["SPECDEC_CACHE_DIR"] == "/models/cache"
+    assert "model-cache:/models/cache" in prepare["volumes"]
+
+
+def test_compose_gpu_services_reserve_a_gpu():
+    services = compose()["services"]
+    for name in ("triton", "triton-trtllm"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] >= 1
+    assert "deploy" not in services["triton-cpu"]
+    assert services["triton"]["build"]["dockerfile"] == "deploy/docker/Dockerfile.gpu"
+    assert services["triton-cpu"]["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+    trtllm_config = services["triton-trtllm"]["environment"]["LLM_CONFIG_PATH"]
+    assert re.fullmatch(r"\$\{SPECDEC_TRTLLM_CONFIG:-(.+)\}", trtllm_config).group(1) == trtllm.DEFAULT_CONFIG_FILE
+
+
+def test_compose_locust_runs_the_production_scenario_against_triton():
+    services = compose()["services"]
+    master, worker = services["locust-master"], services["locust-worker"]
+    assert master["command"][:3] == ["-f", "loadtest/locustfile.py", "--master"]
+    assert master["command"][master["command"].index("--host") + 1] == f"triton:{launcher_ports()['grpc']}"
+    assert worker["command"] == ["-f", "loadtest/locustfile.py", "--worker", "--master-host", "locust-master"]
+    assert "ports" not in worker and "container_name" not in worker  # --scale locust-worker=N
+    for service in (master, worker):
+        assert service["environment"]["SPECDEC_SCENARIO"] == "production"
+        assert {"SPECDEC_METHOD", "SPECDEC_NUM_DRAFT_TOKENS"} <= set(service["environment"])
+        assert service["working_dir"] == "/opt/specdec"
+        assert service["build"]["target"] == "locust"
+
+
+def test_load_tests_ask_for_a_scenario_the_locustfile_has():
+    if not (ROOT / "loadtest" / "scenarios.py").is_file():
+        pytest.skip("loadtest/ not present")
+    sys.path.insert(0, str(ROOT))
+    try:
+        from loadtest import scenarios
+    finally:
+        sys.path.remove(str(ROOT))
+    assert compose()["services"]["locust-master"]["environment"]["SPECDEC_SCENARIO"] in scenarios.SCENARIOS
+    assert LOADTEST["SPECDEC_SCENARIO"] in scenarios.SCENARIOS
+
+
+def test_compose_prometheus_uses_the_provided_config():
+    prometheus = compose()["services"]["prometheus"]
+    assert "./deploy/prometheus:/etc/prometheus:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    for rule_file in config["rule_files"]:
+        assert (DEPLOY / "prometheus" / Path(rule_file).name).is_file()
+
+
+def test_compose_bind_mounts_exist():
+    for name, service in compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./") and source != "./loadtest":  # loadtest/ lands separately
+                assert (ROOT / source).exists(), f"{name}: {source}"
+
+
+# ---- TensorRT-LLM variant -------------------------------------------------------------------
+def _trtllm_configs() -> dict[str, dict]:
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted((TRTLLM_REPO / "ensemble" / "1").glob("*.yaml"))}
+
+
+def test_trtllm_files_are_what_the_generator_writes(tmp_path):
+    assert trtllm.main(["--check", "--out", str(TRTLLM_REPO)]) == 0, "run: python -m specdec.trtllm"
+    assert trtllm.main(["--out", str(tmp_path)]) == 0
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert [str(p) for p in generated] == [
+        "ensemble/1/baseline.yaml", "ensemble/1/eagle3-tree.yaml", "ensemble/1/eagle3.yaml", "ensemble/config.pbtxt",
+    ]
+    for rel in generated:
+        assert (tmp_path / rel).read_bytes() == (TRTLLM_REPO / rel).read_bytes(), rel
+    committed = {p.relative_to(TRTLLM_REPO) for p in TRTLLM_REPO.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert committed == set(generated) | {Path("ensemble/1/model.py")}
+
+
+def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched():
+    configs = _trtllm_configs()
+    assert set(configs) == {"baseline", METHOD_EAGLE3, METHOD_EAGLE3_TREE}
+    pbtxt = (TRTLLM_REPO / "ensemble" / "config.pbtxt").read_text()
+    pbtxt_batch = int(re.search(r"^max_batch_size:\s*(\d+)", pbtxt, re.M).group(1))
+    for name, config in configs.items():
+        served = trtllm.served_variant(config)  # the model's own load-time validation
+        assert served.max_batch_size == config["triton_config"]["max_batch_size"] == pbtxt_batch
+        assert config["backend"] == "pytorch" and config["model"] == trtllm.DEFAULT_TARGET
+        assert isinstance(config["max_seq_len"], int) and config["triton_config"]["decoupled"] is True
+        rest = {k: v for k, v in config.items() if k != "speculative_config"}
+        assert rest == {k: v for k, v in configs["baseline"].items() if k != "speculative_config"}, f"{name} is not matched"
+    assert "speculative_config" not in configs["baseline"]
+    assert trtllm.served_variant(configs["baseline"]).method == METHOD_NONE
+    linear = configs[METHOD_EAGLE3]["speculative_config"]
+    assert linear["decoding_type"] == "Eagle3" and linear["speculative_model"] == trtllm.DEFAULT_DRAFT
+    assert "use_dynamic_tree" not in linear and linear["max_draft_len"] >= 1
+    tree = configs[METHOD_EAGLE3_TREE]["speculative_config"]
+    assert tree["use_dynamic_tree"] is True and tree["speculative_model"] == trtllm.DEFAULT_DRAFT
+    assert tree["max_draft_len"] <= tree["max_total_draft_tokens"] <= tree["dynamic_tree_max_topK"] * tree["max_draft_len"]
+    served = trtllm.served_variant(configs[METHOD_EAGLE3_TREE])
+    assert (served.method, served.num_draft_tokens) == (METHOD_EAGLE3_TREE, tree["max_total_draft_tokens"])
+
+
+def _pbtxt_tensors(text: str, section: str) -> dict[str, tuple]:
+    block = re.search(rf"^{section} \[\n(.*?)\n\]", text, re.M | re.S).group(1)
+    rows = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]( optional: true)?', block)
+    return {name: (dtype, tuple(int(d) for d in dims.split(",")), bool(opt)) for name, dtype, dims, opt in rows}
+
+
+def test_trtllm_model_has_our_ensemble_tensor_names():
+    text = (TRTLLM_REPO / "ensemble" / "config.pbtxt").read_text()
+    assert re.search(r'^name: "ensemble"$', text, re.M) and "decoupled: true" in text
+    inputs, outputs = P.MODELS["ensemble"]
+    assert _pbtxt_tensors(text, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
+    assert _pbtxt_tensors(text, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}
+    # The client's request fields all exist there: it drives this server unchanged.
+    from specdec_client import GenerateRequest
+
+    request = GenerateRequest("hi", temperature=0.5, top_k=4, top_p=0.9, seed=1, stop=("x",), method="eagle3",
+                              num_draft_tokens=3, ignore_eos=True, apply_chat_template=False)
+    assert set(request.fields(stream=True)) <= set(inputs)
+
+
+def test_trtllm_model_py_compiles_and_uses_the_shared_helpers():
+    source = (TRTLLM_REPO / "ensemble" / "1" / "model.py").read_text()
+    compile(source, "model.py", "exec")
+    imported = re.search(r"from specdec\.trtllm import (.+)", source).group(1).split(", ")
+    assert all(hasattr(trtllm, name) for name in imported)
+    assert "LLM_CONFIG_PATH" in source and (TRTLLM_REPO / "ensemble" / "1" / trtllm.DEFAULT_CONFIG_FILE).is_file()
+
+
+SLIDING_WINDOW_TARGET = {
+    "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 32768, "sliding_window": 4096,
+}
+MLA_TARGET = {**trtllm.LLAMA_3_1_8B_INSTRUCT, "kv_lora_rank": 512}
+
+
+@pytest.mark.parametrize("argv, target, field", [
+    ([], SLIDING_WINDOW_TARGET, "use_dynamic_tree"),
+    ([], MLA_TARGET, "use_dynamic_tree"),
+    (["--tree-max-total-draft-tokens", "61"], None, "max_total_draft_tokens"),
+    (["--tree-max-total-draft-tokens", "5"], None, "max_total_draft_tokens"),
+    (["--max-draft-len", "0"], None, "max_draft_len"),
+    (["--tree-topk", "0"], None, "dynamic_tree_max_topK"),
+    (["--max-seq-len", "200000"], None, "max_seq_len"),
+    (["--max-batch-size", "0"], None, "max_batch_size"),
+    (["--target", "some-org/other-model"], None, "target_config"),
+])
+def test_trtllm_generator_refuses_invalid_configs_naming_the_field(tmp_path, capsys, argv, target, field):
+    if target is not None:
+        (tmp_path / "config.json").write_text(json.dumps(target))
+        argv = [*argv, "--target-config", str(tmp_path / "config.json")]
+    out = tmp_path / "repo"
+    assert trtllm.main([*argv, "--out", str(out)]) == 2
+    assert f"error: {field}:" in capsys.readouterr().err
+    assert not out.exists()  # nothing half-written
+
+
+def test_trtllm_generator_accepts_the_linear_variant_for_a_sliding_window_target(tmp_path):
+    """Only the dynamic tree is refused for sliding-window targets, not EAGLE-3 itself."""
+    deployment = trtllm.TrtllmDeployment(
+        target=trtllm.ModelConfig.from_hf_dict(SLIDING_WINDOW_TARGET),
+        variants={k: v for k, v in trtllm.default_variants().items() if k != METHOD_EAGLE3_TREE},
+        model="mistralai/Mistral-7B-Instruct-v0.1",
+    )
+    assert set(deployment.files()) == {"ensemble/config.pbtxt", "ensemble/1/baseline.yaml", "ensemble/1/eagle3.yaml"}
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c["speculative_config"].update(max_total_draft_tokens=1000), "max_total_draft_tokens"),
+    (lambda c: c["triton_config"].update(max_batch_size=8), "triton_config.max_batch_size"),
+    (lambda c: c.pop("max_batch_size"), "max_batch_size"),
+    (lambda c: c["speculative_config"].pop("dynamic_tree_max_topK"), "speculative_config.dynamic_tree_max_topK"),
+    (lambda c: c["speculative_config"].update(decoding_type="MTP"), "speculative_config.decoding_type"),
+])
+def test_trtllm_model_load_refuses_hand_edits_naming_the_field(edit, field):
+    config = _trtllm_configs()[METHOD_EAGLE3_TREE]
+    edit(config)
+    with pytest.raises(ConfigError) as err:
+        trtllm.served_variant(config)
+    assert err.value.field == field
+
+
+def _inputs(**values) -> dict:
+    """Request tensors as the Triton model sees them: batch of one, strings as bytes."""
+    out = {}
+    for name, value in values.items():
+        spec = P.MODELS["ensemble"][0][name]
+        items = value if isinstance(value, list) else [value]
+        items = [v.encode() if isinstance(v, str) else v for v in items]
+        out[name] = np.array([items], dtype=object if spec.dtype == "TYPE_STRING" else None)
+    return out
+
+
+EAGLE3 = trtllm.ServedVariant(METHOD_EAGLE3, 3, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
+BASELINE = trtllm.ServedVariant(METHOD_NONE, 0, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
+
+
+def test_trtllm_requests_map_to_llm_api_sampling_params():
+    greedy = trtllm.parse_request(_inputs(text_input="Hi", max_tokens=16, stream=True, return_perf_metrics=True), EAGLE3)
+    assert greedy.prompt == "Hi" and greedy.stream and greedy.apply_chat_template and greedy.return_perf_metrics
+    assert greedy.sampling == {"max_tokens": 16, "temperature": 0.0, "return_perf_metrics": True}
+    sampled = trtllm.parse_request(
+        _inputs(text_input="Hi", max_tokens=8, temperature=0.7, top_k=40, top_p=0.9, random_seed=7,
+                stop_words=["\n\n", "END"], ignore_eos=True, apply_chat_template=False,
+                speculative_method="eagle3", num_draft_tokens=3),
+        EAGLE3,
+    )
+    assert sampled.sampling == {
+        "max_tokens": 8, "temperature": pytest.approx(0.7), "top_k": 40, "top_p": pytest.approx(0.9),
+        "seed": 7, "stop": ["\n\n", "END"], "ignore_eos": True,
+    }
+    assert not sampled.apply_chat_template and not sampled.stream
+    baseline = trtllm.parse_request(_inputs(text_input="Hi", max_tokens=4, speculative_method="none", num_draft_tokens=0), BASELINE)
+    assert baseline.sampling["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("values, served, field", [
+    ({"speculative_method": "none"}, EAGLE3, P.SPECULATIVE_METHOD),
+    ({"speculative_method": "eagle3-tree"}, EAGLE3, P.SPECULATIVE_METHOD),
+    ({"num_draft_tokens": 0}, EAGLE3, P.NUM_DRAFT_TOKENS),
+    ({"num_draft_tokens": 5}, EAGLE3, P.NUM_DRAFT_TOKENS),
+    ({"speculative_method": "eagle3"}, BASELINE, P.SPECULATIVE_METHOD),
+    ({"max_tokens": 0}, EAGLE3, P.MAX_TOKENS),
+    ({"max_tokens": 9000}, EAGLE3, P.MAX_TOKENS),
+    ({"temperature": -1.0}, EAGLE3, P.TEMPERATURE),
+    ({"top_p": 0.0}, EAGLE3, P.TOP_P),
+    ({"text_input": ""}, EAGLE3, P.TEXT_INPUT),
+    ({"text_input": ["a", "b"]}, EAGLE3, P.TEXT_INPUT),
+])
+def test_trtllm_invalid_requests_are_refused_naming_the_field(values, served, field):
+    request = {"text_input": "Hi", "max_tokens": 16, **values}
+    with pytest.raises(InvalidRequestError) as err:
+        trtllm.parse_request(_inputs(**request), served)
+    assert err.value.field == field
+
+
+def test_trtllm_perf_counts_follow_our_definitions():
+    names = {P.ACCEPTANCE_RATE, *(row[0] for row in P.PERF_COUNTS)}
+    plain = trtllm.perf_counts(output_tokens=10, accepted=0, drafted=0)
+    assert set(plain) == names
+    assert plain[P.VERIFICATION_STEPS] == 9 and plain[P.ACCEPTANCE_RATE] == 0.0  # as our own baseline reports
+    spec = trtllm.perf_counts(output_tokens=10, accepted=6, drafted=9)
+    assert spec[P.VERIFICATION_STEPS] == 3 and spec[P.ACCEPTANCE_RATE] == pytest.approx(6 / 9)
+    # mean acceptance length = tokens per verification step, the first (prefill) token aside
+    assert (spec[P.OUTPUT_TOKENS] - 1) / spec[P.VERIFICATION_STEPS] == pytest.approx(3.0)

@@ -1,0 +1,182 @@
+"""EAGLE-3: the published checkpoint layout, greedy losslessness (linear and tree), the
+EAGLE-2 tree on a hand-checked example, and statistical losslessness of tree sampling."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdec.config import EngineConfig, SamplingParams, ServingConfig, SpeculativeConfig
+from specdec.drafters.eagle3 import Eagle3Drafter, _HeadState
+from specdec.engine import SpecEngine
+from specdec.errors import ConfigError
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+from specdec.models.loading import load_transformer
+from specdec.sequence import SequenceState
+
+from conftest import save_tiny_hf
+from test_speculative import PARAMS, TOY_PROMPT, chi_square_p, exact_first3, prompts, run_all, sample_first3
+
+
+def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab=96, draft_vocab=40, taps=(0, 1, 2)):
+    """A checkpoint written the way published EAGLE-3 heads are (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's
+    config keys and weight names), with small shapes."""
+    g = torch.Generator().manual_seed(0)
+    hd = hidden // heads
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    vocab_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    sd = {
+        "fc.weight": r(hidden, 3 * hidden), "norm.weight": 1 + r(hidden), "lm_head.weight": r(draft_vocab, hidden),
+        "d2t": vocab_ids - torch.arange(draft_vocab), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, vocab_ids, True),
+        "midlayer.hidden_norm.weight": 1 + r(hidden), "midlayer.input_layernorm.weight": 1 + r(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + r(hidden),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * hidden), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * hidden), "midlayer.self_attn.o_proj.weight": r(hidden, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, hidden), "midlayer.mlp.up_proj.weight": r(inter, hidden),
+        "midlayer.mlp.down_proj.weight": r(hidden, inter),
+    }
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "bias": False, "draft_vocab_size": draft_vocab, "hidden_act": "silu",
+              "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter, "max_position_embeddings": 2048,
+              "model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+              "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+              "transformers_version": "4.28.1", "use_cache": True, "vocab_size": vocab,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(taps)}}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return sd
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target = load_transformer(save_tiny_hf(root / "target", initializer_range=0.3, seed=3))
+    sd = random_published_checkpoint(root / "head")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "head" / "model.safetensors"))
+    return target, root / "head", sd
+
+
+def test_published_layout_loads_and_round_trips(tiny, tmp_path):
+    target, head_dir, sd = tiny
+    head = load_eagle3(head_dir, target.embed, target.cfg)
+    assert head.cfg.tap_layers == (0, 1, 2) and head.cfg.draft_vocab_size == 40
+    for name, value in head.published_state_dict().items():
+        assert torch.equal(value.to(sd[name].dtype), sd[name]), name
+    # pytorch_model.bin (the format yuhuili's heads ship in) loads the same way.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((head_dir / "config.json").read_text())
+    torch.save(sd, tmp_path / "bin" / "pytorch_model.bin")
+    again = load_eagle3(tmp_path / "bin", target.embed, target.cfg)
+    assert torch.equal(again.attn.wqkv.weight, head.attn.wqkv.weight)
+    # ...and save_eagle3 writes the same layout back.
+    save_eagle3(head, tmp_path / "saved", dtype=torch.float32)
+    third = load_eagle3(tmp_path / "saved", target.embed, target.cfg)
+    assert torch.equal(third.lm_head.weight, head.lm_head.weight) and torch.equal(third.d2t, head.d2t)
+    del sd["norm.weight"]
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "bin" / "model.safetensors"))
+    with pytest.raises(Exception, match="norm.weight"):
+        load_eagle3(tmp_path / "bin", target.embed, target.cfg)
+
+
+def eagle_engine(target, head_dir, tree: bool, max_batch=8):
+    cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=128, max_num_draft_tokens=8)
+    head = load_eagle3(head_dir, target.embed, target.cfg)
+    drafters = {
+        "eagle3": Eagle3Drafter(head, SpeculativeConfig(method="eagle3", max_draft_len=5), max_batch, 128),
+        "eagle3-tree": Eagle3Drafter(head, SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True,
+                                                             dynamic_tree_max_topK=3, max_total_draft_tokens=8), max_batch, 128),
+    }
+    return SpecEngine(target, cfg, drafters=drafters)
+
+
+def test_greedy_eagle3_equals_plain_tiny(tiny):
+    target, head_dir, _ = tiny
+    ps = prompts(12, seed=5)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = eagle_engine(target, head_dir, tree=False)
+    plain = run_all(engine, ps, params, "none", 0, concurrent=1)
+    for method, k in (("eagle3", 5), ("eagle3-tree", 8)):
+        for concurrent in (1, 8):
+            assert run_all(engine, ps, params, method, k, concurrent) == plain, (method, concurrent)
+    assert engine.cache.num_free == 8
+    assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
+
+
+class TableHead(Eagle3Head):
+    """A head whose next-token log-probs depend only on the input token (a lookup table)."""
+
+    def __init__(self, cfg, embed, table):
+        super().__init__(cfg, embed)
+        self.table = table
+
+    def forward(self, hidden, batch, cache):
+        return torch.zeros(*batch.tokens.shape, self.cfg.hidden_size), self.table[batch.tokens].log()
+
+
+def test_dynamic_tree_matches_hand_checked_tree(tiny):
+    target, _, _ = tiny
+    eps = 1e-6
+    table = torch.full((6, 6), eps)
+    for token, row in {0: [0, 0, 0, .7, .2, .1], 1: [0, 0, 0, .1, .5, .4], 3: [.9, .06, .04, 0, 0, 0],
+                       4: [.5, .3, .2, 0, 0, 0], 5: [.6, .3, .1, 0, 0, 0]}.items():
+        table[token] = torch.tensor(row) + eps
+    table = table / table.sum(-1, keepdim=True)
+    cfg = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       vocab_size=96, draft_vocab_size=6, tap_layers=(0, 1, 2))
+    head = TableHead(cfg, target.embed, table)  # d2t = 0: draft id == target id
+    spec = SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2)
+    assert spec.max_total_draft_tokens == 6
+    drafter = Eagle3Drafter(head, spec, 2, 64)
+    seq = SequenceState("s", [1, 2], SamplingParams(), "eagle3-tree", torch.Generator(), output_ids=[7])
+    state = _HeadState(drafter.cache.allocate(), last_hidden=torch.zeros(64), last_logits=torch.tensor([.6, .3, .1, eps, eps, eps]).log())
+    seq.drafter_state["eagle3"] = state
+    # Depth 1: 0 (.6), 1 (.3). Depth 2: 3|0 (.42), 4|1 (.15), 4|0 (.12), 5|1 (.12) -> frontier 3|0, 4|1.
+    # Depth 3: 0|3 (.378), 1|3 (.0252), 0|4 (.075), 1|4 (.045). Best 5: .6 .42 .378 .3 .15.
+    tree = drafter.propose([seq], [5])[0]
+    assert tree.tokens == [0, 1, 3, 4, 0] and tree.parents == [-1, -1, 0, 1, 2]
+    tree = drafter.propose([seq], [2])[0]  # the budget caps the tree, parents first
+    assert tree.tokens == [0, 3] and tree.parents == [-1, 0]
+
+
+@pytest.fixture(scope="module")
+def toy_eagle(tmp_path_factory):
+    from test_speculative import TOY_VOCAB
+
+    root = tmp_path_factory.mktemp("toy_eagle")
+    target = load_transformer(
+        save_tiny_hf(root / "t", vocab_size=TOY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     initializer_range=0.15, seed=11, eos_token_id=0, bos_token_id=0)
+    )
+    sd = random_published_checkpoint(root / "h", hidden=32, inter=64, heads=4, kv=2, vocab=TOY_VOCAB, draft_vocab=TOY_VOCAB - 2,
+                                     taps=(0, 1, 1))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * 40  # peaked draft distributions
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "h" / "model.safetensors"))
+    return target, load_eagle3(root / "h", target.embed, target.cfg)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain_sampled", "dynamic_tree"])
+def test_eagle3_sampling_is_lossless(toy_eagle, tree):
+    target, head = toy_eagle
+    spec = (SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2)
+            if tree else SpeculativeConfig(method="eagle3", max_draft_len=4))
+    drafter = Eagle3Drafter(head, spec, 500, 32)
+    counts = sample_first3(target, drafter, PARAMS, seed0=2000)
+    p = chi_square_p(counts, exact_first3(target, PARAMS))
+    assert p > 1e-3, f"chi-square p={p:.2e}"
+
+
+def test_serving_config_checks_eagle_budgets():
+    base = {"engine": {"max_num_draft_tokens": 8}, "methods": {}}
+    with pytest.raises(ConfigError, match="methods.eagle3-tree.max_total_draft_tokens"):
+        ServingConfig.from_dict({**base, "methods": {"eagle3-tree": {"method": "eagle3-tree", "max_draft_len": 4,
+                                                                      "use_dynamic_tree": True, "dynamic_tree_max_topK": 4}}})
+    with pytest.raises(ConfigError, match="max_total_draft_tokens"):
+        SpeculativeConfig(method="eagle3-tree", max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=9)
+    with pytest.raises(ConfigError, match="default_method"):
+        ServingConfig.from_dict({**base, "default_method": "eagle3"})
+    with pytest.raises(ConfigError, match="methods.x.max_depth"):
+        ServingConfig.from_dict({**base, "methods": {"x": {"method": "eagle3", "max_depth": 3}}})
