@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,19 @@ test: prepare
 
 bench-engine: prepare
 	$(BIN)/specdec bench-engine --out results/engine_bench.json
+
+bench-serving: prepare
+	$(BIN)/specdec bench-serving --out results/serving_overhead.json
+
+# Matched Triton benchmark: baseline + every configured method, c=1 and c=16, ShareGPT.
+bench: prepare
+	$(BIN)/specdec-client bench --start-server --out results/bench/latest
+
+loadtest-c1: prepare
+	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest
+
+loadtest-prod: prepare
+	$(BIN)/python -m loadtest.run --scenario production --duration 120s --start-server --out results/loadtest
 
 clean:
 	rm -rf $(VENV) .pytest_cache

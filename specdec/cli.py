@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
+    sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
+    sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
     sub.add_parser("demo", help="start the server, stream a prompt with and without speculation, stop (make run)")
 
     p = sub.add_parser("bench-engine", help="in-process engine benchmark -> results/engine_bench.json")
@@ -135,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         from .train_eagle3 import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["bench-serving"]:
+        from .bench_serving import main as bench_serving_main
+
+        return bench_serving_main(argv[1:])
+    if argv[:1] == ["trtllm-config"]:
+        from .trtllm import main as trtllm_main
+
+        return trtllm_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

@@ -13,19 +13,21 @@ from torch import Tensor
 
 from .config import SamplingParams
 from .drafters.base import Drafter
-from .errors import ConfigError, InvalidRequestError, UnknownSequenceError
+from .errors import ConfigError, InvalidRequestError
 from .sampling import make_generator
-from .sequence import SequenceState
+from .sequence import KeyedSequences, SequenceState
 from .tree import DraftTree
 
 # Draft randomness uses its own stream so it never shifts the verifier's acceptance draws.
 _DRAFT_SEED_OFFSET = 0x5EED
 
 
-class DraftService:
+class DraftService(KeyedSequences[SequenceState]):
+    where = "drafter"
+
     def __init__(self, drafters: Mapping[str, Drafter]):
+        super().__init__()
         self.drafters = dict(drafters)
-        self._seqs: dict[Hashable, SequenceState] = {}
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -38,13 +40,6 @@ class DraftService:
     def needs_hidden(self, method: str) -> bool:
         drafter = self.drafters.get(method)
         return bool(drafter and drafter.tap_layers)
-
-    @property
-    def active(self) -> int:
-        return len(self._seqs)
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
 
     def start(
         self, seq_id: Hashable, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
@@ -83,20 +78,6 @@ class DraftService:
         self.drafters[seq.method].on_verified(seq, list(emitted), accepted, hidden)
 
     def release(self, seq_id: Hashable) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the drafter")
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
         self.drafters[seq.method].on_finish(seq)
-
-    def release_idle(self, max_idle_s: float) -> list[Hashable]:
-        cutoff = time.monotonic() - max_idle_s
-        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
-        for seq_id in stale:
-            self.release(seq_id)
-        return stale
-
-    def _get(self, seq_id: Hashable) -> SequenceState:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the drafter")
-        return seq

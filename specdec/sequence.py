@@ -3,14 +3,18 @@
 engine and the Triton models so both apply exactly the same rules."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Hashable, TypeVar
 
 import torch
 
 from .config import SamplingParams
 from .detok import IncrementalDetokenizer
+from .errors import UnknownSequenceError
 from .metrics import SpecStats
+
+T = TypeVar("T")
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -98,3 +102,37 @@ class RequestState:
 
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason = True, reason
+
+
+class KeyedSequences(Generic[T]):
+    """Per-sequence records keyed by sequence id, with an idle timeout: the shared shape of
+    the verifier's and the drafters' state (each may live in its own Triton process)."""
+
+    where = "this model"
+
+    def __init__(self) -> None:
+        self._seqs: dict[Hashable, T] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def _get(self, seq_id: Hashable) -> T:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the {self.where}")
+        return seq
+
+    def release(self, seq_id: Hashable) -> None:
+        raise NotImplementedError
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
+        cutoff = time.monotonic() - max_idle_s
+        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale

@@ -211,6 +211,63 @@ def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
     return out
 
 
+def write_model_card(out: Path, record: dict) -> None:
+    """README.md and the training curve (train_curve.png) next to the weights."""
+    curve = record["curve"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label="weighted TTT loss")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax2 = ax.twinx()
+        for k in range(len(curve[0]["train_top1_by_position"]) if curve else 0):
+            ax2.plot([c["step"] for c in curve], [c["train_top1_by_position"][k] for c in curve], "--", label=f"top-1 pos {k}")
+        ax2.set_ylabel("train top-1 vs target")
+        fig.legend(loc="upper center", ncol=2, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "train_curve.png", dpi=100)
+        plt.close(fig)
+    except ImportError:
+        pass
+    b, d, acc = record["budget"], record["data"], record["heldout_acceptance"]
+    rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
+    (out / "README.md").write_text(f"""# EAGLE-3 head for SmolLM2-135M-Instruct (trained here)
+
+Trained on this repository's CPU by:
+
+```bash
+{record['command']}
+```
+
+- data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
+  ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
+- labels: the target's own argmax next token at every position (features and labels from `specdec.models.llama`)
+- draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
+- budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
+  {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}
+- layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16)
+
+## Held-out results
+
+- top-1 agreement with the target by draft position (teacher-forced, held-out conversations):
+  {', '.join(f'{a:.3f}' for a in record['heldout_top1_by_position'])}
+- real greedy EAGLE-3 decoding (linear, {acc['num_draft_tokens']} draft tokens) on {acc['prompts']} held-out conversation openings,
+  {acc['max_tokens']} new tokens: mean acceptance length {acc['mean_acceptance_length']:.2f}, acceptance rate {acc['acceptance_rate']:.3f},
+  per-position acceptance {', '.join(f'{a:.2f}' for a in acc['per_position_acceptance'])}
+
+## Training curve (`train_curve.png`, `train_log.json`)
+
+| step | loss | train top-1 by position |
+| --- | --- | --- |
+{rows}
+""")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec train-eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="models/eagle3-smollm2-135m")
@@ -271,5 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_top1_by_position": top1, "heldout_acceptance": acceptance, "curve": log,
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_model_card(out, record)
     print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_position", "heldout_acceptance")}, indent=2))
     return 0

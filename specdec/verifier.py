@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from .config import EngineConfig, SamplingParams
-from .errors import InvalidRequestError, UnknownSequenceError
+from .errors import CapacityError, InvalidRequestError
 from .models.llama import Transformer, build_batch
 from .sampling import logits_to_probs, make_generator, sample
+from .sequence import KeyedSequences
 from .tree import DraftTree
 from .verify import VerifyResult, verify_greedy, verify_sampled
 
@@ -42,30 +43,19 @@ class VerifyOutput:
     hidden: Tensor | None  # [1 + accepted, taps * H]: root + accepted path, when asked for
 
 
-class TargetVerifier:
+class TargetVerifier(KeyedSequences[_TargetSequence]):
+    where = "verifier"
+
     def __init__(self, target: Transformer, config: EngineConfig, tap_layers: Sequence[int] = ()):
+        super().__init__()
         self.target = target
         self.config = config
         self.tap_layers = tuple(tap_layers)
         self.device = target.embed.weight.device
         self.cache = target.new_cache(config.max_batch_size, config.max_seq_len, config.max_num_draft_tokens + 1)
-        self._seqs: dict[Hashable, _TargetSequence] = {}
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
-    @property
-    def active(self) -> int:
-        return len(self._seqs)
 
     def context_len(self, seq_id: Hashable) -> int:
         return self.cache.lengths[self._get(seq_id).slot]
-
-    def _get(self, seq_id: Hashable) -> _TargetSequence:
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the verifier")
-        return seq
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
@@ -88,8 +78,6 @@ class TargetVerifier:
             if seq_id in self._seqs:
                 raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
         if len(items) > self.cache.num_free:
-            from .errors import CapacityError
-
             raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
         now = time.monotonic()
         started = []
@@ -146,15 +134,6 @@ class TargetVerifier:
         return results  # type: ignore[return-value]
 
     def release(self, seq_id: Hashable) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the verifier")
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
         self.cache.release(seq.slot)
-
-    def release_idle(self, max_idle_s: float) -> list[Hashable]:
-        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
-        cutoff = time.monotonic() - max_idle_s
-        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
-        for seq_id in stale:
-            self.release(seq_id)
-        return stale

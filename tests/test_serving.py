@@ -48,12 +48,16 @@ def ready(server) -> bool:
     return urllib.request.urlopen(server.endpoints.http_url + "/v2/health/ready").status == 200
 
 
+SPEC_MODES = [("ngram", 4), ("ngram-tree", 6), ("eagle3", 5), ("eagle3-tree", 12)]
+
+
 def test_grpc_stream_speculative_equals_baseline(triton_server, grpc_client):
     for prompt in PROMPTS[:3]:
         base = grpc_client.generate(request(prompt, num_draft_tokens=0))
-        spec = grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4))
-        tree = grpc_client.generate(request(prompt, method="ngram-tree", num_draft_tokens=6))
-        assert base.text and spec.text == base.text and tree.text == base.text
+        assert base.text
+        for method, k in SPEC_MODES:
+            spec = grpc_client.generate(request(prompt, method=method, num_draft_tokens=k))
+            assert spec.text == base.text, (method, prompt)
         assert len(spec.chunk_times) >= 2  # streamed, not one blob
         assert base.perf[P.TOTAL_DRAFT_TOKENS] == 0 and base.perf[P.VERIFICATION_STEPS] == base.perf[P.OUTPUT_TOKENS] - 1
     assert spec.perf[P.TOTAL_DRAFT_TOKENS] > 0
@@ -69,12 +73,13 @@ def test_sse_and_non_streaming_http_match_grpc(triton_server, grpc_client, http_
     assert grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4), stream=False).text == ref
 
 
-def test_concurrent_streams_equal_solo(triton_server, grpc_client):
-    solo = [grpc_client.generate(request(p, method="ngram", num_draft_tokens=4)).text for p in PROMPTS]
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
+def test_concurrent_streams_equal_solo(triton_server, grpc_client, method):
+    solo = [grpc_client.generate(request(p, method=method)).text for p in PROMPTS]
 
     def run(prompt):
         with SpecDecClient(triton_server.endpoints.grpc) as client:
-            return client.generate(request(prompt, method="ngram", num_draft_tokens=4)).text
+            return client.generate(request(prompt, method=method)).text
 
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(run, PROMPTS))

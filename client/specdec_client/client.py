@@ -323,7 +323,9 @@ class AsyncSpecDecClient:
         else:
             import aiohttp
 
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            # No connection cap: a benchmark's concurrency must not queue inside the client.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                  connector=aiohttp.TCPConnector(limit=0))
         return self
 
     async def __aexit__(self, *exc) -> None:

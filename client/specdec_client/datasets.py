@@ -130,19 +130,48 @@ def first_human_turn(conversation: Any) -> str | None:
     return text or None
 
 
+def read_conversations(path: Path) -> tuple[list, bool]:
+    """The records of a JSON array file, and whether a torn (cut-off) last record was
+    dropped: the packaged ShareGPT 0.1.0 file ends mid-record, so it is decoded record
+    by record instead of with one json.loads."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{path}: {exc}") from exc
+    start = len(text) - len(text.lstrip())
+    if not text[start:start + 1] == "[":
+        raise DatasetError(f"{path}: expected a JSON list of conversations (the file does not start with '[')")
+    decoder, pos, records = json.JSONDecoder(), start + 1, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text):
+            torn = True
+            break
+        if text[pos] == "]":
+            torn = False
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            # A file that still ends with ']' is corrupt inside, not cut off at the end.
+            if not records or text.rstrip().endswith("]"):
+                line = text.count("\n", 0, exc.pos) + 1
+                raise DatasetError(f"{path}: invalid JSON at line {line} ({exc.msg})") from None
+            torn = True
+            break
+        records.append(record)
+    if not records:
+        raise DatasetError(f"{path}: no conversations")
+    return records, torn
+
+
 def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_tokens: int = 4,
                   max_input_tokens: int = 512, path: str | Path | None = None) -> PromptSet:
     """`num_prompts` first-turn human prompts whose token length is within
     [min_input_tokens, max_input_tokens], drawn in a seeded random order."""
     path = Path(path) if path is not None else sharegpt_path()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise DatasetError(f"{path}: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(data, list):
-        raise DatasetError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    data, torn = read_conversations(path)
     order = list(range(len(data)))
     random.Random(seed).shuffle(order)
     prompts, examined = [], 0
@@ -163,7 +192,7 @@ def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_
         raise DatasetError(f"{path}: no first-turn human prompt has {min_input_tokens}..{max_input_tokens} tokens")
     info = {
         "name": "sharegpt", "path": str(path), "conversations": len(data), "examined": examined,
-        "selected": len(prompts), "requested": num_prompts, "seed": seed,
+        "selected": len(prompts), "requested": num_prompts, "seed": seed, "torn_tail_dropped": torn,
         "filter": {"turn": "first human turn", "min_input_tokens": min_input_tokens, "max_input_tokens": max_input_tokens},
         "token_counter": counter.name,
     }
@@ -206,3 +235,24 @@ def _synthetic_prompt(rng: random.Random, target: int, counter: TokenCounter, ma
         text = " ".join(words)
         n = counter.count(text)
     return Prompt(text, max_tokens, n)
+
+
+# ---- one entry point (bench CLI and Locust) --------------------------------------------
+DATASETS = ("sharegpt", "synthetic", "jsonl")
+
+
+def load(kind: str, num_prompts: int, seed: int = 0, path: str | Path | None = None, tokenizer: str | Path | None = None,
+         min_input_tokens: int = 4, max_input_tokens: int = 512, input_tokens: int = 128, input_spread: int = 0,
+         output_tokens: int | None = None, output_spread: int = 0) -> PromptSet:
+    if kind not in DATASETS:
+        raise DatasetError(f"dataset must be one of {', '.join(DATASETS)}, got {kind!r}")
+    if num_prompts < 1:
+        raise DatasetError(f"number of prompts must be >= 1, got {num_prompts}")
+    if kind == "jsonl":
+        if not path:
+            raise DatasetError("the jsonl data set needs a file path (--dataset-path)")
+        return load_jsonl(path, num_prompts, seed)
+    counter = load_token_counter(tokenizer)
+    if kind == "synthetic":
+        return synthetic(num_prompts, seed, counter, input_tokens, input_spread, output_tokens, output_spread)
+    return load_sharegpt(num_prompts, seed, counter, min_input_tokens, max_input_tokens, path)

@@ -27,7 +27,7 @@ between closest ranks (numpy's default "linear" method).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 PERCENTILES = (50, 90, 99)
@@ -193,8 +193,9 @@ class PositionAcceptance:
 
 def per_position(drafted: Mapping[int, float], accepted: Mapping[int, float]) -> list[PositionAcceptance]:
     """Join per-position counter deltas (position -> count) into a sorted list."""
-    positions = sorted(set(drafted) | set(accepted))
-    return [PositionAcceptance(p, int(round(drafted.get(p, 0))), int(round(accepted.get(p, 0)))) for p in positions]
+    rows = [PositionAcceptance(p, int(round(drafted.get(p, 0))), int(round(accepted.get(p, 0))))
+            for p in sorted(set(drafted) | set(accepted))]
+    return [r for r in rows if r.drafted or r.accepted]  # series of other runs: no change here
 
 
 # ---- speculative mode vs the matched baseline --------------------------------------------
@@ -213,10 +214,9 @@ class Speedup:
     itl_p50_ratio: float | None  # per chunk; > 1 is expected when chunks carry more tokens
     tpot_p50_ratio: float | None  # < 1: less time per output token
     e2e_p50_ratio: float | None  # < 1: requests finish sooner
-    block_output_tok_s_ratios: list[float] = field(default_factory=list)
 
 
-def speedup(spec: RunMetrics, base: RunMetrics, block_ratios: Sequence[float] = ()) -> Speedup:
+def speedup(spec: RunMetrics, base: RunMetrics) -> Speedup:
     return Speedup(
         output_tok_s_ratio=ratio(spec.output_tok_s, base.output_tok_s),
         per_user_tok_s_ratio=ratio(spec.per_user_tok_s.mean, base.per_user_tok_s.mean),
@@ -224,22 +224,32 @@ def speedup(spec: RunMetrics, base: RunMetrics, block_ratios: Sequence[float] = 
         itl_p50_ratio=ratio(spec.itl.p50, base.itl.p50),
         tpot_p50_ratio=ratio(spec.tpot.p50, base.tpot.p50),
         e2e_p50_ratio=ratio(spec.e2e.p50, base.e2e.p50),
-        block_output_tok_s_ratios=list(block_ratios),
     )
+
+
+# The verdict's metric: closed loop (the load is a number of users) -> aggregate output
+# throughput; open loop (the load is a fixed arrival rate, so throughput follows the
+# offered load) -> how much sooner requests finish (baseline E2E p50 / speculative).
+CLOSED_LOOP_METRIC, OPEN_LOOP_METRIC = "output_tok_s", "e2e_p50"
+
+
+def gain(spec: RunMetrics, base: RunMetrics, open_loop: bool) -> float | None:
+    """> 1 favours speculation, on the verdict's metric for this kind of load."""
+    if open_loop:
+        return ratio(base.e2e.p50, spec.e2e.p50)
+    return ratio(spec.output_tok_s, base.output_tok_s)
 
 
 PAYS, COSTS, UNCLEAR = "pays", "costs", "no clear difference"
 
 
-def verdict(s: Speedup, margin: float = 0.05) -> str:
-    """pays / costs when the aggregate throughput ratio is outside 1 +- margin and every
-    paired block agrees on the sign; otherwise no clear difference (noise)."""
-    r = s.output_tok_s_ratio
-    if r is None:
+def verdict(overall: float | None, block_gains: Sequence[float] = (), margin: float = 0.05) -> str:
+    """pays / costs when the gain is outside 1 +- margin and every paired block agrees on
+    the sign; otherwise no clear difference (noise)."""
+    if overall is None:
         return UNCLEAR
-    blocks = s.block_output_tok_s_ratios
-    if r >= 1 + margin and all(b > 1 for b in blocks):
+    if overall >= 1 + margin and all(b > 1 for b in block_gains):
         return PAYS
-    if r <= 1 - margin and all(b < 1 for b in blocks):
+    if overall <= 1 - margin and all(b < 1 for b in block_gains):
         return COSTS
     return UNCLEAR

@@ -1,0 +1,339 @@
+"""Matched benchmark runner: the baseline (num_draft_tokens = 0) and each speculative
+mode against the same server, prompts, sampling settings and max_tokens.
+
+Schedule: for every load point (closed-loop concurrency c, or open-loop Poisson rate R)
+the prompts are cut into blocks; every block is run once per mode, the order of the modes
+rotating from block to block (and repeat to repeat), so slow drift of a shared machine
+spreads over all modes instead of favouring whichever ran first. Each (block, mode) run
+is timed by its own wall clock and bracketed by two scrapes of the server's Prometheus
+counters (per-position acceptance). Warm-up requests run before any block and are not
+recorded.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from . import promtext
+from .client import AsyncSpecDecClient, GenerateRequest
+from .datasets import Prompt
+from .errors import SpecDecClientError
+from .metrics import Trace
+
+BASELINE = "baseline"
+METHOD_NONE = "none"  # the server's method label for plain decoding
+
+
+class BenchConfigError(SpecDecClientError, ValueError):
+    """A benchmark option is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A decoding mode: (method, num_draft_tokens). num_draft_tokens None = the server's
+    configured budget for that method; 0 = plain decoding (the matched baseline)."""
+
+    name: str
+    method: str | None
+    num_draft_tokens: int | None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.num_draft_tokens == 0
+
+    @property
+    def metrics_method(self) -> str:
+        """The `method` label of this mode's series on the metrics port."""
+        return METHOD_NONE if self.is_baseline else (self.method or "")
+
+
+def parse_modes(methods: Sequence[str]) -> list[Mode]:
+    """'ngram', 'ngram:6' (6 draft tokens) -> modes; the baseline always comes first."""
+    modes = [Mode(BASELINE, None, 0)]
+    for item in methods:
+        item = item.strip()
+        if not item or item == BASELINE:
+            continue
+        method, _, k = item.partition(":")
+        if k:
+            if not k.isdigit() or int(k) < 1:
+                raise BenchConfigError(f"--methods: {item!r}: draft tokens after ':' must be a positive integer")
+            mode = Mode(f"{method}:{int(k)}", method, int(k))
+        else:
+            mode = Mode(method, method, None)
+        if mode.name in {m.name for m in modes}:
+            raise BenchConfigError(f"--methods: {item!r} is listed twice")
+        modes.append(mode)
+    return modes
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    concurrency: int | None = None  # closed loop: this many requests in flight
+    request_rate: float | None = None  # open loop: Poisson arrivals per second
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.request_rate is None else f"rate={self.request_rate:g}/s"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    protocol: str
+    modes: tuple[Mode, ...]
+    loads: tuple[LoadPoint, ...]
+    model: str = "ensemble"
+    metrics_url: str | None = None
+    max_tokens: int = 128
+    ignore_eos: bool = True
+    temperature: float | None = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = 0
+    stop: tuple[str, ...] = ()
+    repeats: int = 1
+    block_size: int | None = None  # None: max(8, 2 x concurrency)
+    warmup: int = 2  # requests per mode, not recorded
+    timeout_s: float = 600.0
+    arrival_seed: int = 0
+
+    def __post_init__(self):
+        if not self.modes or not self.modes[0].is_baseline:
+            raise BenchConfigError("modes: the first mode must be the baseline")
+        if not self.loads:
+            raise BenchConfigError("give --concurrency and/or --request-rate")
+        for load in self.loads:
+            if load.concurrency is not None and load.concurrency < 1:
+                raise BenchConfigError(f"--concurrency must be >= 1, got {load.concurrency}")
+            if load.request_rate is not None and not load.request_rate > 0:
+                raise BenchConfigError(f"--request-rate must be > 0, got {load.request_rate}")
+        for name in ("max_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size < 1:
+            raise BenchConfigError(f"--block-size must be >= 1, got {self.block_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def request(self, mode: Mode, prompt: Prompt) -> GenerateRequest:
+        return GenerateRequest(
+            prompt.text, max_tokens=prompt.max_tokens or self.max_tokens, temperature=self.temperature,
+            top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop, method=mode.method,
+            num_draft_tokens=mode.num_draft_tokens, ignore_eos=self.ignore_eos,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["modes"] = [asdict(m) for m in self.modes]
+        out["loads"] = [{**asdict(load), "label": load.label} for load in self.loads]
+        out["stop"] = list(self.stop)
+        return out
+
+
+# ---- schedule ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockPlan:
+    load: LoadPoint
+    repeat: int
+    block: int
+    mode: Mode
+    prompt_indices: tuple[int, ...]
+
+
+def block_size(config: BenchConfig, load: LoadPoint) -> int:
+    if config.block_size is not None:
+        return config.block_size
+    return max(8, 2 * (load.concurrency or 1))
+
+
+def schedule(config: BenchConfig, num_prompts: int) -> list[BlockPlan]:
+    """Blocks in execution order: per load point, per (repeat, block), every mode once,
+    the mode order rotated by one each time."""
+    plans = []
+    for load in config.loads:
+        size = min(block_size(config, load), num_prompts)
+        blocks = [tuple(range(i, min(i + size, num_prompts))) for i in range(0, num_prompts, size)]
+        unit = 0
+        for repeat in range(config.repeats):
+            for index, prompts in enumerate(blocks):
+                shift = unit % len(config.modes)
+                for mode in config.modes[shift:] + config.modes[:shift]:
+                    plans.append(BlockPlan(load, repeat, index, mode, prompts))
+                unit += 1
+    return plans
+
+
+def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Seconds from the block start at which each of n requests is sent."""
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- records -----------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    mode: str
+    concurrency: int | None
+    request_rate: float | None
+    repeat: int
+    block: int
+    prompt_index: int
+    send: float  # perf_counter seconds; written relative to the benchmark start
+    chunks: list[float]
+    end: float
+    output_tokens: int
+    verification_steps: int
+    accepted: int
+    drafted: int
+    output_tokens_from_server: bool
+    text: str
+    error: str | None
+
+    def trace(self) -> Trace:
+        return Trace(self.send, self.chunks, self.end, self.output_tokens, self.verification_steps,
+                     self.accepted, self.drafted, self.error)
+
+    def as_json(self, t0: float) -> dict[str, Any]:
+        out = asdict(self)
+        out["send"] = round(self.send - t0, 6)
+        out["end"] = round(self.end - t0, 6)
+        out["chunks"] = [round(c - t0, 6) for c in self.chunks]
+        return out
+
+
+@dataclass
+class BlockResult:
+    plan: BlockPlan
+    start: float
+    end: float
+    records: list[RequestRecord]
+    metrics_delta: dict | None  # Prometheus counter deltas; None when the scrape failed
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    t0: float  # perf_counter at the start (timestamps in requests.jsonl are relative to it)
+    started_unix: float
+    blocks: list[BlockResult] = field(default_factory=list)
+    metrics_error: str | None = None
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        return [r for b in self.blocks for r in b.records]
+
+
+# ---- running -----------------------------------------------------------------------------
+async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: BlockPlan, index: int,
+                      prompt: Prompt) -> RequestRecord:
+    chunks, texts, perf, error = [], [], {}, None
+    send = time.perf_counter()
+    try:
+        async for chunk in client.stream(config.request(plan.mode, prompt)):
+            if chunk.text:
+                texts.append(chunk.text)
+                chunks.append(chunk.time)
+            perf.update(chunk.perf)
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        error = f"{type(exc).__name__}: {exc}"
+    end = time.perf_counter()
+    from_server = "output_tokens" in perf
+    return RequestRecord(
+        mode=plan.mode.name, concurrency=plan.load.concurrency, request_rate=plan.load.request_rate,
+        repeat=plan.repeat, block=plan.block, prompt_index=index, send=send, chunks=chunks, end=end,
+        output_tokens=int(perf["output_tokens"]) if from_server else len(chunks),
+        verification_steps=int(perf.get("verification_steps", 0)),
+        accepted=int(perf.get("total_accepted_draft_tokens", 0)), drafted=int(perf.get("total_draft_tokens", 0)),
+        output_tokens_from_server=from_server, text="".join(texts), error=error,
+    )
+
+
+async def closed_loop(client, config, plan, prompts, done: Callable[[], None]) -> list[RequestRecord]:
+    """`concurrency` workers, each sending its next request as soon as the last one ends."""
+    pending = list(plan.prompt_indices)
+    records: list[RequestRecord] = []
+
+    async def worker():
+        while pending:
+            index = pending.pop(0)
+            records.append(await one_request(client, config, plan, index, prompts[index]))
+            done()
+
+    await asyncio.gather(*(worker() for _ in range(min(plan.load.concurrency, len(pending)))))
+    return records
+
+
+async def open_loop(client, config, plan, prompts, done: Callable[[], None], rng: random.Random) -> list[RequestRecord]:
+    """Requests sent at seeded Poisson arrival times, however many are still in flight."""
+    start = time.perf_counter()
+
+    async def send_at(offset: float, index: int) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        record = await one_request(client, config, plan, index, prompts[index])
+        done()
+        return record
+
+    arrivals = poisson_arrivals(len(plan.prompt_indices), plan.load.request_rate, rng)
+    return list(await asyncio.gather(*(send_at(t, i) for t, i in zip(arrivals, plan.prompt_indices))))
+
+
+async def _scrape(url: str | None):
+    if url is None:
+        return None
+    return await asyncio.to_thread(promtext.scrape, url)
+
+
+WARMUP_MAX_TOKENS = 16
+
+
+async def warm_up(client: AsyncSpecDecClient, config: BenchConfig, prompts: Sequence[Prompt]) -> None:
+    """A few short requests per mode (first-request costs, caches); not recorded."""
+    for mode in config.modes:
+        for i in range(config.warmup):
+            prompt = prompts[i % len(prompts)]
+            short = Prompt(prompt.text, min(WARMUP_MAX_TOKENS, prompt.max_tokens or config.max_tokens))
+            await client.generate(config.request(mode, short))
+
+
+async def run_bench(config: BenchConfig, prompts: Sequence[Prompt], on_request: Callable[[], None] = lambda: None,
+                    on_block: Callable[[BlockPlan], None] = lambda plan: None) -> BenchResult:
+    if not prompts:
+        raise BenchConfigError("no prompts")
+    async with AsyncSpecDecClient(config.url, config.protocol, config.model, config.timeout_s) as client:
+        await warm_up(client, config, prompts)
+        result = BenchResult(config, time.perf_counter(), time.time())
+        rng = random.Random(config.arrival_seed)
+        for plan in schedule(config, len(prompts)):
+            on_block(plan)
+            before = await _scrape_or_none(result, config.metrics_url)
+            start = time.perf_counter()
+            if plan.load.request_rate is None:
+                records = await closed_loop(client, config, plan, prompts, on_request)
+            else:
+                records = await open_loop(client, config, plan, prompts, on_request, rng)
+            end = time.perf_counter()
+            after = await _scrape_or_none(result, config.metrics_url)
+            delta = promtext.delta(before, after) if before is not None and after is not None else None
+            result.blocks.append(BlockResult(plan, start, end, sorted(records, key=lambda r: r.send), delta))
+    return result
+
+
+async def _scrape_or_none(result: BenchResult, url: str | None):
+    try:
+        return await _scrape(url)
+    except SpecDecClientError as exc:
+        result.metrics_error = str(exc)
+        return None

@@ -1,0 +1,219 @@
+"""report.md and PNG plots from a benchmark's summary.json and requests.jsonl."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import metrics as M
+
+PLOTS = ("throughput_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png")
+
+
+def _f(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
+# ---- report.md ---------------------------------------------------------------------------
+def environment_lines(summary: dict[str, Any]) -> list[str]:
+    env, cfg = summary["env"], summary["config"]
+    host, server, sc = env["host"], env.get("server", {}), env["server_config"]
+    ds = env["dataset"]
+    gpus = ", ".join(host["gpu_models"]) or "none"
+    spec = sc.get("speculative", {})
+    return [
+        f"- date: {env['date']}; server: {server.get('name', '?')} {server.get('version', '?')} at `{cfg['url']}` ({cfg['protocol']}, model `{cfg['model']}`)",
+        f"- host: {host['cpu_model']} x {host['cpu_count']} CPUs ({host.get('cpus_usable')} usable); GPUs: {gpus}",
+        f"- server config `{sc.get('path')}`: precision {sc.get('precision')}, max_batch_size {sc.get('max_batch_size')}, "
+        f"threads {sc.get('threads')}, default method {spec.get('default_method')}",
+        f"- methods: {spec.get('methods')}",
+        f"- data set: {ds.get('name')} ({ds.get('selected')} prompts, seed {ds.get('seed')}); filter {ds.get('filter')}; "
+        f"token counter: {ds.get('token_counter', 'n/a')}",
+        f"- sampling: {env['sampling']}; repeats {cfg['repeats']}, block size {cfg['block_size'] or 'auto'}, warm-up {cfg['warmup']} per mode",
+        f"- packages: {', '.join(f'{k} {v}' for k, v in env['packages'].items() if v)}",
+    ]
+
+
+RUN_HEADER = ("| mode | req | fail | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | E2E p50 ms "
+              "| per-user tok/s mean | output tok/s | req/s | accept len | accept rate |")
+
+
+def run_row(r: dict[str, Any]) -> str:
+    return (f"| {r['mode']} | {r['requests']} | {r['failures']} | {_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} "
+            f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} | {_f(r['tpot_ms']['p50'])} | {_f(r['e2e_ms']['p50'], 0)} "
+            f"| {_f(r['per_user_tok_s']['mean'])} | {_f(r['output_tok_s'])} | {_f(r['requests_per_s'], 2)} "
+            f"| {_f(r['mean_acceptance_length'], 2)} | {_f(None if r['acceptance_rate'] is None else 100 * r['acceptance_rate'], 0, '%')} |")
+
+
+METRIC_WORDS = {"output_tok_s": "aggregate output tok/s", "e2e_p50": "E2E p50 speed (baseline E2E / speculative E2E)"}
+
+
+def speedup_row(s: dict[str, Any]) -> str:
+    blocks = s["block_gains"]
+    spread = f"{min(blocks):.2f}–{max(blocks):.2f}" if blocks else "–"
+    return (f"| {s['mode']} | {_x(s['output_tok_s_ratio'])} | {_x(s['per_user_tok_s_ratio'])} "
+            f"| {_x(s['ttft_p50_ratio'])} | {_x(s['tpot_p50_ratio'])} | {_x(s['itl_p50_ratio'])} "
+            f"| {_x(s['e2e_p50_ratio'])} | {_x(s['verdict_gain'])} ({spread}) | {s['verdict']} |")
+
+
+def verdict_line(load: str, speedups: Sequence[dict[str, Any]]) -> str:
+    """One sentence: does speculation pay at this load, by how much, on which metric."""
+    scored = [s for s in speedups if s["verdict_gain"] is not None]
+    if not scored:
+        return f"- **{load}**: no comparison (missing baseline or failed runs)."
+    best = max(scored, key=lambda s: s["verdict_gain"])
+    metric = METRIC_WORDS[best["verdict_metric"]]
+    change = f"{best['verdict_gain']:.2f}x {metric}"
+    if best["verdict"] == M.PAYS:
+        head = f"speculation pays: best mode `{best['mode']}` gives {change}"
+    elif best["verdict"] == M.COSTS:
+        head = f"speculation costs: even the best mode `{best['mode']}` gives {change}"
+    else:
+        head = f"no clear difference: best mode `{best['mode']}` gives {change}, within noise"
+    gains = {
+        "aggregate output tok/s": best["output_tok_s_ratio"],
+        "per-user tok/s": best["per_user_tok_s_ratio"],
+        "TPOT p50": None if not best["tpot_p50_ratio"] else 1 / best["tpot_p50_ratio"],
+        "TTFT p50": None if not best["ttft_p50_ratio"] else 1 / best["ttft_p50_ratio"],
+        "E2E p50": None if not best["e2e_p50_ratio"] else 1 / best["e2e_p50_ratio"],
+    }
+    largest, value = max(((k, v) for k, v in gains.items() if v is not None), key=lambda kv: kv[1])
+    blocks = len(best["block_gains"])
+    basis = (f"{blocks} paired blocks" if blocks > 1
+             else "a single paired block, so no noise estimate: add --repeats or prompts")
+    return (f"- **{load}**: {head}; the metric it helps most (or hurts least) is {largest} "
+            f"({value:.2f}x, > 1 favours speculation); based on {basis}.")
+
+
+def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
+    lines = ["# Speculative decoding benchmark", "", "## Environment", "", *environment_lines(summary), ""]
+    by_load: dict[str, list] = defaultdict(list)
+    for r in summary["runs"]:
+        by_load[r["load"]].append(r)
+    speed_by_load: dict[str, list] = defaultdict(list)
+    for s in summary["speedup"]:
+        speed_by_load[s["load"]].append(s)
+    lines += ["## Verdict", ""]
+    lines += [verdict_line(load, speed_by_load.get(load, [])) for load in by_load]
+    lines += ["", "Ratios are speculative / baseline at the same load, same prompts and settings. "
+              "Throughput ratios > 1 and latency ratios < 1 favour speculation. ITL is per streamed chunk "
+              "(a speculative chunk carries several tokens), so compare TPOT for per-token latency. "
+              "The verdict uses aggregate output tok/s under closed-loop load and E2E p50 under open-loop "
+              "(Poisson) load; it needs a gain beyond 5% that every paired block agrees on.", ""]
+    for load, runs in by_load.items():
+        lines += [f"## {load}", "", RUN_HEADER, "|" + "---|" * 12, *map(run_row, runs), ""]
+        if speed_by_load.get(load):
+            lines += ["| mode | output tok/s | per-user tok/s | TTFT p50 | TPOT p50 | ITL p50 | E2E p50 "
+                      "| verdict gain (per block) | verdict |",
+                      "|" + "---|" * 9, *map(speedup_row, speed_by_load[load]), ""]
+    loss = summary["lossless"]
+    lines += ["## Lossless check", ""]
+    if loss.get("greedy"):
+        lines.append(f"Greedy decoding: {loss['identical']} of {loss['compared']} speculative outputs are identical "
+                     "to the baseline output for the same prompt.")
+        lines += [f"- {m['mode']}: {m['identical']} / {m['compared']}" for m in loss.get("by_mode", [])]
+    else:
+        lines.append("Sampling (temperature > 0): outputs are not expected to match token for token; not compared.")
+    lines += ["", "## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+# ---- plots -------------------------------------------------------------------------------
+def plot_all(summary: dict[str, Any], requests: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    """Write the PNGs; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, draw in zip(PLOTS, (_throughput, _itl_cdf, _acceptance)):
+        fig = draw(plt, summary, requests)
+        if fig is not None:
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            plt.close(fig)
+            written.append(name)
+    return written
+
+
+def _modes(summary) -> list[str]:
+    return list(dict.fromkeys(r["mode"] for r in summary["runs"]))
+
+
+def _throughput(plt, summary, requests):
+    runs = [r for r in summary["runs"] if r["concurrency"] is not None and r["request_rate"] is None]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in _modes(summary):
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in runs if r["mode"] == mode and r["output_tok_s"] is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode)
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("aggregate output tok/s")
+    ax.set_title("Output throughput vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def _itl_cdf(plt, summary, requests):
+    loads = list(dict.fromkeys(r["load"] for r in summary["runs"]))
+    label = {(r["concurrency"], r["request_rate"]): r["load"] for r in summary["runs"]}
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for req in requests:
+        if req["error"] is None:
+            chunks = req["chunks"]
+            load = label.get((req["concurrency"], req["request_rate"]))
+            gaps[(load, req["mode"])] += [(b - a) * 1000 for a, b in zip(chunks, chunks[1:])]
+    if not any(gaps.values()):
+        return None
+    fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
+    for ax, load in zip(axes[0], loads):
+        for mode in _modes(summary):
+            data = sorted(gaps.get((load, mode), []))
+            if data:
+                ax.step(data, [(i + 1) / len(data) for i in range(len(data))], where="post", label=mode)
+        ax.set_xlabel("ITL (ms, per chunk)")
+        ax.set_ylabel("fraction of gaps")
+        ax.set_title(f"ITL CDF, {load}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    return fig
+
+
+def _acceptance(plt, summary, requests):
+    runs = [r for r in summary["runs"] if r["per_position_acceptance"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        pts = [(p["position"], p["acceptance"]) for p in r["per_position_acceptance"] if p["acceptance"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{r['mode']} {r['load']}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position")
+    ax.grid(True, alpha=0.3)
+    if runs:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no per-position data", ha="center", va="center", transform=ax.transAxes)
+    return fig
+
+
+def write_report(summary: dict[str, Any], requests: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    plots = plot_all(summary, requests, out)
+    (out / "report.md").write_text(render_markdown(summary, plots))
+    return plots

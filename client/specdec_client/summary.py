@@ -1,0 +1,178 @@
+"""summary.json: the benchmark's stable result document (schema: summary.schema.json,
+described in client/README.md), built from the raw per-request records."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from . import metrics as M
+from . import promtext
+from .bench import BenchResult, BlockResult, LoadPoint, Mode
+
+SCHEMA_VERSION = 1
+MS = 1000.0
+
+
+@dataclass
+class Run:
+    """All blocks of one (mode, load point), merged."""
+
+    mode: Mode
+    load: LoadPoint
+    blocks: list[BlockResult]
+
+    @property
+    def wall_s(self) -> float:
+        return sum(b.wall_s for b in self.blocks)
+
+    def metrics(self) -> M.RunMetrics:
+        return M.run_metrics([r.trace() for b in self.blocks for r in b.records], self.wall_s)
+
+    def per_position(self) -> list[M.PositionAcceptance] | None:
+        if self.mode.is_baseline:
+            return []
+        if any(b.metrics_delta is None for b in self.blocks):
+            return None
+        drafted: dict[int, float] = defaultdict(float)
+        accepted: dict[int, float] = defaultdict(float)
+        for b in self.blocks:
+            d, a = promtext.per_position_counts(b.metrics_delta, self.mode.metrics_method)
+            for p, v in d.items():
+                drafted[p] += v
+            for p, v in a.items():
+                accepted[p] += v
+        return M.per_position(drafted, accepted)
+
+
+def group_runs(result: BenchResult) -> list[Run]:
+    runs: dict[tuple[str, LoadPoint], Run] = {}
+    for load in result.config.loads:
+        for mode in result.config.modes:
+            runs[(mode.name, load)] = Run(mode, load, [])
+    for block in result.blocks:
+        runs[(block.plan.mode.name, block.plan.load)].blocks.append(block)
+    return [run for run in runs.values() if run.blocks]
+
+
+def run_entry(run: Run) -> dict[str, Any]:
+    m = run.metrics()
+    positions = run.per_position()
+    return {
+        "mode": run.mode.name, "method": run.mode.method, "num_draft_tokens": run.mode.num_draft_tokens,
+        "concurrency": run.load.concurrency, "request_rate": run.load.request_rate, "load": run.load.label,
+        "requests": m.requests, "failures": m.failures, "output_tokens": m.output_tokens, "wall_s": m.wall_s,
+        "ttft_ms": m.ttft.as_dict(MS), "itl_ms": m.itl.as_dict(MS), "tpot_ms": m.tpot.as_dict(MS),
+        "e2e_ms": m.e2e.as_dict(MS), "per_user_tok_s": m.per_user_tok_s.as_dict(),
+        "output_tok_s": m.output_tok_s, "requests_per_s": m.requests_per_s,
+        "mean_acceptance_length": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
+        "per_position_acceptance": None if positions is None else [
+            {"position": p.position, "drafted": p.drafted, "accepted": p.accepted, "acceptance": p.acceptance}
+            for p in positions
+        ],
+    }
+
+
+def _block_gains(spec: Run, base: Run) -> list[float]:
+    """The verdict's gain per paired block (same prompts, same repeat)."""
+    base_by_key = {(b.plan.repeat, b.plan.block): b for b in base.blocks}
+    open_loop = spec.load.request_rate is not None
+    gains = []
+    for b in spec.blocks:
+        other = base_by_key.get((b.plan.repeat, b.plan.block))
+        if other is None:
+            continue
+        g = M.gain(_block_metrics(b), _block_metrics(other), open_loop)
+        if g is not None:
+            gains.append(g)
+    return gains
+
+
+def _block_metrics(block: BlockResult) -> M.RunMetrics:
+    return M.run_metrics([r.trace() for r in block.records], block.wall_s)
+
+
+def speedup_entries(runs: list[Run]) -> list[dict[str, Any]]:
+    base = {run.load: run for run in runs if run.mode.is_baseline}
+    out = []
+    for run in runs:
+        if run.mode.is_baseline or run.load not in base:
+            continue
+        spec_m, base_m = run.metrics(), base[run.load].metrics()
+        s = M.speedup(spec_m, base_m)
+        open_loop = run.load.request_rate is not None
+        overall, blocks = M.gain(spec_m, base_m, open_loop), _block_gains(run, base[run.load])
+        out.append({
+            "mode": run.mode.name, "concurrency": run.load.concurrency, "request_rate": run.load.request_rate,
+            "load": run.load.label,
+            "output_tok_s_ratio": s.output_tok_s_ratio, "per_user_tok_s_ratio": s.per_user_tok_s_ratio,
+            "ttft_p50_ratio": s.ttft_p50_ratio, "itl_p50_ratio": s.itl_p50_ratio,
+            "tpot_p50_ratio": s.tpot_p50_ratio, "e2e_p50_ratio": s.e2e_p50_ratio,
+            "verdict_metric": M.OPEN_LOOP_METRIC if open_loop else M.CLOSED_LOOP_METRIC,
+            "verdict_gain": overall, "block_gains": blocks, "verdict": M.verdict(overall, blocks),
+        })
+    return out
+
+
+def lossless(result: BenchResult) -> dict[str, Any]:
+    """Greedy runs: each speculative output vs the baseline output of the same prompt,
+    load point and repeat (both successful)."""
+    if not result.config.greedy:
+        return {"greedy": False, "compared": 0, "identical": 0, "by_mode": []}
+    base = {(r.concurrency, r.request_rate, r.repeat, r.prompt_index): r.text
+            for r in result.records if r.mode == result.config.modes[0].name and r.error is None}
+    counts: dict[str, list[int]] = {m.name: [0, 0] for m in result.config.modes[1:]}
+    for r in result.records:
+        key = (r.concurrency, r.request_rate, r.repeat, r.prompt_index)
+        if r.mode in counts and r.error is None and key in base:
+            counts[r.mode][0] += 1
+            counts[r.mode][1] += int(r.text == base[key])
+    by_mode = [{"mode": m, "compared": c, "identical": i} for m, (c, i) in counts.items()]
+    return {"greedy": True, "compared": sum(c for c, _ in counts.values()),
+            "identical": sum(i for _, i in counts.values()), "by_mode": by_mode}
+
+
+def build_summary(result: BenchResult, env: dict[str, Any], dataset: dict[str, Any]) -> dict[str, Any]:
+    runs = group_runs(result)
+    config = result.config.as_dict()
+    config.update(dataset=dataset, started_unix=result.started_unix,
+                  sampling={k: config[k] for k in ("temperature", "top_k", "top_p", "seed", "max_tokens", "ignore_eos", "stop")})
+    env = dict(env, dataset=dataset, sampling=config["sampling"], metrics_scrape_error=result.metrics_error)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "env": env,
+        "config": config,
+        "runs": [run_entry(run) for run in runs],
+        "speedup": speedup_entries(runs),
+        "lossless": lossless(result),
+    }
+
+
+# ---- files -------------------------------------------------------------------------------
+def schema() -> dict[str, Any]:
+    return json.loads(resources.files("specdec_client").joinpath("summary.schema.json").read_text())
+
+
+def validate(summary: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError when `summary` does not match the schema."""
+    import jsonschema
+
+    jsonschema.validate(summary, schema())
+
+
+def write_requests(result: BenchResult, path: Path) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for record in result.records:
+            fh.write(json.dumps(record.as_json(result.t0)) + "\n")
+
+
+def read_requests(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_json(data: Any, path: Path) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+

@@ -1,0 +1,72 @@
+"""Locust scenarios: the stage plans (pure), then a short headless run against the real
+server through the Makefile's runner (Locust runs in a subprocess: it monkey-patches
+the standard library with gevent, which must not happen inside pytest)."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `loadtest` is a folder of the repository, not an installed package
+
+from loadtest import scenarios  # noqa: E402
+
+
+def test_concurrency_1_is_one_user_until_the_end():
+    stages = scenarios.plan("concurrency_1", 30)
+    assert scenarios.tick(stages, 0) == (1, 1.0) and scenarios.tick(stages, 29.9) == (1, 1.0)
+    assert scenarios.tick(stages, 30) is None
+
+
+def test_production_ramps_up_holds_and_ramps_down():
+    stages = scenarios.plan("production", 80, users=16, ramp_steps=4)
+    users = [scenarios.tick(stages, t)[0] for t in range(0, 80, 5)]
+    assert users == [4, 8, 12, 16, 16, 16, 16, 16, 16, 16, 16, 16, 12, 12, 8, 4]
+    assert scenarios.tick(stages, 80) is None
+    assert [s.users for s in scenarios.plan("production", 8, users=2)] == [1, 2, 2, 1]
+    assert [s.users for s in scenarios.plan("production", 8, users=1)] == [1, 1]
+
+
+def test_scenario_options_are_checked():
+    with pytest.raises(ValueError, match="scenario"):
+        scenarios.plan("spike", 10)
+    with pytest.raises(ValueError, match="duration"):
+        scenarios.parse_duration("ten minutes")
+    assert scenarios.parse_duration("1m30s") == 90 and scenarios.parse_duration("45") == 45
+
+
+def test_modes_name_the_stats_entries():
+    assert scenarios.mode("ngram", "") == ("ngram", "ngram", None)
+    assert scenarios.mode("ngram", "0") == ("baseline", "ngram", 0)
+    assert scenarios.mode("", "4") == ("default:4", None, 4)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        scenarios.mode("ngram", "-1")
+
+
+def stats_rows(path: Path) -> dict[tuple[str, str], dict]:
+    with path.open() as fh:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(fh)}
+
+
+@pytest.mark.server
+def test_headless_locust_run_writes_request_and_ttft_rows(triton_server, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Count from one to ten.", "Name three colors.")) + "\n")
+    out = tmp_path / "loadtest"
+    cmd = [sys.executable, "-m", "loadtest.run", "--scenario", "production", "--users", "2", "--duration", "6s",
+           "--url", triton_server.endpoints.grpc, "--methods", "ngram", "--no-baseline", "--max-tokens", "8",
+           "--dataset", "jsonl", "--dataset-path", str(data), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = stats_rows(out / "production_ngram_stats.csv")
+    assert int(rows[("gRPC", "ngram")]["Request Count"]) >= 1
+    assert int(rows[("gRPC", "ngram")]["Failure Count"]) == 0
+    assert int(rows[("TTFT", "ngram")]["Request Count"]) >= 1
+    assert float(rows[("TTFT", "ngram")]["Median Response Time"]) > 0
+    assert ("ITL", "ngram") in rows and ("TPOT", "ngram") in rows
+    assert (out / "production_ngram.html").stat().st_size > 0
