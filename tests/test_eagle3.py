@@ -180,3 +180,19 @@ def test_serving_config_checks_eagle_budgets():
         ServingConfig.from_dict({**base, "default_method": "eagle3"})
     with pytest.raises(ConfigError, match="methods.x.max_depth"):
         ServingConfig.from_dict({**base, "methods": {"x": {"method": "eagle3", "max_depth": 3}}})
+
+
+def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
+    """The whole training pipeline on a tiny budget: features, vocabulary, TTT training,
+    held-out evaluation, a head in the published layout with its model card."""
+    from specdec.train_eagle3 import main as train_main
+
+    out = tmp_path / "head"
+    assert train_main(["--quick", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0
+    record = json.loads((out / "train_log.json").read_text())
+    assert record["budget"]["optimizer_steps"] >= 1 and record["data"]["train_tokens"] > 0
+    assert len(record["heldout_top1_by_position"]) == 3 and "mean_acceptance_length" in record["heldout_acceptance"]
+    assert (out / "README.md").is_file()
+    head = load_eagle3(out, smol_model.embed, smol_model.cfg)
+    assert head.cfg.draft_vocab_size == 2048 and int(head.t2d.sum()) == 2048
+    assert torch.equal(head.draft_to_target[head.t2d[head.draft_to_target]], head.draft_to_target)
