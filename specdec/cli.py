@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import ALL_METHODS, METHOD_NONE, EngineConfig, SamplingParams
+from .config import METHOD_NONE, EngineConfig, SamplingParams
 from .errors import SpecDecError
 
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--method", default=METHOD_NONE, choices=ALL_METHODS)
+    p.add_argument("--method", default=METHOD_NONE, help="none, or a method of model_repository/specdec.json (eagle3, eagle3-tree, ngram, ngram-tree)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -20,7 +20,6 @@ from .models.loading import default_model_dir, load_embedding, load_transformer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SPECULATIVE = {METHOD_NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=4)}
 
 
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
@@ -36,6 +35,16 @@ def load_tokenizer(model_dir: Path):
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_EAGLE3_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+SERVED_SETTINGS = REPO_ROOT / "model_repository" / "specdec.json"
+
+
+def served_methods() -> dict[str, SpeculativeConfig]:
+    """The methods the model repository serves, so in-process runs match the server."""
+    from .config import ServingConfig
+
+    if SERVED_SETTINGS.is_file():
+        return dict(ServingConfig.from_file(SERVED_SETTINGS).methods)
+    return {METHOD_NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=4)}
 
 
 def resolve_head_dir(spec: SpeculativeConfig) -> Path:
@@ -108,7 +117,7 @@ def build_engine(
     config = config or EngineConfig()
     model_dir = Path(model_dir or default_model_dir())
     target = load_target(model_dir, config)
-    drafters = build_drafters(target.cfg, DEFAULT_SPECULATIVE if speculative is None else speculative, config, embed=target.embed)
+    drafters = build_drafters(target.cfg, served_methods() if speculative is None else speculative, config, embed=target.embed)
     return SpecEngine(target, config, tokenizer=load_tokenizer(model_dir), drafters=drafters)
 
 
