@@ -6,6 +6,7 @@ Takes input_ids (from preprocessing, inside the ensemble) or text_input (called 
 like TensorRT-LLM's tensorrt_llm_bls, with the ensemble's tensor names)."""
 import asyncio
 import concurrent.futures
+import contextlib
 import random
 
 import numpy as np
@@ -40,6 +41,15 @@ METRICS = {
     "specdec_verify_seconds_total": ("counter", "Time spent verifying"),
     "specdec_requests_total": ("counter", "Finished requests by finish reason"),
 }
+
+
+def send(sender, response, flags) -> bool:
+    """Send a response; False when the client is gone (the sender refuses)."""
+    try:
+        sender.send(response, flags=flags)
+        return True
+    except Exception:  # noqa: BLE001 - a closed stream raises; the caller stops generating
+        return False
 
 
 class BLSBackend(LoopBackend):
@@ -125,7 +135,8 @@ class TritonPythonModel:
         if not self._executor_set:  # each in-flight BLS call holds a pool thread; the default pool is tiny
             asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
             self._executor_set = True
-        await asyncio.gather(*(self._serve(request) for request in requests))
+        # One request's failure must never take the others (or the stub) down with it.
+        await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
         return None
 
     def _prompt_ids(self, request):
@@ -162,7 +173,7 @@ class TritonPythonModel:
         try:
             req = self._parse(request)
         except SpecDecError as exc:
-            sender.send(error_response(exc), flags=FINAL)
+            send(sender, error_response(exc), FINAL)
             return
         self._next_cid += 1
         stream = scalar(request, P.STREAM, False, bool)
@@ -170,17 +181,22 @@ class TritonPythonModel:
         pieces = []
         try:
             backend = BLSBackend(int(req.request_id))
-            async for update in run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled):
-                self._record(req.method, update)
-                pieces.append(update.text)
-                if update.finished:
-                    self.metrics.inc("specdec_requests_total", reason=update.finish_reason, method=req.method)
-                if stream and (update.text or update.finished):
-                    sender.send(self._response(req, update.text, update.token_ids, perf), flags=FINAL if update.finished else 0)
+            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled)
+            async with contextlib.aclosing(updates):  # leaving early still releases the slots
+                async for update in updates:
+                    self._record(req.method, update)
+                    pieces.append(update.text)
+                    if update.finished:
+                        self.metrics.inc("specdec_requests_total", reason=update.finish_reason, method=req.method)
+                    if stream and (update.text or update.finished):
+                        response = self._response(req, update.text, update.token_ids, perf)
+                        if not send(sender, response, FINAL if update.finished else 0):
+                            self.metrics.inc("specdec_requests_total", reason="disconnected", method=req.method)
+                            return  # nobody is listening any more: stop generating
             if not stream:
-                sender.send(self._response(req, "".join(pieces), req.output_ids, perf), flags=FINAL)
+                send(sender, self._response(req, "".join(pieces), req.output_ids, perf), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
-            sender.send(error_response(exc), flags=FINAL)
+            send(sender, error_response(exc), FINAL)
 
     def _response(self, req, text, token_ids, perf):
         stats = req.stats
