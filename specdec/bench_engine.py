@@ -78,6 +78,8 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
     todo = list(enumerate(prompts))
     first, last, count = {}, {}, {}
     stats_before = engine.stats.as_dict()
+    drafted_before = list(engine.stats.drafted_per_position)
+    accepted_before = list(engine.stats.accepted_per_position)
     t0 = time.perf_counter()
     while todo or engine.has_work():
         while todo and len(engine.sequences) < concurrency:
@@ -99,7 +101,10 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
         "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
         "mean_acceptance_length": (after.emitted_tokens - stats_before["emitted_tokens"]) / steps if steps else 0.0,
         "acceptance_rate": (after.accepted_tokens - stats_before["accepted_tokens"]) / drafted if drafted else 0.0,
-        "per_position_acceptance": after.per_position_acceptance,
+        "per_position_acceptance": [  # this run only (the engine's counters are running totals)
+            (a - (accepted_before[d] if d < len(accepted_before) else 0)) / max(1, n - (drafted_before[d] if d < len(drafted_before) else 0))
+            for d, (n, a) in enumerate(zip(after.drafted_per_position, after.accepted_per_position))
+        ],
         "tokens": sum(count.values()),
     }
 
