@@ -22,18 +22,9 @@ from .engine import SpecEngine
 from .models.llama import build_batch
 from .models.loading import default_model_dir, load_transformer
 from .runtime import build_drafters, encode_prompt, load_tokenizer
+from specdec_client.envinfo import cpu_model  # one implementation, shared with the client's bench
 
 NEW_TOKENS = 128
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def env_record(dtype: str) -> dict:

@@ -44,6 +44,16 @@ class DraftTree:
         scheme = IID_SAMPLED if draft_probs is not None else DETERMINISTIC
         return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, scheme)
 
+    @staticmethod
+    def from_arrays(tokens, parents, draft_probs: Tensor | None = None) -> "DraftTree":
+        """From the wire format between the Triton models: token and parent lists, and the
+        [n, V] draft probabilities when the children were sampled (else deterministic)."""
+        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+        if not tokens:
+            return DraftTree()
+        scheme = IID_SAMPLED if draft_probs is not None else DETERMINISTIC
+        return DraftTree(tokens, parents, draft_probs, scheme)
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -3,10 +3,7 @@ EAGLE-2 tree on a hand-checked example, and statistical losslessness of tree sam
 from __future__ import annotations
 
 import json
-import math
-import random
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -20,7 +17,7 @@ from specdec.models.loading import load_transformer
 from specdec.sequence import SequenceState
 
 from conftest import save_tiny_hf
-from test_speculative import PARAMS, TOY_PROMPT, chi_square_p, exact_first3, prompts, run_all, sample_first3
+from test_speculative import PARAMS, chi_square_p, exact_first3, prompts, run_all, sample_first3
 
 
 def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab=96, draft_vocab=40, taps=(0, 1, 2)):
@@ -82,7 +79,7 @@ def test_published_layout_loads_and_round_trips(tiny, tmp_path):
         load_eagle3(tmp_path / "bin", target.embed, target.cfg)
 
 
-def eagle_engine(target, head_dir, tree: bool, max_batch=8):
+def eagle_engine(target, head_dir, max_batch=8):
     cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=128, max_num_draft_tokens=8)
     head = load_eagle3(head_dir, target.embed, target.cfg)
     drafters = {
@@ -97,7 +94,7 @@ def test_greedy_eagle3_equals_plain_tiny(tiny):
     target, head_dir, _ = tiny
     ps = prompts(12, seed=5)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    engine = eagle_engine(target, head_dir, tree=False)
+    engine = eagle_engine(target, head_dir)
     plain = run_all(engine, ps, params, "none", 0, concurrent=1)
     for method, k in (("eagle3", 5), ("eagle3-tree", 8)):
         for concurrent in (1, 8):

@@ -129,6 +129,12 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+def _chunk_of(result, arrived: float) -> tuple[Chunk | None, bool]:
+    """(the chunk a gRPC stream response carries, or None for an empty one; is it the last)."""
+    text, perf = _text_of(result), _perf_of(result)
+    return (Chunk(text, arrived, perf) if text or perf else None), _is_final(result)
+
+
 def _grpc_error(exc: Exception) -> Exception:
     text = str(exc)
     if "unavailable" in text.lower() or "failed to connect" in text.lower() or "connection refused" in text.lower():
@@ -235,10 +241,9 @@ class SpecDecClient:
                 if error is not None:
                     finished = True
                     raise _grpc_error(error)
-                text, perf = _text_of(result), _perf_of(result)
-                final = _is_final(result)
-                if text or perf:
-                    yield Chunk(text, arrived, perf)
+                chunk, final = _chunk_of(result, arrived)
+                if chunk is not None:
+                    yield chunk
                 if final:
                     finished = True
                     return
@@ -369,10 +374,9 @@ class AsyncSpecDecClient:
                 if error is not None:
                     finished = True  # the server ends a request with its error
                     raise _grpc_error(error)
-                text, perf = _text_of(result), _perf_of(result)
-                final = _is_final(result)
-                if text or perf:
-                    yield Chunk(text, arrived, perf)
+                chunk, final = _chunk_of(result, arrived)
+                if chunk is not None:
+                    yield chunk
                 if final:
                     finished = True
                     return

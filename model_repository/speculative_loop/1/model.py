@@ -22,7 +22,7 @@ from specdec.loop import LoopBackend, TargetReply, run_loop
 from specdec.models.loading import read_model_config
 from specdec.runtime import encode_prompt, load_tokenizer, needs_hidden, resolve_model_dir
 from specdec.sequence import RequestState
-from specdec.tree import DETERMINISTIC, IID_SAMPLED, DraftTree
+from specdec.tree import DraftTree
 from specdec_triton.common import Metrics, array, batched, error_response, load_settings, requested_method, sampling_params, scalar, strings, text_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -83,9 +83,7 @@ class BLSBackend(LoopBackend):
     @staticmethod
     def _tree(out):
         probs = out[P.DRAFT_PROBS]
-        probs = torch.from_numpy(probs.copy()) if probs.size else None
-        scheme = IID_SAMPLED if probs is not None else DETERMINISTIC
-        return DraftTree(out[P.DRAFT_TOKENS].tolist(), out[P.DRAFT_PARENTS].tolist(), probs, scheme)
+        return DraftTree.from_arrays(out[P.DRAFT_TOKENS], out[P.DRAFT_PARENTS], torch.from_numpy(probs.copy()) if probs.size else None)
 
     async def start_target(self, prompt_ids, params, want_hidden):
         inputs = {P.INPUT_IDS: np.int32(prompt_ids), P.RETURN_HIDDEN: np.bool_([want_hidden]), **self._sampling(params)}

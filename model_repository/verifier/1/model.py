@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 from specdec import protocol as P
 from specdec.errors import CapacityError, SpecDecError
 from specdec.runtime import load_target, resolve_model_dir, tap_layers_for
-from specdec.tree import DETERMINISTIC, IID_SAMPLED, DraftTree
+from specdec.tree import DraftTree
 from specdec.verifier import TargetVerifier
 from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, sampling_params, scalar
 
@@ -65,13 +65,8 @@ class TritonPythonModel:
         if tokens is None or tokens.size == 0:
             return DraftTree()
         probs = array(request, P.DRAFT_PROBS)
-        probs = probs.reshape(tokens.size, -1) if probs is not None and probs.size else None
-        return DraftTree(
-            tokens.reshape(-1).tolist(),
-            array(request, P.DRAFT_PARENTS).reshape(-1).tolist(),
-            None if probs is None else torch.from_numpy(probs.copy()),
-            IID_SAMPLED if probs is not None else DETERMINISTIC,
-        )
+        probs = torch.from_numpy(probs.reshape(tokens.size, -1).copy()) if probs is not None and probs.size else None
+        return DraftTree.from_arrays(tokens.reshape(-1), array(request, P.DRAFT_PARENTS).reshape(-1), probs)
 
     def _prefill(self, requests, starts, responses, want_hidden):
         free = self.verifier.cache.num_free
