@@ -157,10 +157,21 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     # Draft model / EAGLE-3 head directory (TensorRT-LLM's name); None = the shipped default.
     speculative_model: str | None = None
+    # Load controls (TensorRT-LLM's names): verifying drafts costs compute that a busy batch
+    # no longer has spare, so speculation shrinks or stops as the batch grows.
+    # draft_len_schedule {4: 4, 8: 2, 32: 1}: batch 1-4 -> at most 4 draft tokens a step,
+    # 5-8 -> 2, 9-32 -> 1, larger -> 0; max_concurrency: above this batch size, 0.
+    max_concurrency: int | None = None
+    draft_len_schedule: Mapping[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:
             raise ConfigError("method", f"unknown method {self.method!r}; known: {', '.join(ALL_METHODS)}")
+        if self.max_concurrency is not None and (isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int)
+                                                 or self.max_concurrency < 1):
+            raise ConfigError("max_concurrency", f"must be an integer >= 1 or null, got {self.max_concurrency!r}")
+        if self.draft_len_schedule is not None:
+            object.__setattr__(self, "draft_len_schedule", _parse_schedule(self.draft_len_schedule))
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:
             raise ConfigError("max_draft_len", f"must be an integer >= 1, got {self.max_draft_len!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -201,6 +212,32 @@ class SpeculativeConfig:
     def replace(self, **changes: Any) -> "SpeculativeConfig":
         return dataclasses.replace(self, **changes)
 
+    def scheduled_draft_tokens(self, requested: int, batch_size: int) -> int:
+        """The draft budget of one step for a sequence asking `requested`, with `batch_size`
+        sequences decoding together (the load controls above)."""
+        if self.max_concurrency is not None and batch_size > self.max_concurrency:
+            return 0
+        if self.draft_len_schedule is not None:
+            caps = [n for bound, n in sorted(self.draft_len_schedule.items()) if batch_size <= bound]
+            return min(requested, caps[0]) if caps else 0
+        return requested
+
+
+def _parse_schedule(raw: Any) -> dict[int, int]:
+    """{batch size bound: draft tokens}; JSON gives the bounds as strings."""
+    if not isinstance(raw, Mapping) or not raw:
+        raise ConfigError("draft_len_schedule", f"must be a non-empty mapping of batch size -> draft tokens, got {raw!r}")
+    out: dict[int, int] = {}
+    for bound, n in raw.items():
+        try:
+            b = int(bound)
+        except (TypeError, ValueError):
+            b = 0
+        if b < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError("draft_len_schedule", f"entries must be batch size >= 1 -> draft tokens >= 0, got {bound!r}: {n!r}")
+        out[b] = n
+    return out
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -211,6 +248,9 @@ class EngineConfig:
     max_tokens_limit: int | None = None  # default: min(1024, max_seq_len)
     max_num_draft_tokens: int = 16  # bound on num_draft_tokens per request and tree budget
     dtype: str = "float32"
+    # EAGLE-3 head linears: a draft pass streams its ~9M weights per token, so bfloat16
+    # halves the bytes (the target's output, hence losslessness, does not depend on it).
+    draft_dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None
     compile: bool = False
@@ -223,6 +263,8 @@ class EngineConfig:
             raise ConfigError("max_seq_len", f"must be >= 16, got {self.max_seq_len}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.draft_dtype not in ("float32", "bfloat16"):
+            raise ConfigError("draft_dtype", f"must be float32 or bfloat16, got {self.draft_dtype!r}")
         if self.max_tokens_limit is None:
             object.__setattr__(self, "max_tokens_limit", min(1024, self.max_seq_len))
         if not 1 <= self.max_tokens_limit <= self.max_seq_len:

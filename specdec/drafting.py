@@ -61,13 +61,19 @@ class DraftService(KeyedSequences[SequenceState]):
         trees = [DraftTree() for _ in items]
         by_method: dict[str, list[int]] = {}
         for i, seq in enumerate(seqs):
-            by_method.setdefault(seq.method, []).append(i)
+            if items[i][1] > 0:  # a step without drafting (budget 0) costs the drafter nothing
+                by_method.setdefault(seq.method, []).append(i)
         for method, idx in by_method.items():
-            budgets = [max(0, items[i][1]) for i in idx]
+            budgets = [items[i][1] for i in idx]
             proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
             for i, tree, budget in zip(idx, proposed, budgets):
                 trees[i] = tree.truncated(budget)
         return trees
+
+    def scheduled_draft_tokens(self, method: str, requested: int, batch_size: int) -> int:
+        """The method's load controls (draft_len_schedule, max_concurrency) applied to a step."""
+        drafter = self.drafters.get(method)
+        return requested if drafter is None else drafter.scheduled_draft_tokens(requested, batch_size)
 
     def advance(self, seq_id: Hashable, emitted: Sequence[int], accepted: int, hidden: Tensor | None = None) -> None:
         """Tell the drafter what the verifier kept: `accepted` draft tokens, then the

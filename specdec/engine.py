@@ -141,7 +141,8 @@ class SpecEngine:
     def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
         t0 = time.perf_counter()
         spec = [r for r in reqs if r.speculative]
-        proposed = self.drafts.propose([(r.request_id, r.draft_budget()) for r in spec])
+        batch = len(reqs)
+        proposed = self.drafts.propose([(r.request_id, self.drafts.scheduled_draft_tokens(r.method, r.draft_budget(), batch)) for r in spec])
         trees = {r.request_id: t for r, t in zip(spec, proposed)}
         t1 = time.perf_counter()
         want_hidden = any(self.drafts.needs_hidden(r.method) for r in spec)

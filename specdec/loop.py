@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from .config import SamplingParams
@@ -38,6 +39,18 @@ class LoopUpdate:
     accepted: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+
+
+def merge_replies(replies: Sequence[TargetReply]) -> TargetReply:
+    """Consecutive verifier replies as one: the drafter only needs the committed tokens in
+    order and the hidden taps of their positions."""
+    if len(replies) == 1:
+        return replies[0]
+    hidden = [r.hidden for r in replies if r.hidden is not None]
+    return TargetReply(
+        [t for r in replies for t in r.emitted], sum(r.accepted for r in replies),
+        torch.cat(hidden) if len(hidden) == len(replies) else None,
+    )
 
 
 class LoopBackend(ABC):
@@ -67,9 +80,14 @@ async def run_loop(
     backend: LoopBackend,
     want_hidden: bool = False,
     is_cancelled: Callable[[], bool] = lambda: False,
+    scheduled: Callable[[int], int] = lambda requested: requested,
 ) -> AsyncIterator[LoopUpdate]:
-    """Yield one update per verification step until the request finishes."""
+    """Yield one update per verification step until the request finishes. `scheduled` maps
+    the request's draft budget to this step's (the method's load controls under the current
+    load); in a step it makes 0 the drafter is not called, and what the verifier kept is
+    handed to it, merged, at the next drafting step."""
     target_started = drafter_started = False
+    unsent: list[TargetReply] = []  # verifier replies the drafter has not seen yet
     try:
         reply = await backend.start_target(req.prompt_ids, req.params, want_hidden)
         target_started = True
@@ -82,15 +100,20 @@ async def run_loop(
                 yield LoopUpdate([], "", True, FINISH_CANCELLED)
                 return
             t0 = time.perf_counter()
+            budget = scheduled(req.draft_budget()) if req.speculative else 0
+            tree = None
             if req.speculative and not drafter_started:
                 tree = await backend.start_drafter(
-                    req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, req.draft_budget()
+                    req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, budget
                 )
                 drafter_started = True
             elif req.speculative:
-                tree = await backend.draft(reply, req.draft_budget())
+                unsent.append(reply)
+                if budget > 0:
+                    tree = await backend.draft(merge_replies(unsent), budget)
+                    unsent = []
             t1 = time.perf_counter()
-            tree = (tree or DraftTree()).truncated(req.draft_budget())
+            tree = (tree or DraftTree()).truncated(budget)
             reply = await backend.verify(tree, want_hidden)
             t2 = time.perf_counter()
             req.stats.draft_seconds += t1 - t0

@@ -15,7 +15,7 @@ from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine
 from .errors import ConfigError
 from .models.llama import Transformer
-from .models.eagle3 import load_eagle3
+from .models.eagle3 import cast_linears, load_eagle3
 from .models.loading import default_model_dir, load_embedding, load_transformer
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def build_drafters(
         elif spec.method in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
             if embed is None:
                 embed = load_embedding(resolve_model_dir(model_dir))
-            head = load_eagle3(resolve_head_dir(spec), embed, target_cfg)
+            head = cast_linears(load_eagle3(resolve_head_dir(spec), embed, target_cfg), getattr(torch, engine.draft_dtype))
             drafters[name] = Eagle3Drafter(head, spec, engine.max_batch_size, engine.max_seq_len)
         else:
             raise ConfigError("method", f"method {spec.method!r} is not available in this build")

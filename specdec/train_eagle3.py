@@ -311,6 +311,18 @@ def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
     return out
 
 
+def head_lineage(init_dir: Path) -> list[dict]:
+    """The training runs a continued head went through, oldest first (from their logs)."""
+    path = init_dir / "train_log.json"
+    if not path.is_file():
+        return [{"command": f"(a head from {init_dir} without a training log)"}]
+    prev = json.loads(path.read_text())
+    step = {"command": prev["command"], "train_tokens": prev["data"]["train_tokens"], "optimizer_steps": prev["budget"]["optimizer_steps"],
+            "train_minutes": round((prev["budget"]["features_s"] + prev["budget"]["train_s"]) / 60, 1),
+            "heldout_mean_acceptance_length": prev["heldout_acceptance"]["mean_acceptance_length"]}
+    return list(prev.get("lineage", [])) + [step]
+
+
 def write_model_card(out: Path, record: dict) -> None:
     """README.md and the training curve (train_curve.png) next to the weights."""
     curve = record["curve"]
@@ -335,6 +347,12 @@ def write_model_card(out: Path, record: dict) -> None:
     except ImportError:
         pass
     b, d, acc = record["budget"], record["data"], record["heldout_acceptance"]
+    lineage = record.get("lineage") or []
+    earlier = "".join(
+        f"{i + 1}. `{r['command']}`" + (f" ({r['train_tokens']} tokens, {r['optimizer_steps']} steps, {r['train_minutes']} min; "
+                                          f"held-out mean acceptance length {r['heldout_mean_acceptance_length']:.2f})" if "train_tokens" in r else "") + "\n"
+        for i, r in enumerate(lineage))
+    earlier = f"\nIt continues earlier runs (each `--init-from` the previous one's output), oldest first:\n\n{earlier}" if lineage else ""
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
     (out / "README.md").write_text(f"""# EAGLE-3 head for SmolLM2-135M-Instruct (trained here)
 
@@ -343,7 +361,7 @@ Trained on this repository's CPU by:
 ```bash
 {record['command']}
 ```
-
+{earlier}
 - data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
   ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
 - plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
@@ -447,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
         "heldout_top1_by_position": top1, "heldout_acceptance": acceptance, "curve": log,
+        "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=2))
     write_model_card(out, record)

@@ -134,6 +134,10 @@ class TrtllmDeployment:
             out["use_dynamic_tree"] = True
             out["dynamic_tree_max_topK"] = spec.dynamic_tree_max_topK
             out["max_total_draft_tokens"] = spec.max_total_draft_tokens
+        if spec.max_concurrency is not None:
+            out["max_concurrency"] = spec.max_concurrency
+        if spec.draft_len_schedule is not None:
+            out["draft_len_schedule"] = dict(spec.draft_len_schedule)
         return out
 
     def llm_config(self, name: str) -> dict[str, Any]:
@@ -325,6 +329,8 @@ def served_variant(config: Mapping[str, Any]) -> ServedVariant:
             use_dynamic_tree=tree,
             dynamic_tree_max_topK=spec_raw.get("dynamic_tree_max_topK", 1),  # unused without a tree
             max_total_draft_tokens=spec_raw.get("max_total_draft_tokens"),
+            max_concurrency=spec_raw.get("max_concurrency"),
+            draft_len_schedule=spec_raw.get("draft_len_schedule"),
         )
         method, budget = spec.method, int(spec.max_total_draft_tokens)
     return ServedVariant(

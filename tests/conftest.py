@@ -67,6 +67,8 @@ def triton_server(tmp_path_factory, smol_dir):
 
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
     settings["engine"].update(max_seq_len=512, max_tokens_limit=512)
+    # Load controls through the real loop: batch <= 2 drafts 5, 3-4 drafts 1, more drafts nothing.
+    settings["methods"]["eagle3-busy"] = {"method": "eagle3", "max_draft_len": 5, "draft_len_schedule": {"2": 5, "4": 1}}
     path = tmp_path_factory.mktemp("settings") / "specdec.json"
     path.write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)

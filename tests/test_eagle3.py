@@ -231,3 +231,107 @@ def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model,
         assert not any(text in prompt for text in list(reserved)[:50] if len(text) > 20)
     again = self_distilled_features(smol_model, smol_tokenizer, 3, 12, 0, set(), tmp_path / "sd", batch=2, shard=2)
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(feats, again))  # resumed from the shards
+
+
+def test_draft_len_schedule_and_max_concurrency_semantics():
+    """TensorRT-LLM's meaning: {4: 4, 8: 2, 32: 1} -> batch 1-4: 4, 5-8: 2, 9-32: 1, 33+: 0."""
+    spec = SpeculativeConfig(method="eagle3", max_draft_len=5, draft_len_schedule={"4": 4, "8": 2, "32": 1})
+    assert spec.draft_len_schedule == {4: 4, 8: 2, 32: 1}
+    assert [spec.scheduled_draft_tokens(5, b) for b in (1, 4, 5, 8, 9, 32, 33)] == [4, 4, 2, 2, 1, 1, 0]
+    assert spec.scheduled_draft_tokens(3, 1) == 3  # never more than the request asks
+    capped = SpeculativeConfig(method="ngram", max_concurrency=2)
+    assert [capped.scheduled_draft_tokens(4, b) for b in (1, 2, 3)] == [4, 4, 0]
+    with pytest.raises(ConfigError, match="draft_len_schedule"):
+        SpeculativeConfig(draft_len_schedule={"x": 2})
+    with pytest.raises(ConfigError, match="draft_len_schedule"):
+        SpeculativeConfig(draft_len_schedule={4: -1})
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        SpeculativeConfig(max_concurrency=0)
+    raw = {"engine": {}, "methods": {"e": {"method": "eagle3", "max_concurrency": 4, "draft_len_schedule": {"2": 3}}}}
+    assert ServingConfig.from_dict(raw).methods["e"].scheduled_draft_tokens(5, 2) == 3
+
+
+def test_load_controls_skip_drafting_and_stay_lossless(tiny):
+    """With a schedule, crowded steps draft nothing (the drafter is not even called); EAGLE-3
+    catches up on the skipped steps' hidden states when drafting resumes; greedy output is
+    unchanged."""
+    target, head_dir, _ = tiny
+    ps = prompts(8, seed=7)
+    engine = eagle_engine(target, head_dir)
+    spec = SpeculativeConfig(method="eagle3", max_draft_len=5, draft_len_schedule={3: 5, 5: 1})
+    engine.drafts.drafters["eagle3"].config = spec
+    seen: list[tuple[int, list[int]]] = []
+    propose = engine.drafts.propose
+    engine.drafts.propose = lambda items: seen.append((len(engine.sequences), [b for _, b in items])) or propose(items)
+    results: dict[int, list[int]] = {}
+    for i, p in enumerate(ps):  # different lengths, so the batch shrinks as requests finish
+        engine.add_request(str(i), p, SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True), "eagle3", 5)
+        results[i] = []
+    while engine.has_work():
+        for out in engine.step():
+            results[int(out.request_id)] += out.new_token_ids
+    plain = [run_all(engine, [p], SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True), "none", 0, 1)[0] for i, p in enumerate(ps)]
+    assert [results[i] for i in range(8)] == plain
+    assert all(b <= (0 if n > 5 else 1 if n > 3 else 5) for n, budgets in seen for b in budgets)  # (a request's last token: 0)
+    assert {0, 1} <= {b for _, budgets in seen for b in budgets} and any(b > 1 for _, budgets in seen for b in budgets)
+    assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
+
+
+def test_run_loop_hands_skipped_steps_to_the_drafter_merged(tiny):
+    """The serving loop with a schedule that drafts every third step only: the drafter gets
+    the skipped replies merged, and greedy output equals plain decoding."""
+    import asyncio
+
+    from specdec.loop import LoopBackend, TargetReply, merge_replies, run_loop
+    from specdec.sequence import RequestState
+
+    target, head_dir, _ = tiny
+    engine = eagle_engine(target, head_dir)
+    verifier, drafts = engine.verifier, engine.drafts
+
+    class InProcess(LoopBackend):
+        def __init__(self, rid):
+            self.rid, self.drafted, self.verified = rid, [], []
+
+        async def start_target(self, prompt_ids, params, want_hidden):
+            res = verifier.prefill([(self.rid, prompt_ids, params)], want_hidden)[0]
+            self.verified.append(res.first_token)
+            return TargetReply([res.first_token], 0, res.hidden)
+
+        async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
+            drafts.start(self.rid, prompt_ids, first_token, params, method, hidden)
+            return drafts.propose([(self.rid, budget)])[0]
+
+        async def draft(self, last, budget):
+            self.drafted.append(len(last.emitted))
+            drafts.advance(self.rid, last.emitted, last.accepted, last.hidden)
+            assert drafts._get(self.rid).output_ids == self.verified  # nothing lost or doubled
+            return drafts.propose([(self.rid, budget)])[0]
+
+        async def verify(self, tree, want_hidden):
+            out = verifier.verify([(self.rid, tree)], want_hidden)[0]
+            self.verified += out.result.emitted
+            return TargetReply(out.result.emitted, len(out.result.accepted_nodes), out.hidden)
+
+        async def release(self, target_started, drafter_started):
+            verifier.release(self.rid)
+            if drafter_started:
+                drafts.release(self.rid)
+
+    async def generate(prompt, schedule):
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        req = RequestState("r", list(prompt), params, "eagle3", 5, 128, frozenset())
+        backend = InProcess("r")
+        steps = iter(range(10**6))
+        async for _ in run_loop(req, backend, True, scheduled=lambda n: n if schedule(next(steps)) else 0):
+            pass
+        return req.output_ids, backend.drafted
+
+    ps = prompts(4, seed=11)
+    for p in ps:
+        plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
+        out, drafted = asyncio.run(generate(p, lambda step: step % 3 == 0))
+        assert out == plain
+        assert drafted and max(drafted) >= 3  # three steps' tokens arrived at once
+    merged = merge_replies([TargetReply([1, 2], 1, torch.zeros(2, 3)), TargetReply([3], 0, torch.ones(1, 3))])
+    assert merged.emitted == [1, 2, 3] and merged.accepted == 1 and merged.hidden.shape == (3, 3)

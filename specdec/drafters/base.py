@@ -6,6 +6,7 @@ from typing import Sequence
 
 from torch import Tensor
 
+from ..config import SpeculativeConfig
 from ..sequence import SequenceState
 from ..tree import DraftTree
 
@@ -14,10 +15,16 @@ class Drafter(ABC):
     name: str = "drafter"
     # Target layers whose hidden states the drafter needs (EAGLE-3); empty for most.
     tap_layers: tuple[int, ...] = ()
+    config: SpeculativeConfig | None = None  # its load controls apply when set
+
+    def scheduled_draft_tokens(self, requested: int, batch_size: int) -> int:
+        return requested if self.config is None else self.config.scheduled_draft_tokens(requested, batch_size)
 
     @abstractmethod
     def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
-        """One tree per sequence with at most budgets[i] nodes, proposed after seq.root_token."""
+        """One tree per sequence with at most budgets[i] nodes (all >= 1), proposed after
+        seq.root_token. Sequences skipped in a step (budget 0) are not passed: their
+        on_verified updates accumulate until the next propose."""
 
     def on_prefill(self, seq: SequenceState, hidden: Tensor | None) -> None:
         """After the prompt is in the target cache. hidden: [prompt_len, taps*H] or None."""

@@ -173,7 +173,7 @@ class Eagle3Drafter(Drafter):
         written: list[list[int]] = [[] for _ in range(B)]  # candidate index of each written cache column
         hidden_of: list[dict[int, Tensor]] = [{} for _ in range(B)]
         parent_hidden = torch.stack([s.last_hidden for s in states])  # [B, H]
-        for depth in range(1, cfg.max_draft_len):
+        for depth in range(1, min(cfg.max_draft_len, max(budgets))):  # a node at depth d needs a budget >= d
             tokens, depths, masks, offsets, hid = [], [], [], [], []
             for b in range(B):
                 offsets.append(len(written[b]))

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
-from .llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, prepare_step, rope_inv_freq, rope_tables
+from .llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, _onednn_ok, apply_rope, prepare_step, rope_inv_freq, rope_tables
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,17 @@ class Eagle3Head(nn.Module):
         missing = [k for k in missing if not k.startswith("embed.")]
         if missing or unexpected:
             raise ModelLoadError(f"EAGLE-3 checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def cast_linears(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:
+    """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
+    where oneDNN has bf16 kernels), norms and activations stay float32."""
+    if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not _onednn_ok(dtype):
+        return head
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.to(dtype)
+    return head
 
 
 def save_eagle3(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.float16, extra: dict | None = None) -> None:

@@ -127,6 +127,7 @@ class TritonPythonModel:
         self.methods = (METHOD_NONE, *self.settings.methods)
         self.metrics = Metrics(METRICS)
         self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
+        self._decoding = 0  # requests in their decode loop: the batch size the load controls see
         self._executor_set = False
 
     async def execute(self, requests):
@@ -177,9 +178,12 @@ class TritonPythonModel:
         stream = scalar(request, P.STREAM, False, bool)
         perf = scalar(request, P.RETURN_PERF_METRICS, False, bool)
         pieces = []
+        spec = self.settings.methods.get(req.method)
+        self._decoding += 1
         try:
             backend = BLSBackend(int(req.request_id))
-            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled)
+            scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
+            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled)
             async with contextlib.aclosing(updates):  # leaving early still releases the slots
                 async for update in updates:
                     self._record(req.method, update)
@@ -195,6 +199,8 @@ class TritonPythonModel:
                 send(sender, self._response(req, "".join(pieces), req.output_ids, perf), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
+        finally:
+            self._decoding -= 1
 
     def _response(self, req, text, token_ids, perf):
         stats = req.stats
