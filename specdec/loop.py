@@ -81,13 +81,16 @@ async def run_loop(
     want_hidden: bool = False,
     is_cancelled: Callable[[], bool] = lambda: False,
     scheduled: Callable[[int], int] = lambda requested: requested,
+    drafter_keepalive_s: float = 60.0,
 ) -> AsyncIterator[LoopUpdate]:
     """Yield one update per verification step until the request finishes. `scheduled` maps
     the request's draft budget to this step's (the method's load controls under the current
     load); in a step it makes 0 the drafter is not called, and what the verifier kept is
-    handed to it, merged, at the next drafting step."""
+    handed to it, merged, at the next drafting step (or, without one for
+    `drafter_keepalive_s`, with a budget of 0, so the drafter never drops the sequence as idle)."""
     target_started = drafter_started = False
     unsent: list[TargetReply] = []  # verifier replies the drafter has not seen yet
+    last_drafter_call = time.monotonic()
     try:
         reply = await backend.start_target(req.prompt_ids, req.params, want_hidden)
         target_started = True
@@ -107,11 +110,13 @@ async def run_loop(
                     req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, budget
                 )
                 drafter_started = True
+                last_drafter_call = time.monotonic()
             elif req.speculative:
                 unsent.append(reply)
-                if budget > 0:
+                if budget > 0 or time.monotonic() - last_drafter_call > drafter_keepalive_s:
                     tree = await backend.draft(merge_replies(unsent), budget)
                     unsent = []
+                    last_drafter_call = time.monotonic()
             t1 = time.perf_counter()
             tree = (tree or DraftTree()).truncated(budget)
             reply = await backend.verify(tree, want_hidden)

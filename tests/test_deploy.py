@@ -413,6 +413,9 @@ def test_settings_files_differ_from_the_repository_settings_only_in_device_and_d
     for raw in (reference, ours):
         raw["engine"].pop("device", None)
         raw["engine"].pop("dtype", None)
+        for method in raw["methods"].values():  # load controls are tuned per machine (compute to spare differs)
+            method.pop("max_concurrency", None)
+            method.pop("draft_len_schedule", None)
     assert ours == reference, f"{path} drifted from model_repository/specdec.json: copy the change there"
 
 

@@ -318,12 +318,12 @@ def test_run_loop_hands_skipped_steps_to_the_drafter_merged(tiny):
             if drafter_started:
                 drafts.release(self.rid)
 
-    async def generate(prompt, schedule):
+    async def generate(prompt, schedule, keepalive=60.0):
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         req = RequestState("r", list(prompt), params, "eagle3", 5, 128, frozenset())
         backend = InProcess("r")
         steps = iter(range(10**6))
-        async for _ in run_loop(req, backend, True, scheduled=lambda n: n if schedule(next(steps)) else 0):
+        async for _ in run_loop(req, backend, True, scheduled=lambda n: n if schedule(next(steps)) else 0, drafter_keepalive_s=keepalive):
             pass
         return req.output_ids, backend.drafted
 
@@ -333,5 +333,9 @@ def test_run_loop_hands_skipped_steps_to_the_drafter_merged(tiny):
         out, drafted = asyncio.run(generate(p, lambda step: step % 3 == 0))
         assert out == plain
         assert drafted and max(drafted) >= 3  # three steps' tokens arrived at once
+    # Never drafting, but a keep-alive of 0 s: the drafter still hears of every step.
+    out, drafted = asyncio.run(generate(ps[0], lambda step: False, keepalive=0.0))
+    assert out == run_all(engine, [ps[0]], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
+    assert len(drafted) == 22 and set(drafted) == {1}  # 23 verify steps, the first one after start_drafter
     merged = merge_replies([TargetReply([1, 2], 1, torch.zeros(2, 3)), TargetReply([3], 0, torch.ones(1, 3))])
     assert merged.emitted == [1, 2, 3] and merged.accepted == 1 and merged.hidden.shape == (3, 3)

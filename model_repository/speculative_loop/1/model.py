@@ -183,7 +183,8 @@ class TritonPythonModel:
         try:
             backend = BLSBackend(int(req.request_id))
             scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
-            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled)
+            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled,
+                               drafter_keepalive_s=self.settings.idle_timeout_s / 4)
             async with contextlib.aclosing(updates):  # leaving early still releases the slots
                 async for update in updates:
                     self._record(req.method, update)
