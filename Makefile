@@ -37,9 +37,10 @@ bench-engine: prepare
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --out results/serving_overhead.json
 
-# Matched Triton benchmark: baseline + every configured method, c=1 and c=16, ShareGPT.
+# Matched Triton benchmark: baseline + every configured method (+ eagle3 with 3 draft tokens), c=1, 4, 16, ShareGPT.
 bench: prepare
-	$(BIN)/specdec-client bench --start-server --out results/bench/latest
+	$(BIN)/specdec-client bench --start-server --out results/bench/latest --num-prompts 16 --concurrency 1,4,16 \
+		--methods eagle3,eagle3:3,eagle3-tree,ngram,ngram-tree
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest
