@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kv_cache import KVCache
-from .llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, _onednn_ok, apply_rope, prepare_step, rope_inv_freq, rope_tables
+from .llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, onednn_supports, prepare_step, rope_inv_freq, rope_tables
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class Eagle3Head(nn.Module):
 def cast_linears(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:
     """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
     where oneDNN has bf16 kernels), norms and activations stay float32."""
-    if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not _onednn_ok(dtype):
+    if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not onednn_supports(dtype):
         return head
     for module in head.modules():
         if isinstance(module, Linear):

@@ -108,7 +108,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def _onednn_ok(dtype: torch.dtype) -> bool:
+def onednn_supports(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -125,7 +125,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         x = x.to(w.dtype)  # float32 activations meet bf16 weights (see Transformer.act_dtype)
-        if x.device.type != "cpu" or torch.is_grad_enabled() or not _onednn_ok(w.dtype):
+        if x.device.type != "cpu" or torch.is_grad_enabled() or not onednn_supports(w.dtype):
             return F.linear(x, w, self.bias)
         key = (w.data_ptr(), w._version, w.dtype, w.shape)
         if self._packed is None or self._packed[0] != key:
