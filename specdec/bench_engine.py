@@ -8,13 +8,16 @@ side by side in one run; nothing here is asserted.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from specdec_client.envinfo import cpu_model
 
 from .config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
 from .data import sharegpt_prompts
@@ -22,7 +25,6 @@ from .engine import SpecEngine
 from .models.llama import build_batch
 from .models.loading import default_model_dir, load_transformer
 from .runtime import build_drafters, encode_prompt, load_tokenizer
-from specdec_client.envinfo import cpu_model  # one implementation, shared with the client's bench
 
 NEW_TOKENS = 128
 
@@ -64,6 +66,11 @@ def forward_ms(model, batch: int, k: int, context: int = 256, repeats: int = 10)
     return 1e3 * min(_timed(lambda: model(step, cache)) for _ in range(repeats))
 
 
+def padded(counts: list[int]) -> Iterator[int]:
+    """Counts per draft position, then zeros (positions no earlier run reached)."""
+    return itertools.chain(counts, itertools.repeat(0))
+
+
 def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, method: str, k: int, concurrency: int) -> dict:
     """Closed loop at `concurrency`; returns aggregate and per-user throughput and acceptance."""
     todo = list(enumerate(prompts))
@@ -93,8 +100,8 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
         "mean_acceptance_length": (after.emitted_tokens - stats_before["emitted_tokens"]) / steps if steps else 0.0,
         "acceptance_rate": (after.accepted_tokens - stats_before["accepted_tokens"]) / drafted if drafted else 0.0,
         "per_position_acceptance": [  # this run only (the engine's counters are running totals)
-            (a - (accepted_before[d] if d < len(accepted_before) else 0)) / max(1, n - (drafted_before[d] if d < len(drafted_before) else 0))
-            for d, (n, a) in enumerate(zip(after.drafted_per_position, after.accepted_per_position))
+            (a - a0) / max(1, n - n0)
+            for n, a, n0, a0 in zip(after.drafted_per_position, after.accepted_per_position, padded(drafted_before), padded(accepted_before))
         ],
         "tokens": sum(count.values()),
     }

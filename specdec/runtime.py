@@ -8,18 +8,24 @@ from typing import Mapping
 
 import torch
 
-from .config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NGRAM, EngineConfig, ModelConfig, SpeculativeConfig
+from .config import (
+    METHOD_EAGLE3,
+    METHOD_EAGLE3_TREE,
+    METHOD_NGRAM,
+    EngineConfig,
+    ModelConfig,
+    SpeculativeConfig,
+)
 from .drafters.base import Drafter
 from .drafters.eagle3 import Eagle3Drafter
 from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine
 from .errors import ConfigError
-from .models.llama import Transformer
 from .models.eagle3 import cast_linears, load_eagle3
+from .models.llama import Transformer
 from .models.loading import default_model_dir, load_embedding, load_transformer
 
 log = logging.getLogger(__name__)
-
 
 
 def resolve_model_dir(model_dir: str | Path | None) -> Path:

@@ -108,29 +108,21 @@ def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: 
     texts = [t for t in sharegpt_prompts(n + len(exclude) + 64, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
              if t.strip() not in reserved]
     prompts = [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]  # never the held-out prompts
-    feature_dir.mkdir(parents=True, exist_ok=True)
     recorder = _TapRecorder(target.cfg.eagle3_tap_layers())
     engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {recorder.name: recorder})
-    features: list[dict] = []
-    t0, made = time.perf_counter(), 0
-    for start in range(0, len(prompts), shard):
-        path = feature_dir / f"shard_{start // shard:05d}.pt"
-        if path.is_file():
-            features += torch.load(path, weights_only=True)
-            continue
-        todo = [(str(i), prompts[i]) for i in range(start, min(start + shard, len(prompts)))]
+
+    def make(start: int, stop: int) -> list[dict]:
+        todo = [(str(i), prompts[i]) for i in range(start, stop)]
         recorder.finished.clear()
         while todo or engine.has_work():
             while todo and len(engine.sequences) < batch:
                 rid, ids = todo.pop(0)
                 engine.add_request(rid, ids, SamplingParams(max_tokens=new_tokens), recorder.name, 1)
             engine.step()
-        part = [recorder.finished[k] for k in sorted(recorder.finished, key=int)]
-        torch.save(part, path)
-        features += part
-        made += sum(int((f["labels"] >= 0).sum()) for f in part)
-        print(f"self-distill: {len(features)}/{len(prompts)} prompts, {made / (time.perf_counter() - t0):.0f} answer tok/s", flush=True)
-    return features
+        return [recorder.finished[k] for k in sorted(recorder.finished, key=int)]
+
+    return cached_shards(feature_dir, len(prompts), shard, make, "self-distill (prompts; answer tokens)",
+                         lambda part: sum(int((f["labels"] >= 0).sum()) for f in part))
 
 
 @torch.inference_mode()
@@ -146,24 +138,35 @@ def target_features(target: Transformer, seqs: list[list[int]], taps: tuple[int,
     ]
 
 
-def build_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...], feature_dir: Path, shard: int = 16) -> list[dict]:
+def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: str, count) -> list[dict]:
+    """Features for items [0, total) in shards of `shard` files under feature_dir: existing
+    shards are read, missing ones made by make_part(start, stop) and saved, so a re-run
+    resumes. `count(part)` is the tokens a part adds (for the progress line)."""
     feature_dir.mkdir(parents=True, exist_ok=True)
     features: list[dict] = []
-    t0 = time.perf_counter()
-    for start in range(0, len(seqs), shard):
+    t0, made = time.perf_counter(), 0
+    for start in range(0, total, shard):
         path = feature_dir / f"shard_{start // shard:05d}.pt"
         if path.is_file():
             features += torch.load(path, weights_only=True)
             continue
-        part: list[dict] = []
-        chunk = sorted(seqs[start : start + shard], key=len)
-        for i in range(0, len(chunk), 4):  # small ragged batches of similar length
-            part += target_features(target, chunk[i : i + 4], taps)
+        part = make_part(start, min(start + shard, total))
         torch.save(part, path)
         features += part
-        done = sum(len(f["tokens"]) for f in features)
-        print(f"features: {start + len(chunk)}/{len(seqs)} sequences, {done} tokens, {done / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+        made += count(part)
+        print(f"{label}: {len(features)}/{total}, {made / (time.perf_counter() - t0):.0f} tok/s", flush=True)
     return features
+
+
+def build_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...], feature_dir: Path, shard: int = 16) -> list[dict]:
+    def make(start: int, stop: int) -> list[dict]:
+        chunk = sorted(seqs[start:stop], key=len)
+        part: list[dict] = []
+        for i in range(0, len(chunk), 4):  # small ragged batches of similar length
+            part += target_features(target, chunk[i : i + 4], taps)
+        return part
+
+    return cached_shards(feature_dir, len(seqs), shard, make, "features (sequences)", lambda part: sum(len(f["tokens"]) for f in part))
 
 
 def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -175,10 +178,14 @@ def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[i
     return counts.topk(size).indices.sort().values  # [Vd] target ids
 
 
+def frozen_embedding(target: Transformer) -> torch.nn.Embedding:
+    """The head reads the target's embedding but never trains it."""
+    return torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone(), freeze=True)
+
+
 def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, seed: int) -> Eagle3Head:
     torch.manual_seed(seed)
-    embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone(), freeze=True)
-    head = Eagle3Head(cfg, embed)
+    head = Eagle3Head(cfg, frozen_embedding(target))
     for module in head.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
@@ -435,17 +442,16 @@ def main(argv: list[str] | None = None) -> int:
                                                         held_openings, distill_dir, batch=args.gen_batch)
     t_features = time.perf_counter() - t_start
     if args.init_from:  # continue training a head (its draft vocabulary and tap layers stay)
-        head = load_eagle3(Path(args.init_from), torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone(), freeze=True), target.cfg)
+        head = load_eagle3(Path(args.init_from), frozen_embedding(target), target.cfg)
         if head.cfg.tap_layers != tuple(taps):
             raise SystemExit(f"--init-from head taps {head.cfg.tap_layers} differ from the target's {taps}")
         vocab_ids = head.draft_to_target.clone()
     else:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
+        head = init_head(target, Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), vocab_ids, args.seed)
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    if not args.init_from:
-        head = init_head(target, Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), vocab_ids, args.seed)
     log = train(head, train_set, args, target_to_draft)
     t_train = time.perf_counter() - t_start - t_features
     out = Path(args.out)
