@@ -1,30 +1,28 @@
-"""The in-process multi-sequence speculative engine: the request loop over a TargetVerifier
-and a DraftService (the Triton models run the same two halves in separate processes).
+"""The in-process multi-sequence speculative engine: request bookkeeping over a Speculator
+(the same step the Triton `verifier` model serves).
 
 Each `step()`:
-  1. prefills newly added sequences (one batched forward) and samples their first token;
-  2. drafts a tree for every running sequence (each drafter batched over its sequences);
-  3. verifies all trees in ONE batched target forward ([root] + nodes per row, tree mask);
-  4. accepts per sequence (greedy or lossless sampling), commits the kept KV path, and
-     returns the emitted tokens (accepted + bonus/recovered) and final text per sequence.
+  1. prefills newly added sequences (one batched forward), samples their first token and
+     drafts their first trees;
+  2. verifies every running sequence's tree in ONE batched target forward, accepts per
+     sequence (greedy or lossless sampling), commits the kept KV path and drafts the next
+     trees (each drafter batched over its sequences);
+  3. applies stop rules and returns the emitted tokens and final text per sequence.
 num_draft_tokens == 0 is plain decoding through the same path: the matched baseline.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 from .config import METHOD_NONE, EngineConfig, ModelConfig, SamplingParams
 from .detok import IncrementalDetokenizer
 from .drafters.base import Drafter
-from .drafting import DraftService
 from .errors import CapacityError, InvalidRequestError, UnknownSequenceError
 from .metrics import SpecStats
 from .models.llama import Transformer
 from .sequence import FINISH_CANCELLED, RequestState
-from .tree import DraftTree
-from .verifier import TargetVerifier
+from .speculator import Speculator, StartItem, StepItem
 
 
 @dataclass
@@ -57,6 +55,10 @@ def validate_request(config: EngineConfig, params: SamplingParams, method: str, 
 
 
 class SpecEngine:
+    """A thin driver over the Speculator: request bookkeeping (stop rules, text, stats) and
+    the methods' load controls; the step itself (verify, commit, draft the next trees) is
+    the Speculator's, exactly as the Triton verifier runs it."""
+
     def __init__(
         self,
         target: Transformer,
@@ -66,12 +68,19 @@ class SpecEngine:
     ):
         self.config = config
         self.tokenizer = tokenizer
-        self.drafts = DraftService(drafters or {})
-        self.verifier = TargetVerifier(target, config, tap_layers=self.drafts.tap_layers)
+        self.speculator = Speculator(target, config, drafters)
         self.eos_token_ids = eos_ids_of_config(target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
         self._pending: list[RequestState] = []
         self.stats = SpecStats()  # aggregate over every request
+
+    @property
+    def drafts(self):
+        return self.speculator.drafts
+
+    @property
+    def verifier(self):
+        return self.speculator.verifier
 
     @property
     def cache(self):
@@ -128,38 +137,28 @@ class SpecEngine:
             outputs += self._decode(running)
         return outputs
 
+    def _scheduled(self, req: RequestState) -> int:
+        """The request's draft tokens under its method's load controls (batch = running sequences)."""
+        if not req.speculative:
+            return 0
+        return self.drafts.scheduled_draft_tokens(req.method, req.num_draft_tokens, len(self.sequences))
+
     def _prefill(self, reqs: list[RequestState]) -> list[StepOutput]:
-        want_hidden = any(self.drafts.needs_hidden(r.method) for r in reqs)
-        results = self.verifier.prefill([(r.request_id, r.prompt_ids, r.params) for r in reqs], want_hidden)
-        outputs = []
-        for req, res in zip(reqs, results):
-            if req.speculative:
-                self.drafts.start(req.request_id, req.prompt_ids, res.first_token, req.params, req.method, res.hidden)
-            outputs.append(self._emit(req, [res.first_token]))
-        return outputs
+        items = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, self._scheduled(r)) for r in reqs]
+        return [self._emit(req, res.emitted) for req, res in zip(reqs, self.speculator.prefill(items))]
 
     def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
-        t0 = time.perf_counter()
-        spec = [r for r in reqs if r.speculative]
-        batch = len(reqs)
-        proposed = self.drafts.propose([(r.request_id, self.drafts.scheduled_draft_tokens(r.method, r.draft_budget(), batch)) for r in spec])
-        trees = {r.request_id: t for r, t in zip(spec, proposed)}
-        t1 = time.perf_counter()
-        want_hidden = any(self.drafts.needs_hidden(r.method) for r in spec)
-        results = self.verifier.verify([(r.request_id, trees.get(r.request_id, DraftTree())) for r in reqs], want_hidden)
-        t2 = time.perf_counter()
-        self.stats.draft_seconds += t1 - t0
-        self.stats.verify_seconds += t2 - t1
+        results = self.speculator.step([StepItem(r.request_id, self._scheduled(r)) for r in reqs])
+        if results:
+            self.stats.draft_seconds += results[0].draft_seconds
+            self.stats.verify_seconds += results[0].verify_seconds
         outputs = []
-        for req, out in zip(reqs, results):
-            tree, result = trees.get(req.request_id, DraftTree()), out.result
-            req.stats.draft_seconds += t1 - t0
-            req.stats.verify_seconds += t2 - t1
+        for req, res in zip(reqs, results):
+            req.stats.draft_seconds += res.draft_seconds
+            req.stats.verify_seconds += res.verify_seconds
             for stats in (req.stats, self.stats):
-                stats.record_step(max(tree.depths(), default=0), len(tree), len(result.accepted_nodes), len(result.emitted))
-            if req.speculative:
-                self.drafts.advance(req.request_id, result.emitted, len(result.accepted_nodes), out.hidden)
-            outputs.append(self._emit(req, result.emitted))
+                stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted))
+            outputs.append(self._emit(req, res.emitted))
         return outputs
 
     def _emit(self, req: RequestState, tokens: list[int]) -> StepOutput:
@@ -173,9 +172,7 @@ class SpecEngine:
         if req in self._pending:
             self._pending.remove(req)
             return  # never prefilled: holds no slot
-        self.verifier.release(req.request_id)
-        if req.request_id in self.drafts:
-            self.drafts.release(req.request_id)
+        self.speculator.release(req.request_id)
 
     def generate(
         self,

@@ -13,6 +13,7 @@ from .config import SamplingParams
 from .detok import IncrementalDetokenizer
 from .errors import UnknownSequenceError
 from .metrics import SpecStats
+from .request import draft_budget, room_left
 
 T = TypeVar("T")
 
@@ -70,11 +71,12 @@ class RequestState:
     @property
     def room(self) -> int:
         """Tokens this request may still emit (max_tokens and the context both bound it)."""
-        return min(self.params.max_tokens - len(self.output_ids), self.max_seq_len - len(self.prompt_ids) - len(self.output_ids))
+        return room_left(self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
-    def draft_budget(self) -> int:
+    def draft_budget(self, requested: int | None = None) -> int:
         """Draft no more than could be emitted, leaving room for the bonus token."""
-        return max(0, min(self.num_draft_tokens, self.room - 1))
+        wanted = self.num_draft_tokens if requested is None else requested
+        return draft_budget(wanted, self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
     def accept(self, tokens: list[int]) -> tuple[list[int], str]:
         """Apply EOS / max_tokens / context / stop strings to newly emitted tokens.
@@ -129,10 +131,14 @@ class KeyedSequences(Generic[T]):
     def release(self, seq_id: Hashable) -> None:
         raise NotImplementedError
 
-    def release_idle(self, max_idle_s: float) -> list[Hashable]:
-        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
+    def idle(self, max_idle_s: float) -> list[Hashable]:
+        """Sequences nobody has touched for max_idle_s (a client that vanished)."""
         cutoff = time.monotonic() - max_idle_s
-        stale = [k for k, s in self._seqs.items() if s.last_used < cutoff]
+        return [k for k, s in self._seqs.items() if s.last_used < cutoff]
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free the idle sequences."""
+        stale = self.idle(max_idle_s)
         for seq_id in stale:
             self.release(seq_id)
         return stale

@@ -1,0 +1,180 @@
+"""One speculation step as one call: verify every sequence's tree in ONE batched target
+forward, commit the accepted path, then draft each sequence's next tree with the drafters
+that live beside the target (TensorRT-LLM's "one-model" EAGLE-3 layout).
+
+Drafters that need the target's hidden taps (EAGLE-3 heads) get them here without leaving
+the process, and drafters that cost nothing (n-gram lookup) need no call of their own. A
+drafter that is a separate model (served apart) hands its tree in with the step instead
+(`StepItem.tree`). The in-process engine (SpecEngine) and the Triton `verifier` model both
+drive this class; neither knows which drafter runs.
+
+Budgets: the caller passes the draft tokens it wants for the next tree (its method's load
+controls already applied); the speculator cuts them to the sequence's room here, the one
+place that knows how many tokens the step emitted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+from torch import Tensor
+
+from .config import METHOD_NONE, EngineConfig, SamplingParams
+from .drafters.base import Drafter
+from .drafting import DraftService
+from .errors import InvalidRequestError
+from .models.llama import Transformer
+from .request import draft_budget
+from .tree import DraftTree
+from .verifier import TargetVerifier
+
+
+@dataclass(frozen=True)
+class StartItem:
+    seq_id: Hashable
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    method: str = METHOD_NONE  # a co-located drafter, or none (plain, or drafted elsewhere)
+    num_draft_tokens: int = 0  # wanted for the first tree (cut to the room here)
+    want_hidden: bool = False  # return the prompt's taps (for a drafter served apart)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: Hashable
+    num_draft_tokens: int = 0  # wanted for the next tree; 0 = do not draft this step
+    tree: DraftTree | None = None  # drafted elsewhere; None = the co-located drafter's
+    want_hidden: bool = False
+
+
+@dataclass
+class StepResult:
+    emitted: list[int]  # accepted draft tokens + the bonus/recovered token (prefill: first token)
+    accepted: int  # how many of `emitted` were draft tokens
+    draft_depth: int = 0  # of the tree verified in this step
+    draft_tokens: int = 0  # nodes of the tree verified in this step
+    next_draft_tokens: int = 0  # nodes of the tree drafted for the next step (co-located)
+    hidden: Tensor | None = None  # taps of the committed positions, when asked for
+    verify_seconds: float = 0.0  # the batch's, shared by its sequences
+    draft_seconds: float = 0.0
+
+
+@dataclass
+class _Sequence:
+    method: str
+    prompt_len: int
+    max_tokens: int
+    generated: int = 0
+    next_tree: DraftTree = field(default_factory=DraftTree)
+
+
+class Speculator:
+    """Target + co-located drafters, keyed by sequence id."""
+
+    def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None):
+        self.config = config
+        self.drafts = DraftService(drafters or {})
+        self.verifier = TargetVerifier(target, config, tap_layers=self.drafts.tap_layers)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self.drafts.drafters)
+
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def check_method(self, method: str) -> None:
+        if method != METHOD_NONE and method not in self.drafts.drafters:
+            raise InvalidRequestError("speculative_method", f"no co-located drafter {method!r}; available: {', '.join(self.methods) or 'none'}")
+
+    def _budget(self, seq: _Sequence, wanted: int) -> int:
+        return draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+
+    # ---- the two calls --------------------------------------------------------------------
+    def prefill(self, items: Sequence[StartItem]) -> list[StepResult]:
+        """Start sequences: prefill their prompts in one forward, sample the first token, and
+        draft the first tree of those with a co-located drafter. Nothing changes on error."""
+        for item in items:
+            self.check_method(item.method)
+        want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
+        t0 = time.perf_counter()
+        outs = self.verifier.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
+        t1 = time.perf_counter()
+        results = []
+        for item, out in zip(items, outs):
+            self._seqs[item.seq_id] = _Sequence(item.method, len(item.prompt_ids), item.params.max_tokens, generated=1)
+            if item.method != METHOD_NONE:
+                self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
+            results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0))
+        self._draft_next(items, results)
+        return results
+
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        """Verify every item's tree in one batched forward, commit, then draft the next trees."""
+        seqs = [self._get(i.seq_id) for i in items]
+        trees = []
+        for item, seq in zip(items, seqs):
+            tree = item.tree if item.tree is not None else seq.next_tree
+            trees.append(tree.truncated(self._budget(seq, len(tree))))
+            seq.next_tree = DraftTree()
+        want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
+        t0 = time.perf_counter()
+        outs = self.verifier.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
+        t1 = time.perf_counter()
+        results = []
+        for item, seq, tree, out in zip(items, seqs, trees, outs):
+            emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
+            seq.generated += len(emitted)
+            if seq.method != METHOD_NONE:  # every step, drafting or not: the drafter sees every token once
+                self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
+            results.append(StepResult(
+                emitted, accepted, max(tree.depths(), default=0), len(tree),
+                hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0,
+            ))
+        self._draft_next(items, results)
+        return results
+
+    def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult]) -> None:
+        """One batched propose per drafter (one head pass per draft depth for all sequences)."""
+        wanted = []
+        for n, item in enumerate(items):
+            seq = self._seqs[item.seq_id]
+            budget = self._budget(seq, item.num_draft_tokens) if seq.method != METHOD_NONE else 0
+            if budget > 0:
+                wanted.append((n, item.seq_id, budget))
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted])
+        seconds = time.perf_counter() - t0
+        for (n, seq_id, _), tree in zip(wanted, trees):
+            self._seqs[seq_id].next_tree = tree
+            results[n].next_draft_tokens = len(tree)
+        for result in results:
+            result.draft_seconds = seconds
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        if seq_id not in self._seqs:
+            self.verifier._get(seq_id)  # raises UnknownSequenceError naming the sequence
+        return self._seqs[seq_id]
+
+    def release(self, seq_id: Hashable) -> None:
+        self._get(seq_id)
+        del self._seqs[seq_id]
+        self.verifier.release(seq_id)
+        if seq_id in self.drafts:
+            self.drafts.release(seq_id)
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
+        stale = self.verifier.idle(max_idle_s)
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale
