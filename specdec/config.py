@@ -163,6 +163,10 @@ class SpeculativeConfig:
     # 5-8 -> 2, 9-32 -> 1, larger -> 0; max_concurrency: above this batch size, 0.
     max_concurrency: int | None = None
     draft_len_schedule: Mapping[int, int] | None = None
+    # Where the drafter runs when served: true = beside the target in the `verifier` model,
+    # one call per step (TensorRT-LLM's one-model EAGLE-3); false = in the `drafter` model,
+    # its own process (a draft call and a verify call per step; the two-model path).
+    colocated: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ALL_METHODS:

@@ -1,7 +1,9 @@
 """The per-request speculative decoding loop, written against abstract async hooks.
 
-The Triton `speculative_loop` model implements the hooks with BLS calls to the `drafter`
-and `verifier` models; tests implement them in process. The loop owns the request-level
+The Triton `speculative_loop` model implements the hooks with BLS calls to the `verifier`
+model (one call per step: it hosts the co-located drafters) and, for a drafter served
+apart, the `drafter` model; `specdec.inprocess.InProcessBackend` implements them over a
+Speculator (tests, and the in-process CLI). The loop owns the request-level
 rules (stop conditions, draft budget, text, stats) through RequestState, and always
 releases what it started, whatever happens (finish, error, cancellation).
 """
@@ -15,16 +17,10 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .config import SamplingParams
+from .config import METHOD_NONE, SamplingParams
 from .sequence import FINISH_CANCELLED, RequestState
+from .speculator import StepResult
 from .tree import DraftTree
-
-
-@dataclass
-class TargetReply:
-    emitted: list[int]  # accepted draft tokens + the bonus/recovered token (prefill: the first token)
-    accepted: int  # how many of `emitted` were draft tokens
-    hidden: Tensor | None  # hidden taps of the committed positions, when asked for
 
 
 @dataclass
@@ -39,40 +35,76 @@ class LoopUpdate:
     accepted: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    step_seconds: float = 0.0  # wall time of the step as the loop saw it (calls included)
 
 
-def merge_replies(replies: Sequence[TargetReply]) -> TargetReply:
+def merge_replies(replies: Sequence[StepResult]) -> StepResult:
     """Consecutive verifier replies as one: the drafter only needs the committed tokens in
     order and the hidden taps of their positions."""
     if len(replies) == 1:
         return replies[0]
     hidden = [r.hidden for r in replies if r.hidden is not None]
-    return TargetReply(
+    return StepResult(
         [t for r in replies for t in r.emitted], sum(r.accepted for r in replies),
-        torch.cat(hidden) if len(hidden) == len(replies) else None,
+        hidden=torch.cat(hidden) if len(hidden) == len(replies) else None,
     )
 
 
 class LoopBackend(ABC):
-    """One sequence's view of the drafter and the verifier."""
+    """One sequence's view of the verifier (which hosts the co-located drafters) and, for a
+    drafter served apart, of the drafter."""
 
     @abstractmethod
-    async def start_target(self, prompt_ids: Sequence[int], params: SamplingParams, want_hidden: bool) -> TargetReply: ...
+    async def start_target(
+        self, prompt_ids: Sequence[int], params: SamplingParams, method: str, num_draft_tokens: int, want_hidden: bool,
+    ) -> StepResult:
+        """Prefill; with a co-located `method` the verifier also drafts the first tree."""
 
     @abstractmethod
+    async def verify(self, tree: DraftTree | None, num_draft_tokens: int, want_hidden: bool) -> StepResult:
+        """One step: verify `tree` (None: the tree the verifier's co-located drafter made last
+        step), then let that drafter draft the next tree with `num_draft_tokens`."""
+
     async def start_drafter(
         self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams, method: str,
         hidden: Tensor | None, budget: int,
-    ) -> DraftTree: ...
+    ) -> DraftTree:
+        raise NotImplementedError("this backend has no drafter served apart")
 
-    @abstractmethod
-    async def draft(self, last: TargetReply, budget: int) -> DraftTree: ...
+    async def draft(self, last: StepResult, budget: int) -> DraftTree:
+        raise NotImplementedError("this backend has no drafter served apart")
 
-    @abstractmethod
-    async def verify(self, tree: DraftTree, want_hidden: bool) -> TargetReply: ...
+    async def verify_and_draft(self, num_draft_tokens: int) -> StepResult:
+        """The co-located step: ONE call."""
+        return await self.verify(None, num_draft_tokens, False)
 
     @abstractmethod
     async def release(self, target_started: bool, drafter_started: bool) -> None: ...
+
+
+class _SeparateDrafter:
+    """The loop's side of a drafter served apart: start it on the first step, hand it what
+    the verifier kept (merged over steps that drafted nothing), keep it alive."""
+
+    def __init__(self, backend: LoopBackend, req: RequestState, keepalive_s: float):
+        self.backend, self.req, self.keepalive_s = backend, req, keepalive_s
+        self.started = False
+        self.unsent: list[StepResult] = []  # verifier replies the drafter has not seen yet
+        self.last_call = time.monotonic()
+
+    async def tree(self, reply: StepResult, budget: int) -> DraftTree:
+        req, tree = self.req, None
+        if not self.started:
+            tree = await self.backend.start_drafter(req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, budget)
+            self.started = True
+            self.last_call = time.monotonic()
+        else:
+            self.unsent.append(reply)
+            if budget > 0 or time.monotonic() - self.last_call > self.keepalive_s:
+                tree = await self.backend.draft(merge_replies(self.unsent), budget)
+                self.unsent = []
+                self.last_call = time.monotonic()
+        return (tree or DraftTree()).truncated(budget)
 
 
 async def run_loop(
@@ -82,52 +114,48 @@ async def run_loop(
     is_cancelled: Callable[[], bool] = lambda: False,
     scheduled: Callable[[int], int] = lambda requested: requested,
     drafter_keepalive_s: float = 60.0,
+    colocated: bool = True,
 ) -> AsyncIterator[LoopUpdate]:
     """Yield one update per verification step until the request finishes. `scheduled` maps
-    the request's draft budget to this step's (the method's load controls under the current
-    load); in a step it makes 0 the drafter is not called, and what the verifier kept is
-    handed to it, merged, at the next drafting step (or, without one for
-    `drafter_keepalive_s`, with a budget of 0, so the drafter never drops the sequence as idle)."""
-    target_started = drafter_started = False
-    unsent: list[TargetReply] = []  # verifier replies the drafter has not seen yet
-    last_drafter_call = time.monotonic()
+    the request's draft tokens to this step's (the method's load controls under the current
+    load). With `colocated` (the drafter lives beside the target) each step is ONE call:
+    verify, then draft the next tree. Otherwise the drafter served apart drafts first; in a
+    step whose budget is 0 it is not called, and what the verifier kept is handed to it,
+    merged, at the next drafting step (or, without one for `drafter_keepalive_s`, with a
+    budget of 0, so it never drops the sequence as idle). `want_hidden`: the drafter served
+    apart needs the target's hidden taps."""
+    separate = _SeparateDrafter(backend, req, drafter_keepalive_s) if req.speculative and not colocated else None
+    target_started = False
     try:
-        reply = await backend.start_target(req.prompt_ids, req.params, want_hidden)
+        wanted = scheduled(req.num_draft_tokens) if req.speculative and colocated else 0
+        method = req.method if separate is None else METHOD_NONE
+        reply = await backend.start_target(req.prompt_ids, req.params, method, wanted, want_hidden and separate is not None)
         target_started = True
         tokens, text = req.accept(reply.emitted)
         yield LoopUpdate(tokens, text, req.finished, req.finish_reason)
-        tree: DraftTree | None = None
         while not req.finished:
             if is_cancelled():
                 req.finish(FINISH_CANCELLED)
                 yield LoopUpdate([], "", True, FINISH_CANCELLED)
                 return
             t0 = time.perf_counter()
-            budget = scheduled(req.draft_budget()) if req.speculative else 0
-            tree = None
-            if req.speculative and not drafter_started:
-                tree = await backend.start_drafter(
-                    req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, budget
-                )
-                drafter_started = True
-                last_drafter_call = time.monotonic()
-            elif req.speculative:
-                unsent.append(reply)
-                if budget > 0 or time.monotonic() - last_drafter_call > drafter_keepalive_s:
-                    tree = await backend.draft(merge_replies(unsent), budget)
-                    unsent = []
-                    last_drafter_call = time.monotonic()
-            t1 = time.perf_counter()
-            tree = (tree or DraftTree()).truncated(budget)
-            reply = await backend.verify(tree, want_hidden)
-            t2 = time.perf_counter()
-            req.stats.draft_seconds += t1 - t0
-            req.stats.verify_seconds += t2 - t1
-            depth = max(tree.depths(), default=0)
-            req.stats.record_step(depth, len(tree), reply.accepted, len(reply.emitted))
+            wanted = scheduled(req.num_draft_tokens) if req.speculative else 0
+            if separate is None:
+                reply = await backend.verify_and_draft(wanted)
+                draft_s = reply.draft_seconds
+            else:
+                tree = await separate.tree(reply, req.draft_budget(wanted))
+                draft_s = time.perf_counter() - t0
+                reply = await backend.verify(tree, 0, want_hidden)
+                reply.draft_depth, reply.draft_tokens = max(tree.depths(), default=0), len(tree)
+            step_s = time.perf_counter() - t0
+            req.stats.draft_seconds += draft_s
+            req.stats.verify_seconds += reply.verify_seconds
+            req.stats.record_step(reply.draft_depth, reply.draft_tokens, reply.accepted, len(reply.emitted))
             tokens, text = req.accept(reply.emitted)
             yield LoopUpdate(
-                tokens, text, req.finished, req.finish_reason, True, depth, len(tree), reply.accepted, t1 - t0, t2 - t1
+                tokens, text, req.finished, req.finish_reason, True, reply.draft_depth, reply.draft_tokens,
+                reply.accepted, draft_s, reply.verify_seconds, step_s,
             )
     finally:
-        await backend.release(target_started, drafter_started)
+        await backend.release(target_started, separate is not None and separate.started)

@@ -45,6 +45,9 @@ DRAFT_PARENTS = "draft_parents"
 DRAFT_PROBS = "draft_probs"
 HIDDEN_STATES = "hidden_states"
 RETURN_HIDDEN = "return_hidden"
+# The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
+STEP_STATS = "step_stats"
+STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "next_draft_tokens", "verify_seconds", "draft_seconds")
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
@@ -71,6 +74,8 @@ SAMPLING_INPUTS = (
     (TOP_P, "TYPE_FP32", (1,), True),
     (RANDOM_SEED, "TYPE_UINT64", (1,), True),
 )
+# Sampling settings as the loop sends them to the verifier and the drafter (request.encode_sampling).
+WIRE_SAMPLING_INPUTS = ((MAX_TOKENS, "TYPE_INT32", (1,), True), *SAMPLING_INPUTS)
 REQUEST_INPUTS = (
     (MAX_TOKENS, "TYPE_INT32", (1,)),
     (STREAM, "TYPE_BOOL", (1,), True),
@@ -114,16 +119,21 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
         _specs((TEXT_DELTA, "TYPE_STRING", (1,)), (RETURN_PERF_METRICS, "TYPE_BOOL", (1,)), *PERF_COUNTS),
         _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
     ),
+    # One speculation step per call: verify the tree (drafted beside the target last step,
+    # or handed in by a drafter served apart), then draft the next with the co-located drafter.
     "verifier": (
         _specs(
             (INPUT_IDS, "TYPE_INT32", (-1,), True),
+            (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+            (DRAFT_BUDGET, "TYPE_INT32", (1,), True),
             (DRAFT_TOKENS, "TYPE_INT32", (-1,), True),
             (DRAFT_PARENTS, "TYPE_INT32", (-1,), True),
             (DRAFT_PROBS, "TYPE_FP32", (-1, -1), True),
             (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
-            *SAMPLING_INPUTS,
+            *WIRE_SAMPLING_INPUTS,
         ),
-        _specs((OUTPUT_IDS, "TYPE_INT32", (-1,)), (NUM_ACCEPTED, "TYPE_INT32", (1,)), (HIDDEN_STATES, "TYPE_FP32", (-1, -1))),
+        _specs((OUTPUT_IDS, "TYPE_INT32", (-1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
+               (HIDDEN_STATES, "TYPE_FP32", (-1, -1))),
     ),
     "drafter": (
         _specs(
@@ -132,7 +142,7 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (HIDDEN_STATES, "TYPE_FP32", (-1, -1), True),
             (DRAFT_BUDGET, "TYPE_INT32", (1,), True),
             (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
-            *SAMPLING_INPUTS,
+            *WIRE_SAMPLING_INPUTS,
         ),
         _specs((DRAFT_TOKENS, "TYPE_INT32", (-1,)), (DRAFT_PARENTS, "TYPE_INT32", (-1,)), (DRAFT_PROBS, "TYPE_FP32", (-1, -1))),
     ),

@@ -10,6 +10,7 @@ import torch
 
 from .config import (
     METHOD_EAGLE3,
+    ServingConfig,
     METHOD_EAGLE3_TREE,
     METHOD_NGRAM,
     EngineConfig,
@@ -20,6 +21,7 @@ from .drafters.base import Drafter
 from .drafters.eagle3 import Eagle3Drafter
 from .drafters.ngram import NgramDrafter
 from .engine import SpecEngine
+from .speculator import Speculator
 from .errors import ConfigError
 from .models.eagle3 import cast_linears, load_eagle3
 from .models.llama import Transformer
@@ -46,8 +48,6 @@ SERVED_SETTINGS = REPO_ROOT / "model_repository" / "specdec.json"
 
 def served_methods() -> dict[str, SpeculativeConfig]:
     """The methods the model repository serves, so in-process runs match the server."""
-    from .config import ServingConfig
-
     if SERVED_SETTINGS.is_file():
         return dict(ServingConfig.from_file(SERVED_SETTINGS).methods)
     return {METHOD_NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=4)}
@@ -113,6 +113,27 @@ def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:
 
         compile_transformer(target)
     return target
+
+
+def colocated_methods(settings: ServingConfig, colocated: bool = True) -> dict[str, SpeculativeConfig]:
+    """The configured methods whose drafter runs beside the target (or, False, apart)."""
+    return {name: spec for name, spec in settings.methods.items() if spec.colocated == colocated}
+
+
+def build_colocated_speculator(settings: ServingConfig) -> Speculator:
+    """The Triton verifier's engine: the target plus every co-located drafter, which share
+    the target's embedding (EAGLE-3) and its threads."""
+    model_dir = resolve_model_dir(settings.model_dir)
+    target = load_target(model_dir, settings.engine)
+    drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, embed=target.embed)
+    speculator = Speculator(target, settings.engine, drafters)
+    # Drafters served apart may need hidden taps too (returned on request).
+    apart = tap_layers_for(target.cfg, colocated_methods(settings, False))
+    if apart and not speculator.verifier.tap_layers:
+        speculator.verifier.tap_layers = apart
+    elif apart and apart != speculator.verifier.tap_layers:
+        raise ConfigError("methods", f"drafters need different target layers {apart} and {speculator.verifier.tap_layers}")
+    return speculator
 
 
 def build_engine(

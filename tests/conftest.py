@@ -69,6 +69,8 @@ def triton_server(tmp_path_factory, smol_dir):
     settings["engine"].update(max_seq_len=512, max_tokens_limit=512)
     # Load controls through the real loop: batch <= 2 drafts 5, 3-4 drafts 1, more drafts nothing.
     settings["methods"]["eagle3-busy"] = {"method": "eagle3", "max_draft_len": 5, "draft_len_schedule": {"2": 5, "4": 1}}
+    # The two-model path: the head in the `drafter` model, a draft call and a verify call per step.
+    settings["methods"]["eagle3-apart"] = {"method": "eagle3", "max_draft_len": 5, "colocated": False}
     path = tmp_path_factory.mktemp("settings") / "specdec.json"
     path.write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)

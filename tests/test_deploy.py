@@ -741,3 +741,13 @@ def test_trtllm_perf_counts_follow_our_definitions():
     assert spec[P.VERIFICATION_STEPS] == 3 and spec[P.ACCEPTANCE_RATE] == pytest.approx(6 / 9)
     # mean acceptance length = tokens per verification step, the first (prefill) token aside
     assert (spec[P.OUTPUT_TOKENS] - 1) / spec[P.VERIFICATION_STEPS] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("model", sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt")))
+def test_every_model_repository_config_matches_the_protocol(model):
+    """Each tensor name, type, shape and optionality is defined once (specdec.protocol)."""
+    text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+    assert re.search(rf'^name: "{model}"$', text, re.M)
+    inputs, outputs = P.MODELS[model]
+    assert _pbtxt_tensors(text, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
+    assert _pbtxt_tensors(text, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}

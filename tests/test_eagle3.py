@@ -278,65 +278,98 @@ def test_load_controls_skip_drafting_and_stay_lossless(tiny):
     assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
 
 
-def test_run_loop_hands_skipped_steps_to_the_drafter_merged(tiny):
-    """The serving loop with a schedule that drafts every third step only: the drafter gets
-    the skipped replies merged, and greedy output equals plain decoding."""
+def _loop_generate(backend, prompt, method, schedule=lambda step: True, keepalive=60.0, colocated=True):
     import asyncio
 
-    from specdec.loop import LoopBackend, TargetReply, merge_replies, run_loop
+    from specdec.loop import run_loop
     from specdec.sequence import RequestState
+
+    async def go():
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        req = RequestState("r", list(prompt), params, method, 5, 128, frozenset())
+        steps = iter(range(10**6))
+        async for _ in run_loop(req, backend, not colocated, scheduled=lambda n: n if schedule(next(steps)) else 0,
+                                drafter_keepalive_s=keepalive, colocated=colocated):
+            pass
+        return req.output_ids
+
+    return asyncio.run(go())
+
+
+def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
+    """The serving loop over the in-process backend, drafters beside the target: every step
+    is ONE verify call (the drafter is never called apart), greedy output equals plain
+    decoding, and the slots are freed."""
+    from specdec.inprocess import InProcessBackend
 
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)
-    verifier, drafts = engine.verifier, engine.drafts
 
-    class InProcess(LoopBackend):
-        def __init__(self, rid):
-            self.rid, self.drafted, self.verified = rid, [], []
+    class Counting(InProcessBackend):  # counts verify calls; start_drafter / draft would raise
+        calls: list[int] = []
 
-        async def start_target(self, prompt_ids, params, want_hidden):
-            res = verifier.prefill([(self.rid, prompt_ids, params)], want_hidden)[0]
-            self.verified.append(res.first_token)
-            return TargetReply([res.first_token], 0, res.hidden)
+        async def verify(self, tree, num_draft_tokens, want_hidden):
+            out = await super().verify(tree, num_draft_tokens, want_hidden)
+            self.calls.append(out.draft_tokens)
+            return out
 
-        async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
-            drafts.start(self.rid, prompt_ids, first_token, params, method, hidden)
-            return drafts.propose([(self.rid, budget)])[0]
+    for method in ("eagle3", "eagle3-tree"):
+        for p in prompts(3, seed=13):
+            plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
+            backend = Counting(engine.speculator, "r")
+            backend.calls = []
+            assert _loop_generate(backend, p, method) == plain
+            assert len(backend.calls) >= 1 and sum(backend.calls) > 0  # one call per step, and it verified drafts
+    assert engine.speculator.active == 0 and engine.cache.num_free == 8
+    assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
+
+
+def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
+    """A drafter served apart, with a schedule that drafts every third step only: the
+    drafter gets the skipped replies merged, and greedy output equals plain decoding."""
+    from specdec.drafting import DraftService
+    from specdec.inprocess import InProcessBackend
+    from specdec.loop import merge_replies
+    from specdec.speculator import Speculator, StepResult
+
+    target, head_dir, _ = tiny
+    engine = eagle_engine(target, head_dir)
+    speculator = Speculator(target, engine.config, {})
+    drafts = DraftService(engine.drafts.drafters)
+    speculator.verifier.tap_layers = drafts.tap_layers
+
+    class Separate(InProcessBackend):
+        def __init__(self):
+            super().__init__(speculator, "r", drafts)
+            self.drafted, self.verified = [], []
+
+        async def start_target(self, *args):
+            out = await super().start_target(*args)
+            self.verified += out.emitted
+            return out
 
         async def draft(self, last, budget):
             self.drafted.append(len(last.emitted))
-            drafts.advance(self.rid, last.emitted, last.accepted, last.hidden)
-            assert drafts._get(self.rid).output_ids == self.verified  # nothing lost or doubled
-            return drafts.propose([(self.rid, budget)])[0]
+            tree = await super().draft(last, budget)
+            assert drafts._get(self.seq_id).output_ids == self.verified  # nothing lost or doubled
+            return tree
 
-        async def verify(self, tree, want_hidden):
-            out = verifier.verify([(self.rid, tree)], want_hidden)[0]
-            self.verified += out.result.emitted
-            return TargetReply(out.result.emitted, len(out.result.accepted_nodes), out.hidden)
-
-        async def release(self, target_started, drafter_started):
-            verifier.release(self.rid)
-            if drafter_started:
-                drafts.release(self.rid)
-
-    async def generate(prompt, schedule, keepalive=60.0):
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
-        req = RequestState("r", list(prompt), params, "eagle3", 5, 128, frozenset())
-        backend = InProcess("r")
-        steps = iter(range(10**6))
-        async for _ in run_loop(req, backend, True, scheduled=lambda n: n if schedule(next(steps)) else 0, drafter_keepalive_s=keepalive):
-            pass
-        return req.output_ids, backend.drafted
+        async def verify(self, tree, num_draft_tokens, want_hidden):
+            out = await super().verify(tree, num_draft_tokens, want_hidden)
+            self.verified += out.emitted
+            return out
 
     ps = prompts(4, seed=11)
     for p in ps:
         plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
-        out, drafted = asyncio.run(generate(p, lambda step: step % 3 == 0))
-        assert out == plain
-        assert drafted and max(drafted) >= 3  # three steps' tokens arrived at once
+        backend = Separate()
+        assert _loop_generate(backend, p, "eagle3", lambda step: step % 3 == 0, colocated=False) == plain
+        assert backend.drafted and max(backend.drafted) >= 3  # three steps' tokens arrived at once
     # Never drafting, but a keep-alive of 0 s: the drafter still hears of every step.
-    out, drafted = asyncio.run(generate(ps[0], lambda step: False, keepalive=0.0))
+    backend = Separate()
+    out = _loop_generate(backend, ps[0], "eagle3", lambda step: False, keepalive=0.0, colocated=False)
     assert out == run_all(engine, [ps[0]], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
-    assert len(drafted) == 22 and set(drafted) == {1}  # 23 verify steps, the first one after start_drafter
-    merged = merge_replies([TargetReply([1, 2], 1, torch.zeros(2, 3)), TargetReply([3], 0, torch.ones(1, 3))])
+    assert len(backend.drafted) == 22 and set(backend.drafted) == {1}  # 23 verify steps, the first one after start_drafter
+    assert speculator.active == 0 and drafts.active == 0
+    merged = merge_replies([StepResult([1, 2], 1, hidden=torch.zeros(2, 3)), StepResult([3], 0, hidden=torch.ones(1, 3))])
     assert merged.emitted == [1, 2, 3] and merged.accepted == 1 and merged.hidden.shape == (3, 3)

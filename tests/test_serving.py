@@ -46,7 +46,7 @@ def ready(server) -> bool:
     return urllib.request.urlopen(server.endpoints.http_url + "/v2/health/ready").status == 200
 
 
-SPEC_MODES = [("ngram", 4), ("ngram-tree", 6), ("eagle3", 5), ("eagle3-tree", 12)]
+SPEC_MODES = [("ngram", 4), ("ngram-tree", 6), ("eagle3", 5), ("eagle3-tree", 12), ("eagle3-apart", 5)]
 
 
 def test_grpc_stream_speculative_equals_baseline(triton_server, grpc_client):
@@ -71,7 +71,7 @@ def test_sse_and_non_streaming_http_match_grpc(triton_server, grpc_client, http_
     assert grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4), stream=False).text == ref
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3-tree", "eagle3-busy"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree", "eagle3-busy", "eagle3-apart"])
 def test_concurrent_streams_equal_solo(triton_server, grpc_client, method):
     """eagle3-busy (conftest) drafts nothing while more than 4 streams run, so its drafter
     catches up on skipped steps as the batch drains."""

@@ -1,4 +1,5 @@
-"""drafter: every configured drafting method. Stateful per sequence (keyed by CORRID).
+"""drafter: the drafting methods served apart from the target (specdec.json `colocated:
+false`; co-located ones run inside the verifier). Stateful per sequence (keyed by CORRID).
 
 START carries the prompt + first token (and the target's hidden states for EAGLE); later
 requests carry what the verifier emitted since the last call. Every request except END
@@ -12,9 +13,10 @@ import triton_python_backend_utils as pb_utils
 from specdec import protocol as P
 from specdec.drafting import DraftService
 from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.request import decode_sampling
 from specdec.models.loading import read_model_config
-from specdec.runtime import build_drafters, resolve_model_dir
-from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, sampling_params, scalar, strings
+from specdec.runtime import build_drafters, colocated_methods, resolve_model_dir
+from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, scalar, strings
 
 EMPTY_PROBS = np.zeros((0, 0), dtype=np.float32)
 
@@ -25,7 +27,7 @@ class TritonPythonModel:
         check_max_batch_size(args, settings)
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
-        self.drafts = DraftService(build_drafters(read_model_config(model_dir), settings.methods, settings.engine, model_dir))
+        self.drafts = DraftService(build_drafters(read_model_config(model_dir), colocated_methods(settings, False), settings.engine, model_dir))
         self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding drafter state")})
         self.metrics.set("specdec_active_sequences", 0, model="drafter")
 
@@ -66,7 +68,7 @@ class TritonPythonModel:
             raise InvalidRequestError(P.INPUT_IDS, "START needs the prompt followed by the first generated token")
         ids = ids.reshape(-1).tolist()
         method = (strings(request, P.SPECULATIVE_METHOD) or [""])[0]
-        self.drafts.start(seq_id, ids[:-1], ids[-1], sampling_params(request), method, self._hidden(request))
+        self.drafts.start(seq_id, ids[:-1], ids[-1], decode_sampling(lambda name: array(request, name)), method, self._hidden(request))
 
     @staticmethod
     def _hidden(request):

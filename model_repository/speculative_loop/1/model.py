@@ -18,7 +18,9 @@ from specdec.config import METHOD_NONE
 from specdec.detok import IncrementalDetokenizer
 from specdec.engine import eos_ids_of_config, validate_request
 from specdec.errors import InvalidRequestError, SpecDecError
-from specdec.loop import LoopBackend, TargetReply, run_loop
+from specdec.loop import LoopBackend, run_loop
+from specdec.request import encode_sampling
+from specdec.speculator import StepResult
 from specdec.models.loading import read_model_config
 from specdec.runtime import encode_prompt, load_tokenizer, needs_hidden, resolve_model_dir
 from specdec.sequence import RequestState
@@ -27,7 +29,7 @@ from specdec_triton.common import Metrics, array, batched, error_response, load_
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-TARGET_OUT = [P.OUTPUT_IDS, P.NUM_ACCEPTED, P.HIDDEN_STATES]
+TARGET_OUT = [P.OUTPUT_IDS, P.STEP_STATS]
 DRAFT_OUT = [P.DRAFT_TOKENS, P.DRAFT_PARENTS, P.DRAFT_PROBS]
 METRICS = {
     "specdec_draft_tokens_total": ("counter", "Draft tokens proposed"),
@@ -38,7 +40,8 @@ METRICS = {
     "specdec_accepted_per_position_total": ("counter", "Drafts accepted at draft position `position`"),
     "specdec_acceptance_length_total": ("counter", "Verification steps that emitted `length` tokens (histogram)"),
     "specdec_draft_seconds_total": ("counter", "Time spent drafting"),
-    "specdec_verify_seconds_total": ("counter", "Time spent verifying"),
+    "specdec_verify_seconds_total": ("counter", "Time spent verifying (target forward + acceptance)"),
+    "specdec_step_seconds_total": ("counter", "Wall time of verification steps as the loop sees them (calls included)"),
     "specdec_requests_total": ("counter", "Finished requests by finish reason"),
 }
 
@@ -53,6 +56,9 @@ def send(sender, response, flags) -> bool:
 
 
 class BLSBackend(LoopBackend):
+    """The loop's hooks as BLS calls: one verifier call per step for co-located drafters;
+    a drafter call before it for a drafter served apart."""
+
     def __init__(self, cid):
         self.cid = cid
 
@@ -67,31 +73,51 @@ class BLSBackend(LoopBackend):
         return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0] for name in outputs}
 
     @staticmethod
-    def _sampling(params):
-        out = {P.TEMPERATURE: np.float32([params.temperature]), P.TOP_K: np.int32([params.top_k]), P.TOP_P: np.float32([params.top_p])}
-        if params.seed is not None:
-            out[P.RANDOM_SEED] = np.uint64([params.seed])
-        return out
-
-    @staticmethod
     def _hidden(array_):
         return torch.from_numpy(array_.copy()) if array_.size else None
 
     def _reply(self, out):
-        return TargetReply(out[P.OUTPUT_IDS].tolist(), int(out[P.NUM_ACCEPTED][0]), self._hidden(out[P.HIDDEN_STATES]))
+        stats = dict(zip(P.STEP_STATS_FIELDS, out[P.STEP_STATS].tolist()))
+        return StepResult(
+            out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
+            int(stats["next_draft_tokens"]), self._hidden(out[P.HIDDEN_STATES]) if P.HIDDEN_STATES in out else None,
+            stats["verify_seconds"], stats["draft_seconds"],
+        )
 
     @staticmethod
     def _tree(out):
         probs = out[P.DRAFT_PROBS]
         return DraftTree.from_arrays(out[P.DRAFT_TOKENS], out[P.DRAFT_PARENTS], torch.from_numpy(probs.copy()) if probs.size else None)
 
-    async def start_target(self, prompt_ids, params, want_hidden):
-        inputs = {P.INPUT_IDS: np.int32(prompt_ids), P.RETURN_HIDDEN: np.bool_([want_hidden]), **self._sampling(params)}
-        return self._reply(await self._call("verifier", inputs, TARGET_OUT, START))
+    async def start_target(self, prompt_ids, params, method, num_draft_tokens, want_hidden):
+        inputs = {P.INPUT_IDS: np.int32(prompt_ids), **encode_sampling(params)}
+        if method != METHOD_NONE:
+            inputs.update({P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), P.DRAFT_BUDGET: np.int32([num_draft_tokens])})
+        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden), START))
+
+    async def verify(self, tree, num_draft_tokens, want_hidden):
+        inputs = {}
+        if num_draft_tokens:
+            inputs[P.DRAFT_BUDGET] = np.int32([num_draft_tokens])
+        if tree is not None and len(tree):
+            inputs.update({P.DRAFT_TOKENS: np.int32(tree.tokens), P.DRAFT_PARENTS: np.int32(tree.parents)})
+            if tree.draft_probs is not None:
+                inputs[P.DRAFT_PROBS] = tree.draft_probs.float().numpy()
+        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden)))
+
+    @staticmethod
+    def _hidden_inputs(inputs, want_hidden):
+        if want_hidden:
+            inputs[P.RETURN_HIDDEN] = np.bool_([True])
+        return inputs
+
+    @staticmethod
+    def _outputs(want_hidden):
+        return TARGET_OUT + [P.HIDDEN_STATES] if want_hidden else TARGET_OUT
 
     async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
         inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), P.DRAFT_BUDGET: np.int32([budget]),
-                  P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **self._sampling(params)}
+                  P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **encode_sampling(params)}
         if hidden is not None:
             inputs[P.HIDDEN_STATES] = hidden.numpy()
         return self._tree(await self._call("drafter", inputs, DRAFT_OUT, START))
@@ -101,14 +127,6 @@ class BLSBackend(LoopBackend):
         if last.hidden is not None:
             inputs[P.HIDDEN_STATES] = last.hidden.numpy()
         return self._tree(await self._call("drafter", inputs, DRAFT_OUT))
-
-    async def verify(self, tree, want_hidden):
-        inputs = {P.RETURN_HIDDEN: np.bool_([want_hidden])}
-        if len(tree):
-            inputs.update({P.DRAFT_TOKENS: np.int32(tree.tokens), P.DRAFT_PARENTS: np.int32(tree.parents)})
-            if tree.draft_probs is not None:
-                inputs[P.DRAFT_PROBS] = tree.draft_probs.float().numpy()
-        return self._reply(await self._call("verifier", inputs, TARGET_OUT))
 
     async def release(self, target_started, drafter_started):
         for model, started in (("drafter", drafter_started), ("verifier", target_started)):
@@ -184,7 +202,7 @@ class TritonPythonModel:
             backend = BLSBackend(int(req.request_id))
             scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
             updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled,
-                               drafter_keepalive_s=self.settings.idle_timeout_s / 4)
+                               drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)
             async with contextlib.aclosing(updates):  # leaving early still releases the slots
                 async for update in updates:
                     self._record(req.method, update)
@@ -222,6 +240,7 @@ class TritonPythonModel:
         m = self.metrics
         m.inc("specdec_draft_seconds_total", update.draft_seconds, method=method)
         m.inc("specdec_verify_seconds_total", update.verify_seconds, method=method)
+        m.inc("specdec_step_seconds_total", update.step_seconds, method=method)
         m.inc("specdec_draft_tokens_total", update.draft_tokens, method=method)
         m.inc("specdec_accepted_tokens_total", update.accepted, method=method)
         m.inc("specdec_emitted_tokens_total", len(update.token_ids), method=method)
