@@ -20,6 +20,7 @@ from .detok import IncrementalDetokenizer
 from .drafters.base import Drafter
 from .errors import CapacityError, InvalidRequestError, UnknownSequenceError
 from .metrics import SpecStats
+from .request import ServedOffer, resolve_method
 from .models.llama import Transformer
 from .sequence import FINISH_CANCELLED, RequestState
 from .speculator import Speculator, StartItem, StepItem
@@ -41,17 +42,6 @@ def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(tokenizer.eos_token_id)
     return frozenset(eos)
-
-
-def validate_request(config: EngineConfig, params: SamplingParams, method: str, num_draft_tokens: int, methods: Sequence[str]) -> int:
-    """Checks shared by the engine and the server; returns the effective draft budget."""
-    params.validate(config.max_tokens_limit)
-    if method not in methods:
-        raise InvalidRequestError("method", f"unknown method {method!r}; this server offers: {', '.join(methods)}")
-    limit = config.max_num_draft_tokens
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 0 <= num_draft_tokens <= limit:
-        raise InvalidRequestError("num_draft_tokens", f"must be an integer in [0, {limit}], got {num_draft_tokens!r}")
-    return 0 if method == METHOD_NONE else num_draft_tokens
 
 
 class SpecEngine:
@@ -90,6 +80,12 @@ class SpecEngine:
     def methods(self) -> tuple[str, ...]:
         return (METHOD_NONE, *self.drafts.drafters)
 
+    @property
+    def offer(self) -> ServedOffer:
+        """Requests name their draft tokens explicitly here (default 0: the baseline)."""
+        methods = {name: 0 for name in self.drafts.drafters}
+        return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit)
+
     def add_request(
         self,
         request_id: str,
@@ -103,12 +99,13 @@ class SpecEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         prompt_ids = [int(t) for t in prompt_ids]
         self.verifier.check_prompt(prompt_ids)
-        budget = validate_request(self.config, params, method, num_draft_tokens, self.methods)
+        params.validate(self.config.max_tokens_limit)
+        method, budget = resolve_method(method, num_draft_tokens, self.offer)
         if len(self.sequences) >= self.config.max_batch_size:
             raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
         req = RequestState(
             request_id=request_id, prompt_ids=prompt_ids, params=params,
-            method=method if budget else METHOD_NONE, num_draft_tokens=budget,
+            method=method, num_draft_tokens=budget,
             max_seq_len=self.config.max_seq_len, eos_token_ids=self.eos_token_ids,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )

@@ -2,12 +2,14 @@
 the request parser (one for every entry point) below."""
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from . import protocol as P
-from .config import SamplingParams
+from .config import METHOD_NONE, SamplingParams, ServingConfig
+from .errors import InvalidRequestError
 
 
 def room_left(max_tokens: int, max_seq_len: int, prompt_len: int, generated: int) -> int:
@@ -42,3 +44,131 @@ def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
         max_tokens=one(P.MAX_TOKENS, 1, int), temperature=one(P.TEMPERATURE, 0.0, float), top_k=one(P.TOP_K, 0, int),
         top_p=one(P.TOP_P, 1.0, float), seed=one(P.RANDOM_SEED, None, int),
     )
+
+
+# ---- the request parser: every entry point (the Triton loop, the in-process CLI, the
+# TensorRT-LLM variant's model) reads a request's tensors through this one function ----------
+@dataclass(frozen=True)
+class ServedOffer:
+    """What a server offers a request: its methods (name -> default draft tokens per step)
+    and its limits. fixed: the method and budget were chosen at start (TensorRT-LLM)."""
+
+    methods: Mapping[str, int]
+    default_method: str
+    max_num_draft_tokens: int
+    max_tokens_limit: int
+    apply_chat_template: bool = True
+    fixed: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str | None  # text_input (None when input_ids came from preprocessing)
+    prompt_ids: tuple[int, ...] | None
+    apply_chat_template: bool
+    params: SamplingParams
+    method: str  # METHOD_NONE when num_draft_tokens is 0: the matched baseline
+    num_draft_tokens: int
+    stream: bool = False
+    return_perf_metrics: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.num_draft_tokens > 0
+
+
+def served_offer(settings: ServingConfig) -> ServedOffer:
+    """What our model repository's settings offer a request."""
+    return ServedOffer(
+        methods={name: settings.default_draft_tokens(name) for name in settings.methods},
+        default_method=settings.default_method, max_num_draft_tokens=settings.engine.max_num_draft_tokens,
+        max_tokens_limit=settings.engine.max_tokens_limit, apply_chat_template=settings.apply_chat_template,
+    )
+
+
+def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value, dtype=object).reshape(-1).tolist()
+    return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
+
+
+def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast: Callable = lambda v: v) -> Any:
+    values = _values(inputs, name)
+    if values is None:
+        return default
+    if len(values) != 1:
+        raise InvalidRequestError(name, f"expected one value, got {len(values)}")
+    try:
+        return cast(values[0])
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(name, f"cannot read {values[0]!r}: {exc}") from exc
+
+
+def resolve_method(method: str | None, num_draft_tokens: int | None, offer: ServedOffer) -> tuple[str, int]:
+    """(method, draft tokens per step): no method = the server's default; no budget = the
+    method's configured one; 0 (or method none) = the matched baseline."""
+    method = method or offer.default_method
+    if offer.fixed and method != offer.default_method:
+        raise InvalidRequestError(
+            P.SPECULATIVE_METHOD, f"this server runs {offer.default_method!r} (chosen at start); got {method!r}")
+    if method != METHOD_NONE and method not in offer.methods:
+        known = ", ".join([METHOD_NONE, *offer.methods])
+        raise InvalidRequestError(P.SPECULATIVE_METHOD, f"unknown method {method!r}; this server offers: {known}")
+    default = 0 if method == METHOD_NONE else offer.methods[method]
+    k = default if num_draft_tokens is None else num_draft_tokens
+    if offer.fixed and k != default:
+        raise InvalidRequestError(
+            P.NUM_DRAFT_TOKENS, f"this server drafts a fixed {default} tokens per step ({method}, chosen at start); got {k}")
+    limit = offer.max_num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= limit:
+        raise InvalidRequestError(P.NUM_DRAFT_TOKENS, f"must be an integer in [0, {limit}], got {k!r}")
+    if method == METHOD_NONE or k == 0:
+        return METHOD_NONE, 0
+    return method, k
+
+
+def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | None, tuple[int, ...] | None, bool]:
+    """(text_input, input_ids, apply_chat_template): text, or token ids from preprocessing."""
+    prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
+    ids = inputs.get(P.INPUT_IDS)
+    prompt_ids = None if prompt is not None or ids is None else tuple(int(t) for t in np.asarray(ids).reshape(-1))
+    if not (prompt or "").strip() and not prompt_ids:
+        raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+    return prompt, prompt_ids, _scalar(inputs, P.APPLY_CHAT_TEMPLATE, chat_default, bool)
+
+
+def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequest:
+    """The ensemble's inputs (name -> array, absent = None) -> a validated request; a bad
+    field raises InvalidRequestError naming it."""
+    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template)
+    max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
+    if max_tokens is None:
+        raise InvalidRequestError(P.MAX_TOKENS, "is required")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_scalar(inputs, P.TEMPERATURE, 0.0, float),
+        top_k=_scalar(inputs, P.TOP_K, 0, int),
+        top_p=_scalar(inputs, P.TOP_P, 1.0, float),
+        seed=_scalar(inputs, P.RANDOM_SEED, None, int),
+        stop=tuple(_values(inputs, P.STOP_WORDS) or ()),
+        ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
+    ).validate(offer.max_tokens_limit)
+    method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
+    return GenerateRequest(
+        prompt=prompt, prompt_ids=prompt_ids,
+        apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
+        stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),
+    )
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int | None = None) -> None:
+    """A tokenized prompt must fit the context (leaving room for one token) and the vocabulary."""
+    if not prompt_ids:
+        raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+    if len(prompt_ids) >= max_seq_len:
+        raise InvalidRequestError(
+            P.TEXT_INPUT, f"the prompt has {len(prompt_ids)} tokens; the context holds {max_seq_len} (max_seq_len)")
+    if vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):
+        raise InvalidRequestError(P.INPUT_IDS, f"token ids must be in [0, {vocab_size})")

@@ -27,18 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from . import protocol as P
 from .config import (
     METHOD_EAGLE3,
     METHOD_EAGLE3_TREE,
     METHOD_NONE,
     ModelConfig,
-    SamplingParams,
     SpeculativeConfig,
 )
 from .errors import ConfigError, InvalidRequestError, SpecDecError
+from .request import ServedOffer
+from .request import parse_request as parse_common
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "deploy" / "trtllm" / "model_repository"
@@ -299,6 +298,10 @@ class ServedVariant:
     max_tokens_limit: int
     apply_chat_template: bool
 
+    def offer(self) -> ServedOffer:
+        methods = {} if self.method == METHOD_NONE else {self.method: self.num_draft_tokens}
+        return ServedOffer(methods, self.method, self.num_draft_tokens, self.max_tokens_limit, self.apply_chat_template, fixed=True)
+
 
 def served_variant(config: Mapping[str, Any]) -> ServedVariant:
     """Validate a loaded model.yaml with the same rules as the generator (a hand edit that
@@ -351,62 +354,18 @@ class LlmRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # tensorrt_llm.SamplingParams(**sampling)
 
 
-def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
-    value = inputs.get(name)
-    if value is None:
-        return None
-    flat = np.asarray(value, dtype=object).reshape(-1).tolist()
-    return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
-
-
-def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast=lambda v: v) -> Any:
-    values = _values(inputs, name)
-    if values is None:
-        return default
-    if len(values) != 1:
-        raise InvalidRequestError(name, f"expected one value, got {len(values)}")
-    try:
-        return cast(values[0])
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(name, f"cannot read {values[0]!r}: {exc}") from exc
-
-
 def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmRequest:
-    """Our ensemble's inputs (name -> array, absent = None) -> one LLM API request.
+    """Our ensemble's inputs (name -> array, absent = None) -> one LLM API request, through
+    the project's one request parser (specdec.request.parse_request).
 
     TensorRT-LLM fixes the speculative configuration when the LLM is built, so a request
     may not ask for another method or draft budget: it is refused naming the field (the
     matched baseline is the same repository served with LLM_CONFIG_PATH=baseline.yaml).
     """
-    prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
-    if not prompt:
+    req = parse_common(inputs, served.offer())
+    if req.prompt is None:
         raise InvalidRequestError(P.TEXT_INPUT, "must be a non-empty string")
-    method = _scalar(inputs, P.SPECULATIVE_METHOD, "", str) or served.method
-    if method != served.method:
-        raise InvalidRequestError(
-            P.SPECULATIVE_METHOD,
-            f"this TensorRT-LLM server runs {served.method!r} (chosen at start by LLM_CONFIG_PATH); got {method!r}",
-        )
-    k = _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int)
-    if k is not None and k != served.num_draft_tokens:
-        raise InvalidRequestError(
-            P.NUM_DRAFT_TOKENS,
-            f"this TensorRT-LLM server drafts a fixed {served.num_draft_tokens} tokens per step "
-            f"({served.method}); got {k}",
-        )
-    max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
-    if max_tokens is None:
-        raise InvalidRequestError(P.MAX_TOKENS, "is required")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_scalar(inputs, P.TEMPERATURE, 0.0, float),
-        top_k=_scalar(inputs, P.TOP_K, 0, int),
-        top_p=_scalar(inputs, P.TOP_P, 1.0, float),
-        seed=_scalar(inputs, P.RANDOM_SEED, None, int),
-        stop=tuple(_values(inputs, P.STOP_WORDS) or ()),
-        ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
-    ).validate(served.max_tokens_limit)
-    return_perf = _scalar(inputs, P.RETURN_PERF_METRICS, False, bool)
+    params = req.params
     # Our conventions -> TensorRT-LLM's: temperature 0 is greedy there too; top_k 0 and
     # top_p 1 mean "off", which is TensorRT-LLM's default when the field is absent.
     sampling: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature}
@@ -420,14 +379,11 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmReques
         sampling["stop"] = list(params.stop)
     if params.ignore_eos:
         sampling["ignore_eos"] = True
-    if return_perf:
+    if req.return_perf_metrics:
         sampling["return_perf_metrics"] = True
     return LlmRequest(
-        prompt=prompt,
-        apply_chat_template=_scalar(inputs, P.APPLY_CHAT_TEMPLATE, served.apply_chat_template, bool),
-        stream=_scalar(inputs, P.STREAM, False, bool),
-        return_perf_metrics=return_perf,
-        sampling=sampling,
+        prompt=req.prompt, apply_chat_template=req.apply_chat_template, stream=req.stream,
+        return_perf_metrics=req.return_perf_metrics, sampling=sampling,
     )
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from .config import EngineConfig, SamplingParams
 from .errors import CapacityError, InvalidRequestError
 from .models.llama import Transformer, build_batch
+from .request import check_prompt_ids
 from .sampling import logits_to_probs, make_generator, sample
 from .sequence import KeyedSequences
 from .tree import DraftTree
@@ -58,15 +59,7 @@ class TargetVerifier(KeyedSequences[_TargetSequence]):
         return self.cache.lengths[self._get(seq_id).slot]
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if len(prompt_ids) >= self.config.max_seq_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_seq_len} (max_seq_len)"
-            )
-        vocab = self.target.cfg.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        check_prompt_ids(prompt_ids, self.config.max_seq_len, self.target.cfg.vocab_size)
 
     def prefill(
         self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False

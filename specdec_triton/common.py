@@ -1,5 +1,5 @@
-"""The one shared helper of the Triton Python models: settings, tensor I/O, request
-parsing, errors and metrics. Imported only inside Triton (it needs pb_utils)."""
+"""The one shared helper of the Triton Python models: settings, tensor I/O, errors and
+metrics (requests are parsed by specdec.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec import protocol as P
-from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
+from specdec.config import ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
 
 SETTINGS_FILE = "specdec.json"
@@ -69,6 +69,11 @@ def strings(request, name: str) -> list[str]:
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in value.reshape(-1)]
 
 
+def inputs_of(request, names: Iterable[str]) -> dict[str, np.ndarray | None]:
+    """name -> array (None when absent): what specdec.request.parse_request reads."""
+    return {name: array(request, name) for name in names}
+
+
 def batched(name: str, value: np.ndarray) -> "pb_utils.Tensor":
     """A tensor for a model with max_batch_size > 0: one request = batch of one."""
     return pb_utils.Tensor(name, np.ascontiguousarray(value)[None])
@@ -85,33 +90,6 @@ def control(request, name: str) -> bool:
 
 def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
-
-
-# ---- request parsing ------------------------------------------------------------------
-def sampling_params(request, max_tokens: int = 1, stop: Iterable[str] = (), ignore_eos: bool = False) -> SamplingParams:
-    seed = scalar(request, P.RANDOM_SEED, None, int)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=scalar(request, P.TEMPERATURE, 0.0, float),
-        top_k=scalar(request, P.TOP_K, 0, int),
-        top_p=scalar(request, P.TOP_P, 1.0, float),
-        seed=seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-    )
-
-
-def requested_method(request, settings: ServingConfig) -> tuple[str, int]:
-    """(method, num_draft_tokens). No method given: the server's default. No
-    num_draft_tokens: that method's configured budget. num_draft_tokens = 0: the baseline."""
-    method = (strings(request, P.SPECULATIVE_METHOD) or [settings.default_method])[0] or settings.default_method
-    if method != METHOD_NONE and method not in settings.methods:
-        known = ", ".join([METHOD_NONE, *settings.methods])
-        raise InvalidRequestError(P.SPECULATIVE_METHOD, f"unknown method {method!r}; this server offers: {known}")
-    k = scalar(request, P.NUM_DRAFT_TOKENS, None, int)
-    if k is None:
-        k = settings.default_draft_tokens(method)
-    return (method if k else METHOD_NONE), k
 
 
 # ---- metrics --------------------------------------------------------------------------

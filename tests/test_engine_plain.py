@@ -46,8 +46,8 @@ def make_tiny_engine(tiny_llama_dir, **cfg):
 @pytest.mark.parametrize(
     "prompt,params,field",
     [
-        ([], SamplingParams(max_tokens=8), "prompt"),
-        (list(range(3, 3 + 64)), SamplingParams(max_tokens=8), "prompt"),
+        ([], SamplingParams(max_tokens=8), "text_input"),
+        (list(range(3, 3 + 64)), SamplingParams(max_tokens=8), "text_input"),
         ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
         ([5, 6], SamplingParams(max_tokens=33), "max_tokens"),
         ([5, 6], SamplingParams(max_tokens=8, temperature=-0.1), "temperature"),

@@ -251,7 +251,7 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
                         drafters={"ngram": NgramDrafter(SpeculativeConfig())})
     engine.add_request("ok", [5, 6, 7, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True), "ngram", 4)
     engine.step()
-    for method, k, field in (("medusa", 4, "method"), ("ngram", -1, "num_draft_tokens"), ("ngram", 9, "num_draft_tokens")):
+    for method, k, field in (("medusa", 4, "speculative_method"), ("ngram", -1, "num_draft_tokens"), ("ngram", 9, "num_draft_tokens")):
         with pytest.raises(InvalidRequestError) as err:
             engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4), method, k)
         assert err.value.field == field

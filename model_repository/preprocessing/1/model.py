@@ -3,9 +3,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec import protocol as P
-from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.errors import SpecDecError
+from specdec.request import parse_prompt
 from specdec.runtime import encode_prompt, load_tokenizer, resolve_model_dir
-from specdec_triton.common import batched, error_response, load_settings, scalar, strings
+from specdec_triton.common import batched, error_response, inputs_of, load_settings
 
 
 class TritonPythonModel:
@@ -18,13 +19,9 @@ class TritonPythonModel:
 
     def _one(self, request):
         try:
-            texts = strings(request, P.TEXT_INPUT)
-            if len(texts) != 1:
-                raise InvalidRequestError(P.TEXT_INPUT, f"expected one prompt, got {len(texts)}")
-            if not texts[0].strip():
-                raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
-            chat = scalar(request, P.APPLY_CHAT_TEMPLATE, self.settings.apply_chat_template, bool)
-            ids = np.asarray(encode_prompt(self.tokenizer, texts[0], chat=chat), dtype=np.int32)
+            inputs = inputs_of(request, (P.TEXT_INPUT, P.APPLY_CHAT_TEMPLATE))
+            text, _, chat = parse_prompt(inputs, self.settings.apply_chat_template)
+            ids = np.asarray(encode_prompt(self.tokenizer, text, chat=chat), dtype=np.int32)
             return pb_utils.InferenceResponse([batched(P.INPUT_IDS, ids)])
         except SpecDecError as exc:
             return error_response(exc)

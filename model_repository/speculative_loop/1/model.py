@@ -16,16 +16,16 @@ import triton_python_backend_utils as pb_utils
 from specdec import protocol as P
 from specdec.config import METHOD_NONE
 from specdec.detok import IncrementalDetokenizer
-from specdec.engine import eos_ids_of_config, validate_request
-from specdec.errors import InvalidRequestError, SpecDecError
+from specdec.engine import eos_ids_of_config
+from specdec.errors import SpecDecError
 from specdec.loop import LoopBackend, run_loop
-from specdec.request import encode_sampling
+from specdec.request import check_prompt_ids, encode_sampling, parse_request, served_offer
 from specdec.speculator import StepResult
 from specdec.models.loading import read_model_config
 from specdec.runtime import encode_prompt, load_tokenizer, needs_hidden, resolve_model_dir
 from specdec.sequence import RequestState
 from specdec.tree import DraftTree
-from specdec_triton.common import Metrics, array, batched, error_response, load_settings, requested_method, sampling_params, scalar, strings, text_tensor
+from specdec_triton.common import Metrics, batched, error_response, inputs_of, load_settings, text_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -141,8 +141,9 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(model_dir)
         target_cfg = read_model_config(model_dir)
         self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
+        self.vocab_size = target_cfg.vocab_size
         self.hidden_methods = {name for name, spec in self.settings.methods.items() if needs_hidden(spec)}
-        self.methods = (METHOD_NONE, *self.settings.methods)
+        self.offer = served_offer(self.settings)
         self.metrics = Metrics(METRICS)
         self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
         self._decoding = 0  # requests in their decode loop: the batch size the load controls see
@@ -156,45 +157,29 @@ class TritonPythonModel:
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
         return None
 
-    def _prompt_ids(self, request):
-        texts = strings(request, P.TEXT_INPUT)
-        if texts:
-            if not texts[0].strip():
-                raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
-            chat = scalar(request, P.APPLY_CHAT_TEMPLATE, self.settings.apply_chat_template, bool)
-            return encode_prompt(self.tokenizer, texts[0], chat=chat)
-        prompt = array(request, P.INPUT_IDS)
-        return [] if prompt is None else prompt.reshape(-1).tolist()
-
     def _parse(self, request):
-        prompt = self._prompt_ids(request)
-        if not prompt:
-            raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+        """The one request parser (specdec.request), then the prompt's tokens."""
+        req = parse_request(inputs_of(request, P.MODELS["speculative_loop"][0]), self.offer)
+        prompt = list(req.prompt_ids) if req.prompt_ids is not None else encode_prompt(
+            self.tokenizer, req.prompt, chat=req.apply_chat_template)
         limit = self.settings.engine.max_seq_len
-        if len(prompt) >= limit:
-            raise InvalidRequestError(P.TEXT_INPUT, f"the prompt has {len(prompt)} tokens; the context holds {limit}")
-        max_tokens = scalar(request, P.MAX_TOKENS, None, int)
-        if max_tokens is None:
-            raise InvalidRequestError(P.MAX_TOKENS, "required")
-        params = sampling_params(request, max_tokens, strings(request, P.STOP_WORDS), scalar(request, P.IGNORE_EOS, False, bool))
-        method, k = requested_method(request, self.settings)
-        k = validate_request(self.settings.engine, params, method, k, self.methods)
-        return RequestState(
-            request_id=str(self._next_cid), prompt_ids=prompt, params=params, method=method if k else METHOD_NONE,
-            num_draft_tokens=k, max_seq_len=limit, eos_token_ids=self.eos_ids,
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+        check_prompt_ids(prompt, limit, self.vocab_size)
+        state = RequestState(
+            request_id=str(self._next_cid), prompt_ids=prompt, params=req.params, method=req.method,
+            num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=self.eos_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, req.params.stop),
         )
+        return req, state
 
     async def _serve(self, request):
         sender = request.get_response_sender()
         try:
-            req = self._parse(request)
+            parsed, req = self._parse(request)
         except SpecDecError as exc:
             send(sender, error_response(exc), FINAL)
             return
         self._next_cid += 1
-        stream = scalar(request, P.STREAM, False, bool)
-        perf = scalar(request, P.RETURN_PERF_METRICS, False, bool)
+        stream, perf = parsed.stream, parsed.return_perf_metrics
         pieces = []
         spec = self.settings.methods.get(req.method)
         self._decoding += 1
