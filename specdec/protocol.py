@@ -37,7 +37,6 @@ OUTPUT_TOKENS = "output_tokens"
 # ---- internal (between models) -------------------------------------------------------
 INPUT_IDS = "input_ids"
 OUTPUT_IDS = "output_ids"
-TEXT_DELTA = "text_delta"
 NUM_ACCEPTED = "num_accepted"
 DRAFT_BUDGET = "draft_budget"
 DRAFT_TOKENS = "draft_tokens"
@@ -86,7 +85,7 @@ REQUEST_INPUTS = (
     (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
     (IGNORE_EOS, "TYPE_BOOL", (1,), True),
 )
-# Running totals the loop reports with every response; postprocessing derives the rate.
+# Running totals the loop reports with every response (and the rate derived from them).
 PERF_COUNTS = (
     (TOTAL_ACCEPTED_DRAFT_TOKENS, "TYPE_INT32", (1,)),
     (TOTAL_DRAFT_TOKENS, "TYPE_INT32", (1,)),
@@ -113,11 +112,7 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),
             (INPUT_IDS, "TYPE_INT32", (-1,), True), *REQUEST_INPUTS,
         ),
-        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), (RETURN_PERF_METRICS, "TYPE_BOOL", (1,)), *PERF_OUTPUTS),
-    ),
-    "postprocessing": (
-        _specs((TEXT_DELTA, "TYPE_STRING", (1,)), (RETURN_PERF_METRICS, "TYPE_BOOL", (1,)), *PERF_COUNTS),
-        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS),
     ),
     # One speculation step per call: verify the tree (drafted beside the target last step,
     # or handed in by a drafter served apart), then draft the next with the co-located drafter.

@@ -179,7 +179,7 @@ class TritonPythonModel:
             send(sender, error_response(exc), FINAL)
             return
         self._next_cid += 1
-        stream, perf = parsed.stream, parsed.return_perf_metrics
+        stream = parsed.stream
         pieces = []
         spec = self.settings.methods.get(req.method)
         self._decoding += 1
@@ -195,29 +195,32 @@ class TritonPythonModel:
                     if update.finished:
                         self.metrics.inc("specdec_requests_total", reason=update.finish_reason, method=req.method)
                     if stream and (update.text or update.finished):
-                        response = self._response(req, update.text, update.token_ids, perf)
+                        response = self._response(request, req, update.text, update.token_ids)
                         if not send(sender, response, FINAL if update.finished else 0):
                             self.metrics.inc("specdec_requests_total", reason="disconnected", method=req.method)
                             return  # nobody is listening any more: stop generating
             if not stream:
-                send(sender, self._response(req, "".join(pieces), req.output_ids, perf), FINAL)
+                send(sender, self._response(request, req, "".join(pieces), req.output_ids), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
         finally:
             self._decoding -= 1
 
-    def _response(self, req, text, token_ids, perf):
+    @staticmethod
+    def _response(request, req, text, token_ids):
+        """Only the outputs the caller asked for (the ensemble asks for its own six)."""
         stats = req.stats
-        return pb_utils.InferenceResponse([
-            text_tensor(P.TEXT_OUTPUT, text),
-            batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
-            batched(P.RETURN_PERF_METRICS, np.bool_([perf])),
-            batched(P.ACCEPTANCE_RATE, np.float32([stats.acceptance_rate])),
-            batched(P.TOTAL_ACCEPTED_DRAFT_TOKENS, np.int32([stats.accepted_tokens])),
-            batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
-            batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
-            batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
-        ])
+        wanted = set(request.requested_output_names())
+        values = {
+            P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
+            P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
+            P.ACCEPTANCE_RATE: lambda: batched(P.ACCEPTANCE_RATE, np.float32([stats.acceptance_rate])),
+            P.TOTAL_ACCEPTED_DRAFT_TOKENS: lambda: batched(P.TOTAL_ACCEPTED_DRAFT_TOKENS, np.int32([stats.accepted_tokens])),
+            P.TOTAL_DRAFT_TOKENS: lambda: batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
+            P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
+            P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+        }
+        return pb_utils.InferenceResponse([make() for name, make in values.items() if name in wanted or not wanted])
 
     def _record(self, method, update):
         if not update.verified:

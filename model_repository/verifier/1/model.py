@@ -20,9 +20,6 @@ from specdec.speculator import StartItem, StepItem
 from specdec.tree import DraftTree
 from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, scalar, strings
 
-EMPTY_HIDDEN = np.zeros((0, 0), dtype=np.float32)
-
-
 class TritonPythonModel:
     def initialize(self, args):
         settings = load_settings(args)
@@ -86,12 +83,10 @@ class TritonPythonModel:
         for (i, _), res in zip(indexed, results):
             stats = np.float32([res.accepted, res.draft_depth, res.draft_tokens, res.next_draft_tokens,
                                 res.verify_seconds, res.draft_seconds])
-            hidden = EMPTY_HIDDEN if res.hidden is None else res.hidden.float().numpy()
-            responses[i] = pb_utils.InferenceResponse([
-                batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)),
-                batched(P.STEP_STATS, stats),
-                batched(P.HIDDEN_STATES, hidden),
-            ])
+            outputs = [batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)), batched(P.STEP_STATS, stats)]
+            if res.hidden is not None:  # only for a drafter served apart: most steps send two small tensors
+                outputs.append(batched(P.HIDDEN_STATES, res.hidden.float().numpy()))
+            responses[i] = pb_utils.InferenceResponse(outputs)
 
     @staticmethod
     def _tree(request):
