@@ -15,11 +15,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="HF-style model directory (default: the prepared SmolLM2 cache)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decoder (slower start, faster steps)")
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    return EngineConfig(dtype=args.dtype, num_threads=args.threads, compile=args.compile, **overrides)
+    return EngineConfig(dtype=args.dtype, num_threads=args.threads, **overrides)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -257,7 +257,6 @@ class EngineConfig:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None
-    compile: bool = False
     speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -8,22 +8,12 @@ from typing import Mapping
 
 import torch
 
-from .config import (
-    METHOD_EAGLE3,
-    ServingConfig,
-    METHOD_EAGLE3_TREE,
-    METHOD_NGRAM,
-    EngineConfig,
-    ModelConfig,
-    SpeculativeConfig,
-)
+from .config import METHOD_NGRAM, EngineConfig, ModelConfig, ServingConfig, SpeculativeConfig
 from .drafters.base import Drafter
-from .drafters.eagle3 import Eagle3Drafter
-from .drafters.ngram import NgramDrafter
+from .drafters.registry import BuildContext, kind_of
 from .engine import SpecEngine
 from .speculator import Speculator
 from .errors import ConfigError
-from .models.eagle3 import cast_linears, load_eagle3
 from .models.llama import Transformer
 from .models.loading import default_model_dir, load_embedding, load_transformer
 
@@ -42,7 +32,6 @@ def load_tokenizer(model_dir: Path):
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_EAGLE3_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
 SERVED_SETTINGS = REPO_ROOT / "model_repository" / "specdec.json"
 
 
@@ -53,11 +42,6 @@ def served_methods() -> dict[str, SpeculativeConfig]:
     return {METHOD_NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=4)}
 
 
-def resolve_head_dir(spec: SpeculativeConfig) -> Path:
-    path = Path(spec.speculative_model) if spec.speculative_model else DEFAULT_EAGLE3_HEAD
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 def build_drafters(
     target_cfg: ModelConfig,
     speculative: Mapping[str, SpeculativeConfig],
@@ -65,54 +49,30 @@ def build_drafters(
     model_dir: Path | None = None,
     embed: torch.nn.Embedding | None = None,
 ) -> dict[str, Drafter]:
-    """One drafter per configured method name (e.g. "ngram", "eagle3", "eagle3-tree").
-    EAGLE-3 heads use the target's embedding: pass it, or it is read from model_dir."""
-    engine = engine or EngineConfig()
-    drafters: dict[str, Drafter] = {}
-    for name, spec in speculative.items():
-        spec.check_target(target_cfg)
-        if spec.method == METHOD_NGRAM:
-            drafters[name] = NgramDrafter(spec)
-        elif spec.method in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
-            if embed is None:
-                embed = load_embedding(resolve_model_dir(model_dir))
-            head = cast_linears(load_eagle3(resolve_head_dir(spec), embed, target_cfg), getattr(torch, engine.draft_dtype))
-            drafters[name] = Eagle3Drafter(head, spec, engine.max_batch_size, engine.max_seq_len)
-        else:
-            raise ConfigError("method", f"method {spec.method!r} is not available in this build")
-    return drafters
+    """One drafter per configured method name (e.g. "ngram", "eagle3", "eagle3-tree"), each
+    built by its registered kind. Heads that share the target's embedding get `embed`, or
+    read it from model_dir once."""
+    ctx = BuildContext(target_cfg, engine or EngineConfig(), lambda: load_embedding(resolve_model_dir(model_dir)), embed)
+    return {name: kind_of(spec.check_target(target_cfg)).build(spec, ctx) for name, spec in speculative.items()}
 
 
-def needs_hidden(spec: SpeculativeConfig) -> bool:
-    return spec.method in (METHOD_EAGLE3, METHOD_EAGLE3_TREE)
+def tap_layers_of(spec: SpeculativeConfig, target_cfg: ModelConfig) -> tuple[int, ...]:
+    """The target layers a method's drafter taps (empty: it needs no hidden states)."""
+    return kind_of(spec).tap_layers(spec, target_cfg)
 
 
 def tap_layers_for(target_cfg: ModelConfig, speculative: Mapping[str, SpeculativeConfig]) -> tuple[int, ...]:
-    """Target layers the configured drafters need, read from the heads' config.json only
-    (the verifier needs the layer ids, not the heads)."""
-    import json
-
-    from .models.eagle3 import Eagle3Config
-
-    wanted = set()
-    for spec in speculative.values():
-        if needs_hidden(spec):
-            raw = json.loads((resolve_head_dir(spec) / "config.json").read_text())
-            wanted.add(Eagle3Config.from_hf_dict(raw, target_cfg).tap_layers)
+    """The target layers the configured drafters need; they must agree (one forward taps them)."""
+    wanted = {taps for spec in speculative.values() if (taps := tap_layers_of(spec, target_cfg))}
     if len(wanted) > 1:
-        raise ConfigError("methods", f"EAGLE-3 heads need different target layers {sorted(wanted)}")
+        raise ConfigError("methods", f"drafters need different target layers {sorted(wanted)}; serve them separately")
     return next(iter(wanted), ())
 
 
 def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    target = load_transformer(Path(model_dir or default_model_dir()), dtype=config.dtype, device=config.device)
-    if config.compile:
-        from .models.compile import compile_transformer
-
-        compile_transformer(target)
-    return target
+    return load_transformer(Path(model_dir or default_model_dir()), dtype=config.dtype, device=config.device)
 
 
 def colocated_methods(settings: ServingConfig, colocated: bool = True) -> dict[str, SpeculativeConfig]:

@@ -8,18 +8,23 @@ pairs; `propose` runs every sequence's pending pairs in one ragged head pass, th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
+
+import json
 
 import torch
 from torch import Tensor
 
-from ..config import SpeculativeConfig
-from ..models.eagle3 import Eagle3Head, draft_log_probs, mapped_logits
+from ..config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, ModelConfig, SpeculativeConfig
+from ..models.eagle3 import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
 from ..models.llama import ForwardBatch, build_batch
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
-from ..tree import DETERMINISTIC, ROOT, DraftTree
+from ..tree import ROOT, DraftTree
 from .base import Drafter
+from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
+from .tree_search import Expansion, dynamic_trees
 
 
 @dataclass
@@ -154,78 +159,47 @@ class Eagle3Drafter(Drafter):
         return int(torch.multinomial(q, 1, generator=seq.generator)), q
 
     def _dynamic_trees(self, seqs, states, budgets) -> list[DraftTree]:
-        """EAGLE-2: expand the top-k frontier per depth by cumulative log-prob, then keep the
-        best `budget` nodes of all depths. Children are chosen deterministically (top-k), so
-        verification uses the one-hot rule, lossless under sampling too."""
-        cfg = self.config
-        k = cfg.dynamic_tree_max_topK
-        trees = []
-        B = len(seqs)
-        # Per row: candidate nodes (token, parent candidate index, score, depth).
-        cands: list[list[tuple[int, int, float, int]]] = [[] for _ in range(B)]
-        logp = draft_log_probs(torch.stack([s.last_logits for s in states]))  # [B, Vd]
-        top = logp.topk(k, dim=-1)
-        frontier: list[list[int]] = []  # candidate indices expanded next, per row
-        for b in range(B):
-            for score, d in zip(top.values[b].tolist(), top.indices[b].tolist()):
-                cands[b].append((int(self.draft_to_target[d]), ROOT, score, 1))
-            frontier.append(list(range(len(cands[b]))))
-        written: list[list[int]] = [[] for _ in range(B)]  # candidate index of each written cache column
-        hidden_of: list[dict[int, Tensor]] = [{} for _ in range(B)]
+        """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth; each node's
+        pass starts from its parent's head output."""
         parent_hidden = torch.stack([s.last_hidden for s in states])  # [B, H]
-        for depth in range(1, min(cfg.max_draft_len, max(budgets))):  # a node at depth d needs a budget >= d
-            tokens, depths, masks, offsets, hid = [], [], [], [], []
-            for b in range(B):
-                offsets.append(len(written[b]))
-                rows = frontier[b]
-                tokens.append([cands[b][c][0] for c in rows])
-                depths.append([depth - 1] * len(rows))
-                cols = written[b] + rows
-                mask = torch.zeros(len(rows), len(cols), dtype=torch.bool)
-                for j, c in enumerate(rows):
-                    anc = self._ancestors(cands[b], c)
-                    for col, cand in enumerate(cols):
-                        mask[j, col] = cand in anc
-                masks.append(mask)
-                hid.append(torch.stack([hidden_of[b].get(cands[b][c][1], parent_hidden[b]) for c in rows]))
-            N = max(len(t) for t in tokens)
-            hidden = torch.zeros(B, N, parent_hidden.shape[-1])
-            for b in range(B):
-                hidden[b, : len(hid[b])] = hid[b]
-            out_hidden, out_logits = self._step(states, hidden, tokens, offsets, depths, masks)
-            child_logp = draft_log_probs(out_logits)
-            for b in range(B):
-                rows = frontier[b]
-                written[b] += rows
-                new = []
-                for j, c in enumerate(rows):
-                    hidden_of[b][c] = out_hidden[b, j]
-                    vals, idx = child_logp[b, j].topk(k)
-                    for v, d in zip(vals.tolist(), idx.tolist()):
-                        new.append((int(self.draft_to_target[d]), c, cands[b][c][2] + v, depth + 1))
-                start = len(cands[b])
-                cands[b] += new
-                order = sorted(range(len(new)), key=lambda i: -new[i][2])[:k]
-                frontier[b] = [start + i for i in order]
-        for b in range(B):
-            trees.append(self._rerank(cands[b], budgets[b]))
-        return trees
+        hidden_of: list[dict[int, Tensor]] = [{} for _ in states]  # candidate -> head output at it
 
-    @staticmethod
-    def _ancestors(cands, c: int) -> set[int]:
-        out = set()
-        while c != ROOT:
-            out.add(c)
-            c = cands[c][1]
-        return out
+        def expand(rows: list[Expansion]) -> Tensor:
+            N = max(len(r.nodes) for r in rows)
+            hidden = torch.zeros(len(rows), N, parent_hidden.shape[-1])
+            for b, r in enumerate(rows):
+                for j, parent in enumerate(r.parents):
+                    hidden[b, j] = parent_hidden[b] if parent == ROOT else hidden_of[b][parent]
+            out_hidden, out_logits = self._step(states, hidden, [r.tokens for r in rows], [r.offset for r in rows],
+                                                [[r.level] * len(r.nodes) for r in rows], [r.mask for r in rows])
+            for b, r in enumerate(rows):
+                for j, node in enumerate(r.nodes):
+                    hidden_of[b][node] = out_hidden[b, j]
+            return draft_log_probs(out_logits)
 
-    @staticmethod
-    def _rerank(cands, budget: int) -> DraftTree:
-        """The `budget` best candidates (a parent always outscores its children, and ties
-        go to the shallower node, so the kept set is a tree), in topological order."""
-        best = sorted(range(len(cands)), key=lambda i: (-cands[i][2], cands[i][3], i))[:budget]
-        keep = sorted(best, key=lambda i: (cands[i][3], i))
-        index = {c: n for n, c in enumerate(keep)}
-        tokens = [cands[c][0] for c in keep]
-        parents = [ROOT if cands[c][1] == ROOT else index[cands[c][1]] for c in keep]
-        return DraftTree(tokens, parents, None, DETERMINISTIC)
+        root_logp = draft_log_probs(torch.stack([s.last_logits for s in states]))  # [B, Vd]
+        cfg = self.config
+        return dynamic_trees(root_logp, expand, cfg.dynamic_tree_max_topK, cfg.max_draft_len, budgets,
+                             lambda d: int(self.draft_to_target[d]))
+
+
+DEFAULT_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+
+
+def head_dir(spec: SpeculativeConfig) -> Path:
+    return resolve_path(spec.speculative_model, DEFAULT_HEAD)
+
+
+def _build(spec: SpeculativeConfig, ctx: BuildContext) -> Eagle3Drafter:
+    head = load_eagle3(head_dir(spec), ctx.embedding(), ctx.target_cfg)
+    head = cast_linears(head, getattr(torch, ctx.engine.draft_dtype))
+    return Eagle3Drafter(head, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len)
+
+
+def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
+    raw = json.loads((head_dir(spec) / "config.json").read_text())
+    return tuple(Eagle3Config.from_hf_dict(raw, target).tap_layers)
+
+
+# One drafter: `eagle3-tree` is the same head with use_dynamic_tree (the name stays accepted).
+register(DrafterKind(methods=(METHOD_EAGLE3, METHOD_EAGLE3_TREE), build=_build, tap_layers=_tap_layers))

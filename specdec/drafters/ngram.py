@@ -11,10 +11,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import SpeculativeConfig
+from ..config import METHOD_NGRAM, SpeculativeConfig
 from ..sequence import SequenceState
 from ..tree import ROOT, DraftTree
 from .base import Drafter
+from .registry import DrafterKind, register
 
 
 def find_continuations(history: np.ndarray, n: int, length: int, max_matches: int) -> list[np.ndarray]:
@@ -80,3 +81,6 @@ def build_trie(continuations: list[np.ndarray], max_nodes: int, max_branches: in
         if len(tokens) >= max_nodes:
             break
     return DraftTree(tokens, parents)
+
+
+register(DrafterKind(methods=(METHOD_NGRAM,), build=lambda spec, ctx: NgramDrafter(spec)))

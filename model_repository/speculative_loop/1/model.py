@@ -22,7 +22,7 @@ from specdec.loop import LoopBackend, run_loop
 from specdec.request import check_prompt_ids, encode_sampling, parse_request, served_offer
 from specdec.speculator import StepResult
 from specdec.models.loading import read_model_config
-from specdec.runtime import encode_prompt, load_tokenizer, needs_hidden, resolve_model_dir
+from specdec.runtime import encode_prompt, load_tokenizer, resolve_model_dir, tap_layers_of
 from specdec.sequence import RequestState
 from specdec.tree import DraftTree
 from specdec_triton.common import Metrics, batched, error_response, inputs_of, load_settings, text_tensor
@@ -142,7 +142,8 @@ class TritonPythonModel:
         target_cfg = read_model_config(model_dir)
         self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
         self.vocab_size = target_cfg.vocab_size
-        self.hidden_methods = {name for name, spec in self.settings.methods.items() if needs_hidden(spec)}
+        # Drafters served apart that need the target's hidden taps (co-located ones get them in place).
+        self.hidden_methods = {name for name, spec in self.settings.methods.items() if tap_layers_of(spec, target_cfg)}
         self.offer = served_offer(self.settings)
         self.metrics = Metrics(METRICS)
         self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
