@@ -21,7 +21,7 @@ from .bench_engine import env_record
 from .config import SamplingParams, ServingConfig
 from .data import sharegpt_prompts
 from .engine import SpecEngine
-from .launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from .runtime import build_drafters, encode_prompt, load_target, load_tokenizer, resolve_model_dir
 
 

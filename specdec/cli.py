@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the launcher owns its flags (and passes extras to tritonserver)
-        from .launcher import serve_main
+        from triton_launcher import serve_main
 
         return serve_main(argv[1:])
     if argv[:1] == ["train-eagle3"]:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_serving_main(argv[1:])
     if argv[:1] == ["trtllm-config"]:
-        from .trtllm import main as trtllm_main
+        from trtllm_repository import main as trtllm_main
 
         return trtllm_main(argv[1:])
     if argv[:1] == ["demo"]:

@@ -32,7 +32,7 @@ def summarize(label: str, gen) -> str:
 def main(argv: list[str] | None = None) -> int:
     from specdec_client import Generation, GenerateRequest, SpecDecClient
 
-    from .launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 
     parser = argparse.ArgumentParser(prog="specdec demo", description=__doc__)
     parser.add_argument("--prompt", default=DEMO_PROMPT)

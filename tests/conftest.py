@@ -63,7 +63,7 @@ def triton_server(tmp_path_factory, smol_dir):
     that keep the KV cache small (max_seq_len 512)."""
     import json
 
-    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
     settings["engine"].update(max_seq_len=512, max_tokens_limit=512)

@@ -309,7 +309,7 @@ def test_generation_stats_line():
 
 
 def test_health_unreachable_exits_nonzero(capsys):
-    from specdec.launcher import free_port
+    from triton_launcher import free_port
 
     assert main(["health", "--url", f"127.0.0.1:{free_port()}"]) == 2
     assert main(["health", "--protocol", "http", "--url", f"127.0.0.1:{free_port()}"]) == 2
@@ -393,7 +393,7 @@ def test_cli_health_and_generate(triton_server, capsys):
 
 @pytest.mark.server
 def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
-    from specdec.launcher import DEFAULT_MODEL_REPOSITORY
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY
 
     data = write_lines(tmp_path / "prompts.jsonl", [json.dumps({"prompt": p}) for p in PROMPTS])
     out = tmp_path / "bench"

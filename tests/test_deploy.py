@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from specdec import protocol as P
-from specdec import trtllm
+from trtllm_repository import generator as trtllm
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.launcher import _build_parser
+from triton_launcher.cli import _build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -560,7 +560,7 @@ def _trtllm_configs() -> dict[str, dict]:
 
 
 def test_trtllm_files_are_what_the_generator_writes(tmp_path):
-    assert trtllm.main(["--check", "--out", str(TRTLLM_REPO)]) == 0, "run: python -m specdec.trtllm"
+    assert trtllm.main(["--check", "--out", str(TRTLLM_REPO)]) == 0, "run: python -m trtllm_repository"
     assert trtllm.main(["--out", str(tmp_path)]) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert [str(p) for p in generated] == [
@@ -619,7 +619,7 @@ def test_trtllm_model_has_our_ensemble_tensor_names():
 def test_trtllm_model_py_compiles_and_uses_the_shared_helpers():
     source = (TRTLLM_REPO / "ensemble" / "1" / "model.py").read_text()
     compile(source, "model.py", "exec")
-    imported = re.search(r"from specdec\.trtllm import (.+)", source).group(1).split(", ")
+    imported = re.search(r"from trtllm_repository import (.+)", source).group(1).split(", ")
     assert all(hasattr(trtllm, name) for name in imported)
     assert "LLM_CONFIG_PATH" in source and (TRTLLM_REPO / "ensemble" / "1" / trtllm.DEFAULT_CONFIG_FILE).is_file()
 

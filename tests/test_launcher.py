@@ -1,4 +1,4 @@
-"""Tests of specdec.launcher: locating Triton, preparing the backend dir, running the real server."""
+"""Tests of triton_launcher: locating Triton, preparing the backend dir, running the real server."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specdec import launcher as L
+import triton_launcher as L
+from triton_launcher import install as L_install
+from triton_launcher import processes as L_processes
 
 FIXTURE_REPO = Path(__file__).parent / "fixtures" / "echo_repository"
 READY_TIMEOUT = 120
@@ -38,7 +40,7 @@ needs_triton = pytest.mark.skipif(not _triton_available(), reason="no tritonserv
 
 def test_module_import_is_light():
     code = (
-        "import sys, specdec.launcher; "
+        "import sys, triton_launcher; "
         "bad = [m for m in ('tritonclient', 'triton_python_backend_utils', 'pytriton', 'torch') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )
@@ -62,8 +64,8 @@ def test_endpoints_format():
 
 def test_missing_pytriton_error_names_the_package(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
-    monkeypatch.setattr(L, "SYSTEM_TRITON_ROOT", tmp_path / "no-such-triton")
-    monkeypatch.setattr(L, "_pytriton_package_dir", lambda: None)
+    monkeypatch.setattr(L_install, "SYSTEM_TRITON_ROOT", tmp_path / "no-such-triton")
+    monkeypatch.setattr(L_install, "_pytriton_package_dir", lambda: None)
     with pytest.raises(L.TritonNotFoundError, match=r"nvidia-pytriton is not installed: pip install nvidia-pytriton==0\.7\.0"):
         L.find_triton_install()
 
@@ -92,7 +94,7 @@ def test_system_triton_is_preferred(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITONSERVER_BIN", raising=False)
     monkeypatch.delenv("TRITONSERVER_BACKEND_DIR", raising=False)
     _fake_system_triton(tmp_path / "opt")
-    monkeypatch.setattr(L, "SYSTEM_TRITON_ROOT", tmp_path / "opt")
+    monkeypatch.setattr(L_install, "SYSTEM_TRITON_ROOT", tmp_path / "opt")
     inst = L.find_triton_install()
     assert inst.kind == "system"
     assert inst.binary == tmp_path / "opt" / "bin" / "tritonserver"
@@ -173,7 +175,7 @@ def test_serve_main_accepts_leading_double_dash(tmp_path, capsys):
 
 def test_default_model_repository_is_under_repo_root():
     assert L.DEFAULT_MODEL_REPOSITORY == L.REPO_ROOT / "model_repository"
-    assert (L.REPO_ROOT / "specdec" / "launcher.py").is_file()
+    assert (L.REPO_ROOT / "triton_launcher" / "server.py").is_file()
 
 
 # ------------------------------------------------------------------------ real server
@@ -293,7 +295,7 @@ def test_stop_leaves_no_processes(tmp_path, stop_timeout):
         server.wait_ready(READY_TIMEOUT)
         pgid = server.pgid
         members = L.group_members(pgid)
-        cmdlines = [L._proc_cmdline(p) for p in members]
+        cmdlines = [L_processes._proc_cmdline(p) for p in members]
         assert server.pid in members
         assert sum(L.BACKEND_STUB_NAME in c for c in cmdlines) == 2  # one stub per model instance
         regions = [t for c in cmdlines for t in c.split() if t.startswith("triton_python_backend_shm_region_")]
@@ -338,7 +340,7 @@ def test_serve_main_runs_until_sigint(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "specdec.launcher",
+        "triton_launcher",
         "--model-repository",
         str(FIXTURE_REPO),
         "--http-port",

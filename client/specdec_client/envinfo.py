@@ -94,7 +94,7 @@ def default_settings_path() -> Path:
     env = os.environ.get("SPECDEC_SETTINGS")
     if env:
         return Path(env)
-    from specdec.launcher import DEFAULT_MODEL_REPOSITORY
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY
 
     return DEFAULT_MODEL_REPOSITORY / "specdec.json"
 

@@ -10,8 +10,8 @@ from typing import Iterator
 @contextlib.contextmanager
 def local_server(log_path: Path, settings_path: Path | None = None, model_repository: Path | None = None,
                  ready_timeout_s: float = 600.0) -> Iterator:
-    """Yields the running server's specdec.launcher.Endpoints."""
-    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    """Yields the running server's triton_launcher.Endpoints."""
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     http, grpc, metrics = free_ports(3)
     env = {"SPECDEC_SETTINGS": str(Path(settings_path).resolve())} if settings_path else None

@@ -5,7 +5,7 @@ Runs in NVIDIA's `<yy.mm>-trtllm-python-py3` container with this project install
 next to this file, picked with LLM_CONFIG_PATH (baseline.yaml, eagle3.yaml,
 eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
 `tensorrt_llm.LLM(...)`, as in TensorRT-LLM's own `llmapi` model. Request parsing, the
-method check and the perf counters are pure functions in specdec.trtllm, tested on the
+method check and the perf counters are pure functions in trtllm_repository, tested on the
 CPU; this file only moves tensors and drives the LLM's asyncio API.
 
 The LLM runs on an event loop of its own thread (execute() returns at once, decoupled);
@@ -25,7 +25,7 @@ import yaml
 
 from specdec import protocol as P
 from specdec.errors import ConfigError
-from specdec.trtllm import DEFAULT_CONFIG_FILE, parse_request, perf_counts, served_variant
+from trtllm_repository import DEFAULT_CONFIG_FILE, parse_request, perf_counts, served_variant
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _NUMPY = {"TYPE_FP32": np.float32, "TYPE_INT32": np.int32}

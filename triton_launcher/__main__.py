@@ -1,0 +1,5 @@
+import sys
+
+from .cli import serve_main
+
+sys.exit(serve_main())

@@ -1,0 +1,5 @@
+import sys
+
+from .generator import main
+
+sys.exit(main())
