@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import protocol as P
 from .bench_engine import env_record
 from .config import SamplingParams, ServingConfig
 from .data import sharegpt_prompts
@@ -52,8 +53,8 @@ def in_process(settings: ServingConfig, prompts: list[list[int]], modes: list[tu
 
 # Where a step's time goes, from the loop's counters (per method): drafting beside the target
 # (or in the drafter model), the target's verify, and the whole step as the loop sees it.
-STEP_COUNTERS = {"draft": "specdec_draft_seconds_total", "verify": "specdec_verify_seconds_total",
-                 "loop_step": "specdec_step_seconds_total", "steps": "specdec_verification_steps_total"}
+STEP_COUNTERS = {"draft": P.DRAFT_SECONDS_TOTAL, "verify": P.VERIFY_SECONDS_TOTAL, "loop_step": P.STEP_SECONDS_TOTAL,
+                 "steps": P.VERIFICATION_STEPS_TOTAL}
 
 
 def through_triton(texts: list[str], modes: list[tuple[str, str, int]], max_tokens: int, repo: Path,
@@ -61,8 +62,6 @@ def through_triton(texts: list[str], modes: list[tuple[str, str, int]], max_toke
     from specdec_client import GenerateRequest, SpecDecClient
     from specdec_client.client import Generation
     from specdec_client.promtext import by_label, delta, scrape
-
-    from . import protocol as P
 
     http, grpc, metrics = free_ports(3)
     server = TritonServer()

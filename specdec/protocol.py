@@ -142,3 +142,35 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
         _specs((DRAFT_TOKENS, "TYPE_INT32", (-1,)), (DRAFT_PARENTS, "TYPE_INT32", (-1,)), (DRAFT_PROBS, "TYPE_FP32", (-1, -1))),
     ),
 }
+
+
+# ---- Prometheus metrics on Triton's metrics port (served by the models, read by the client's
+# benchmark and the tests). Labels: method; position (per-position counters); length
+# (acceptance-length histogram); reason (requests); model (active sequences). ----------------
+DRAFT_TOKENS_TOTAL = "specdec_draft_tokens_total"
+ACCEPTED_TOKENS_TOTAL = "specdec_accepted_tokens_total"
+EMITTED_TOKENS_TOTAL = "specdec_emitted_tokens_total"
+VERIFICATION_STEPS_TOTAL = "specdec_verification_steps_total"
+DRAFTED_PER_POSITION_TOTAL = "specdec_drafted_per_position_total"
+ACCEPTED_PER_POSITION_TOTAL = "specdec_accepted_per_position_total"
+ACCEPTANCE_LENGTH_TOTAL = "specdec_acceptance_length_total"
+DRAFT_SECONDS_TOTAL = "specdec_draft_seconds_total"
+VERIFY_SECONDS_TOTAL = "specdec_verify_seconds_total"
+STEP_SECONDS_TOTAL = "specdec_step_seconds_total"
+REQUESTS_TOTAL = "specdec_requests_total"
+ACTIVE_SEQUENCES = "specdec_active_sequences"
+
+# name -> (kind, help) of what the speculative loop exports.
+LOOP_METRICS = {
+    DRAFT_TOKENS_TOTAL: ("counter", "Draft tokens proposed"),
+    ACCEPTED_TOKENS_TOTAL: ("counter", "Draft tokens accepted by the target"),
+    EMITTED_TOKENS_TOTAL: ("counter", "Tokens emitted (accepted + bonus/recovered)"),
+    VERIFICATION_STEPS_TOTAL: ("counter", "Target verification steps"),
+    DRAFTED_PER_POSITION_TOTAL: ("counter", "Drafts that reached draft position `position`"),
+    ACCEPTED_PER_POSITION_TOTAL: ("counter", "Drafts accepted at draft position `position`"),
+    ACCEPTANCE_LENGTH_TOTAL: ("counter", "Verification steps that emitted `length` tokens (histogram)"),
+    DRAFT_SECONDS_TOTAL: ("counter", "Time spent drafting (beside the target, or in the drafter model)"),
+    VERIFY_SECONDS_TOTAL: ("counter", "Time spent verifying (target forward + acceptance)"),
+    STEP_SECONDS_TOTAL: ("counter", "Wall time of verification steps as the loop sees them (calls included)"),
+    REQUESTS_TOTAL: ("counter", "Finished requests by finish reason"),
+}

@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from specdec import protocol as P
+
 from . import promtext
 from .client import AsyncSpecDecClient, GenerateRequest
 from .datasets import Prompt
@@ -256,7 +258,7 @@ async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: Blo
         repeat=plan.repeat, block=plan.block, prompt_index=index, send=send, chunks=chunks, end=end,
         output_tokens=int(perf["output_tokens"]) if from_server else len(chunks),
         verification_steps=int(perf.get("verification_steps", 0)),
-        accepted=int(perf.get("total_accepted_draft_tokens", 0)), drafted=int(perf.get("total_draft_tokens", 0)),
+        accepted=int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)), drafted=int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)),
         output_tokens_from_server=from_server, text="".join(texts), error=error,
     )
 

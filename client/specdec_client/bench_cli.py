@@ -14,6 +14,7 @@ from specdec.errors import SpecDecError
 
 from . import datasets as D
 from .bench import BenchConfig, BenchConfigError, BenchResult, LoadPoint, parse_modes, run_bench, schedule
+from .cli_args import add_connection_arguments, add_sampling_arguments
 from .client import SpecDecClient
 from .envinfo import environment
 from .errors import SpecDecClientError
@@ -54,8 +55,6 @@ def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_connection_arguments, add_sampling_arguments
-
     add_connection_arguments(p)
     add_sampling_arguments(p, temperature=0.0)
     p.add_argument("--methods", help="comma-separated speculative modes, e.g. 'ngram,ngram-tree:6' (':k' = draft "

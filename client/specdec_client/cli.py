@@ -11,37 +11,15 @@ import sys
 import time
 from typing import Sequence
 
+from specdec import protocol as P
+
 from . import metrics as M
+from .bench_cli import add_bench_arguments, cmd_bench
+from .cli_args import EXIT_NOT_READY, EXIT_UNREACHABLE, add_connection_arguments, add_sampling_arguments, default_url
 from .client import GenerateRequest, Generation, SpecDecClient
 from .errors import ClientConnectionError, SpecDecClientError
 
-DEFAULT_PORTS = {"grpc": 8001, "http": 8000}
-EXIT_NOT_READY, EXIT_UNREACHABLE = 1, 2
-
-
-def default_url(protocol: str) -> str:
-    return f"localhost:{DEFAULT_PORTS[protocol]}"
-
-
-def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="host:port of the server (default localhost:8001 for grpc, localhost:8000 for http)")
-    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    p.add_argument("--model", default="ensemble", help="model to call (ensemble, or speculative_loop directly)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser, temperature: float | None) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0, help="random_seed of each request (bench: also seeds the Poisson arrivals)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from .bench_cli import add_bench_arguments
-
     parser = argparse.ArgumentParser(prog="specdec-client", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -69,8 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_health(args)
     if args.command == "generate":
         return cmd_generate(args)
-    from .bench_cli import cmd_bench
-
     return cmd_bench(args)
 
 
@@ -120,7 +96,7 @@ def generation_stats(gen: Generation) -> str:
     perf = gen.perf
     tokens = int(perf.get("output_tokens", len(gen.chunk_times)))
     trace = M.Trace(gen.send_time, gen.chunk_times, gen.end_time, tokens, int(perf.get("verification_steps", 0)),
-                    int(perf.get("total_accepted_draft_tokens", 0)), int(perf.get("total_draft_tokens", 0)))
+                    int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)), int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)))
     ttft, e2e, per_user = M.ttft(trace), M.e2e(trace), M.per_user_tok_s(trace)
     length = M.acceptance_length(trace.output_tokens, trace.verification_steps)
     rate = M.acceptance_rate(trace.accepted, trace.drafted)

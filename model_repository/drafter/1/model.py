@@ -28,8 +28,8 @@ class TritonPythonModel:
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         self.drafts = DraftService(build_drafters(read_model_config(model_dir), colocated_methods(settings, False), settings.engine, model_dir))
-        self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding drafter state")})
-        self.metrics.set("specdec_active_sequences", 0, model="drafter")
+        self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding drafter state")})
+        self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="drafter")
 
     def execute(self, requests):
         self.drafts.release_idle(self.settings.idle_timeout_s)
@@ -59,7 +59,7 @@ class TritonPythonModel:
         for request in requests:
             if control(request, P.CONTROL_END) and request.correlation_id() in self.drafts:
                 self.drafts.release(request.correlation_id())
-        self.metrics.set("specdec_active_sequences", self.drafts.active, model="drafter")
+        self.metrics.set(P.ACTIVE_SEQUENCES, self.drafts.active, model="drafter")
         return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
 
     def _start(self, seq_id, request):

@@ -31,19 +31,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 TARGET_OUT = [P.OUTPUT_IDS, P.STEP_STATS]
 DRAFT_OUT = [P.DRAFT_TOKENS, P.DRAFT_PARENTS, P.DRAFT_PROBS]
-METRICS = {
-    "specdec_draft_tokens_total": ("counter", "Draft tokens proposed"),
-    "specdec_accepted_tokens_total": ("counter", "Draft tokens accepted by the target"),
-    "specdec_emitted_tokens_total": ("counter", "Tokens emitted (accepted + bonus/recovered)"),
-    "specdec_verification_steps_total": ("counter", "Target verification steps"),
-    "specdec_drafted_per_position_total": ("counter", "Drafts that reached draft position `position`"),
-    "specdec_accepted_per_position_total": ("counter", "Drafts accepted at draft position `position`"),
-    "specdec_acceptance_length_total": ("counter", "Verification steps that emitted `length` tokens (histogram)"),
-    "specdec_draft_seconds_total": ("counter", "Time spent drafting"),
-    "specdec_verify_seconds_total": ("counter", "Time spent verifying (target forward + acceptance)"),
-    "specdec_step_seconds_total": ("counter", "Wall time of verification steps as the loop sees them (calls included)"),
-    "specdec_requests_total": ("counter", "Finished requests by finish reason"),
-}
 
 
 def send(sender, response, flags) -> bool:
@@ -145,7 +132,7 @@ class TritonPythonModel:
         # Drafters served apart that need the target's hidden taps (co-located ones get them in place).
         self.hidden_methods = {name for name, spec in self.settings.methods.items() if tap_layers_of(spec, target_cfg)}
         self.offer = served_offer(self.settings)
-        self.metrics = Metrics(METRICS)
+        self.metrics = Metrics(P.LOOP_METRICS)
         self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
         self._decoding = 0  # requests in their decode loop: the batch size the load controls see
         self._executor_set = False
@@ -194,11 +181,11 @@ class TritonPythonModel:
                     self._record(req.method, update)
                     pieces.append(update.text)
                     if update.finished:
-                        self.metrics.inc("specdec_requests_total", reason=update.finish_reason, method=req.method)
+                        self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
                     if stream and (update.text or update.finished):
                         response = self._response(request, req, update.text, update.token_ids)
                         if not send(sender, response, FINAL if update.finished else 0):
-                            self.metrics.inc("specdec_requests_total", reason="disconnected", method=req.method)
+                            self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
                             return  # nobody is listening any more: stop generating
             if not stream:
                 send(sender, self._response(request, req, "".join(pieces), req.output_ids), FINAL)
@@ -227,15 +214,15 @@ class TritonPythonModel:
         if not update.verified:
             return
         m = self.metrics
-        m.inc("specdec_draft_seconds_total", update.draft_seconds, method=method)
-        m.inc("specdec_verify_seconds_total", update.verify_seconds, method=method)
-        m.inc("specdec_step_seconds_total", update.step_seconds, method=method)
-        m.inc("specdec_draft_tokens_total", update.draft_tokens, method=method)
-        m.inc("specdec_accepted_tokens_total", update.accepted, method=method)
-        m.inc("specdec_emitted_tokens_total", len(update.token_ids), method=method)
-        m.inc("specdec_verification_steps_total", 1, method=method)
-        m.inc("specdec_acceptance_length_total", 1, method=method, length=str(update.accepted + 1))
+        m.inc(P.DRAFT_SECONDS_TOTAL, update.draft_seconds, method=method)
+        m.inc(P.VERIFY_SECONDS_TOTAL, update.verify_seconds, method=method)
+        m.inc(P.STEP_SECONDS_TOTAL, update.step_seconds, method=method)
+        m.inc(P.DRAFT_TOKENS_TOTAL, update.draft_tokens, method=method)
+        m.inc(P.ACCEPTED_TOKENS_TOTAL, update.accepted, method=method)
+        m.inc(P.EMITTED_TOKENS_TOTAL, len(update.token_ids), method=method)
+        m.inc(P.VERIFICATION_STEPS_TOTAL, 1, method=method)
+        m.inc(P.ACCEPTANCE_LENGTH_TOTAL, 1, method=method, length=str(update.accepted + 1))
         for position in range(update.draft_depth):
-            m.inc("specdec_drafted_per_position_total", 1, method=method, position=str(position))
+            m.inc(P.DRAFTED_PER_POSITION_TOTAL, 1, method=method, position=str(position))
         for position in range(update.accepted):
-            m.inc("specdec_accepted_per_position_total", 1, method=method, position=str(position))
+            m.inc(P.ACCEPTED_PER_POSITION_TOTAL, 1, method=method, position=str(position))

@@ -26,11 +26,11 @@ class TritonPythonModel:
         check_max_batch_size(args, settings)
         self.settings = settings
         self.speculator = build_colocated_speculator(settings)
-        self.metrics = Metrics({"specdec_active_sequences": ("gauge", "Sequences holding a KV-cache slot")})
+        self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot")})
         self._update_gauge()
 
     def _update_gauge(self):
-        self.metrics.set("specdec_active_sequences", self.speculator.active, model="verifier")
+        self.metrics.set(P.ACTIVE_SEQUENCES, self.speculator.active, model="verifier")
 
     def execute(self, requests):
         self.speculator.release_idle(self.settings.idle_timeout_s)
