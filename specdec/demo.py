@@ -1,11 +1,14 @@
 """`specdec demo` (what `make run` does): start the Triton server on the model repository,
-stream one prompt through the ensemble with speculation and once without, print TTFT,
-tok/s and mean acceptance length for both, then stop the server."""
+stream one prompt through the ensemble with the method that measured fastest at c=1 on this
+machine class (results/serving_overhead.json, from `make bench-serving`) and once without
+speculation, print TTFT, tok/s and mean acceptance length for both, then stop the server."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from specdec import protocol as P
 
@@ -17,6 +20,27 @@ DEMO_PROMPT = (
     "        result.append(sum(values[i:i + window]) / window)\n"
     "    return result\n"
 )
+
+
+MEASURED = Path(__file__).resolve().parent.parent / "results" / "serving_overhead.json"
+
+
+def fastest_measured(served: set[str], path: Path = MEASURED) -> tuple[str, int, str] | None:
+    """(method, draft tokens, why) of the fastest served mode through Triton at c=1 in a
+    bench-serving result, or None without one."""
+    try:
+        modes = json.loads(path.read_text())["modes"]
+    except (OSError, ValueError, KeyError):
+        return None
+    spec = {label: m for label, m in modes.items()
+            if m.get("num_draft_tokens") and m.get("method") in served and "triton_over_baseline" in m}
+    if not spec:
+        return None
+    label = max(spec, key=lambda name: spec[name]["triton_over_baseline"])
+    best = spec[label]
+    why = (f"fastest through Triton at c=1 on this machine class: {best['triton_over_baseline']:.2f}x the baseline "
+           f"in {path.relative_to(path.parent.parent)} (make bench-serving)")
+    return best["method"], int(best["num_draft_tokens"]), why
 
 
 def summarize(label: str, gen) -> str:
@@ -37,12 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec demo", description=__doc__)
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--method", default=None, help="drafting method (default: the server's default)")
+    parser.add_argument("--method", default=None, help="drafting method (default: the fastest measured at c=1)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     args = parser.parse_args(argv)
+    method, k, why = args.method, None, "chosen on the command line"
+    if method is None:
+        served = set(json.loads((Path(args.model_repository) / "specdec.json").read_text())["methods"])
+        method, k, why = fastest_measured(served) or (None, None, "the server's default method (no measured result found)")
+    print(f"speculative method: {method or 'server default'} ({why})", flush=True)
     server = TritonServer()
     print(f"starting Triton on {args.model_repository} ...", flush=True)
     server.start(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
@@ -51,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready(timeout=600)
         print(f"ready: {server.endpoints}\n", flush=True)
         with SpecDecClient(server.endpoints.grpc) as client:
-            client.generate(GenerateRequest("Hello", max_tokens=4))  # warm-up (first forward packs weights)
-            for label, k in (("speculative", None), ("baseline", 0)):
+            client.generate(GenerateRequest("Hello", max_tokens=4, method=method, num_draft_tokens=k))  # warm-up
+            for label, k in ((f"speculative: {method or 'default'}", k), ("baseline", 0)):
                 print(f"--- {label} ---", flush=True)
                 request = GenerateRequest(args.prompt, max_tokens=args.max_tokens, method=args.method, num_draft_tokens=k)
                 send, chunks = time.perf_counter(), []

@@ -384,3 +384,23 @@ def test_serve_main_runs_until_sigint(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_serves_the_fastest_measured_served_method(tmp_path):
+    """make run shows the method bench-serving measured fastest at c=1, among those served."""
+    import json
+
+    from specdec.demo import fastest_measured
+
+    modes = {
+        "baseline": {"method": "none", "num_draft_tokens": 0, "triton_over_baseline": 1.0},
+        "eagle3": {"method": "eagle3", "num_draft_tokens": 5, "triton_over_baseline": 1.6},
+        "ngram": {"method": "ngram", "num_draft_tokens": 4, "triton_over_baseline": 2.1},
+        "ngram-apart": {"method": "ngram-apart", "num_draft_tokens": 4, "triton_over_baseline": 2.5},
+    }
+    path = tmp_path / "serving_overhead.json"
+    path.write_text(json.dumps({"modes": modes}))
+    method, k, why = fastest_measured({"eagle3", "ngram"}, path)
+    assert (method, k) == ("ngram", 4) and "2.10x" in why
+    assert fastest_measured({"eagle3"}, path)[:2] == ("eagle3", 5)
+    assert fastest_measured(set(), path) is None and fastest_measured({"eagle3"}, tmp_path / "missing.json") is None
