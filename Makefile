@@ -35,7 +35,7 @@ bench-engine: prepare
 	$(BIN)/specdec bench-engine --out results/engine_bench.json
 
 bench-serving: prepare
-	$(BIN)/specdec bench-serving --out results/serving_overhead.json
+	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json
 
 # Matched Triton benchmark: baseline + every configured method (+ eagle3 with 3 draft tokens), c=1, 4, 16, ShareGPT.
 bench: prepare
