@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import METHOD_NONE, EngineConfig, SamplingParams
+from .config import METHOD_NONE, EngineConfig
 from .errors import SpecDecError
 
 
@@ -29,21 +29,39 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .runtime import build_engine, encode_prompt
+def request_inputs(args: argparse.Namespace) -> dict:
+    """The CLI's flags as the ensemble's tensors: the same parser then reads them as the server's."""
+    import numpy as np
 
+    from . import protocol as P
+
+    inputs = {
+        P.TEXT_INPUT: np.array([args.prompt], dtype=object), P.MAX_TOKENS: np.int32([args.max_tokens]),
+        P.TEMPERATURE: np.float32([args.temperature]), P.TOP_K: np.int32([args.top_k]), P.TOP_P: np.float32([args.top_p]),
+        P.STOP_WORDS: np.array(args.stop or [], dtype=object) if args.stop else None,
+        P.IGNORE_EOS: np.bool_([args.ignore_eos]), P.APPLY_CHAT_TEMPLATE: np.bool_([not args.raw]),
+        P.SPECULATIVE_METHOD: np.array([args.method], dtype=object),
+        P.NUM_DRAFT_TOKENS: None if args.num_draft_tokens is None else np.int32([args.num_draft_tokens]),
+        P.RANDOM_SEED: None if args.seed is None else np.uint64([args.seed]),
+    }
+    return {name: value for name, value in inputs.items() if value is not None}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .config import ServingConfig
+    from .request import parse_request, served_offer
+    from .runtime import SERVED_SETTINGS, build_engine, encode_prompt
+
+    settings = ServingConfig.from_file(SERVED_SETTINGS)
     engine = build_engine(args.model_dir, _engine_config(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-    )
-    prompt_ids = encode_prompt(engine.tokenizer, args.prompt, chat=not args.raw)
+    req = parse_request(request_inputs(args), served_offer(settings))
+    prompt_ids = encode_prompt(engine.tokenizer, req.prompt, chat=req.apply_chat_template)
     start = time.perf_counter()
     first = None
     token_ids: list[int] = []
     text = []
     stats = None
-    for out in engine.generate(prompt_ids, params, args.method, args.num_draft_tokens):
+    for out in engine.generate(prompt_ids, req.params, req.method, req.num_draft_tokens):
         now = time.perf_counter()
         if first is None and out.new_token_ids:
             first = now
@@ -63,14 +81,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "tok_s": tok_s,
         "mean_acceptance_length": stats.mean_acceptance_length if stats else 0.0,
         "acceptance_rate": stats.acceptance_rate if stats else 0.0,
-        "num_draft_tokens": args.num_draft_tokens if args.method != METHOD_NONE else 0,
-        "method": args.method,
+        "num_draft_tokens": req.num_draft_tokens,
+        "method": req.method,
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(
-            f"\n\n[{args.method}, K={result['num_draft_tokens']}] {len(token_ids)} tokens, TTFT {result['ttft_ms']:.0f} ms, "
+            f"\n\n[{req.method}, K={req.num_draft_tokens}] {len(token_ids)} tokens, TTFT {result['ttft_ms']:.0f} ms, "
             f"{tok_s:.1f} tok/s, mean acceptance length {result['mean_acceptance_length']:.2f}, "
             f"acceptance rate {result['acceptance_rate']:.2f}"
         )
@@ -100,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--method", default=METHOD_NONE, help="none, or a method of model_repository/specdec.json (eagle3, eagle3-tree, ngram, ngram-tree)")
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="default: the method's configured budget; 0 = baseline")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

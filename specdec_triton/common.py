@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -95,15 +96,21 @@ def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
 # ---- metrics --------------------------------------------------------------------------
 class Metrics:
     """Prometheus metrics on Triton's metrics port (pb_utils.MetricFamily), one metric per
-    label set, created lazily."""
+    label set, created lazily. Every metric update is a round trip from the stub to the
+    server process, so counter increments are summed here and sent at most every
+    `flush_every_s` (and on flush()); gauges are sent only when they change."""
 
-    def __init__(self, families: dict[str, tuple[str, str]]):
+    def __init__(self, families: dict[str, tuple[str, str]], flush_every_s: float = 0.25):
         # families: name -> (kind "counter" | "gauge", help)
         kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
         self._families = {
             name: pb_utils.MetricFamily(name=name, description=help_, kind=kinds[kind]) for name, (kind, help_) in families.items()
         }
         self._metrics: dict[tuple, Any] = {}
+        self._pending: dict[tuple, float] = {}  # (name, labels) -> increment not yet sent
+        self._gauges: dict[tuple, float] = {}
+        self._flush_every_s = flush_every_s
+        self._last_flush = time.monotonic()
 
     def _metric(self, name: str, labels: dict[str, str]):
         key = (name, tuple(sorted(labels.items())))
@@ -114,7 +121,19 @@ class Metrics:
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         if value:
-            self._metric(name, labels).increment(value)
+            key = (name, tuple(sorted(labels.items())))
+            self._pending[key] = self._pending.get(key, 0.0) + value
+            if time.monotonic() - self._last_flush > self._flush_every_s:
+                self.flush()
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for (name, labels), value in pending.items():
+            self._metric(name, dict(labels)).increment(value)
+        self._last_flush = time.monotonic()
 
     def set(self, name: str, value: float, **labels: str) -> None:
-        self._metric(name, labels).set(value)
+        key = (name, tuple(sorted(labels.items())))
+        if self._gauges.get(key) != value:
+            self._gauges[key] = value
+            self._metric(name, labels).set(value)

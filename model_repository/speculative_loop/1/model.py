@@ -180,8 +180,9 @@ class TritonPythonModel:
                 async for update in updates:
                     self._record(req.method, update)
                     pieces.append(update.text)
-                    if update.finished:
+                    if update.finished:  # counters are current before the client hears the end
                         self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
+                        self.metrics.flush()
                     if stream and (update.text or update.finished):
                         response = self._response(request, req, update.text, update.token_ids)
                         if not send(sender, response, FINAL if update.finished else 0):
@@ -193,6 +194,7 @@ class TritonPythonModel:
             send(sender, error_response(exc), FINAL)
         finally:
             self._decoding -= 1
+            self.metrics.flush()
 
     @staticmethod
     def _response(request, req, text, token_ids):

@@ -1,0 +1,108 @@
+"""The one request parser (specdec.request): every entry point reads requests through it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec import protocol as P
+from specdec.config import METHOD_NONE, SamplingParams
+from specdec.errors import InvalidRequestError
+from specdec.request import (
+    ServedOffer, check_prompt_ids, decode_sampling, draft_budget, encode_sampling, parse_request, resolve_method,
+)
+
+OFFER = ServedOffer({"eagle3": 5, "ngram": 4}, "eagle3", max_num_draft_tokens=16, max_tokens_limit=512)
+
+
+def inputs(**values):
+    out = {}
+    for name, value in values.items():
+        if isinstance(value, str):
+            out[name] = np.array([value.encode()], dtype=object)
+        elif isinstance(value, bool):
+            out[name] = np.bool_([value])
+        elif isinstance(value, float):
+            out[name] = np.float32([value])
+        elif isinstance(value, list):
+            out[name] = np.array(value, dtype=object if value and isinstance(value[0], str) else np.int32)
+        else:
+            out[name] = np.int32([value])
+    return out
+
+
+def test_defaults_method_budget_and_baseline():
+    req = parse_request(inputs(text_input="Hi", max_tokens=8), OFFER)
+    assert (req.method, req.num_draft_tokens, req.params.greedy, req.apply_chat_template) == ("eagle3", 5, True, True)
+    assert parse_request(inputs(text_input="Hi", max_tokens=8, speculative_method="ngram"), OFFER).num_draft_tokens == 4
+    for baseline in (dict(num_draft_tokens=0), dict(speculative_method="none"), dict(speculative_method="ngram", num_draft_tokens=0)):
+        req = parse_request(inputs(text_input="Hi", max_tokens=8, **baseline), OFFER)
+        assert (req.method, req.num_draft_tokens, req.speculative) == (METHOD_NONE, 0, False)
+    ids = parse_request({**inputs(max_tokens=8), P.INPUT_IDS: np.int32([5, 6, 7])}, OFFER)
+    assert ids.prompt is None and ids.prompt_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize("values, field", [
+    (dict(text_input="   "), P.TEXT_INPUT),
+    (dict(text_input=["a", "b"]), P.TEXT_INPUT),
+    (dict(), P.TEXT_INPUT),
+    (dict(text_input="Hi", max_tokens=None), P.MAX_TOKENS),
+    (dict(text_input="Hi", max_tokens=0), P.MAX_TOKENS),
+    (dict(text_input="Hi", max_tokens=513), P.MAX_TOKENS),
+    (dict(text_input="Hi", temperature=-0.5), P.TEMPERATURE),
+    (dict(text_input="Hi", temperature=1.0, top_p=0.0), P.TOP_P),
+    (dict(text_input="Hi", top_k=-1), P.TOP_K),
+    (dict(text_input="Hi", speculative_method="medusa"), P.SPECULATIVE_METHOD),
+    (dict(text_input="Hi", num_draft_tokens=17), P.NUM_DRAFT_TOKENS),
+    (dict(text_input="Hi", num_draft_tokens=-1), P.NUM_DRAFT_TOKENS),
+])
+def test_bad_requests_name_the_field(values, field):
+    values = {"max_tokens": 8, **values}
+    with pytest.raises(InvalidRequestError) as err:
+        parse_request(inputs(**{k: v for k, v in values.items() if v is not None}), OFFER)
+    assert err.value.field == field
+
+
+def test_a_fixed_offer_refuses_other_methods_and_budgets():
+    fixed = ServedOffer({"eagle3": 3}, "eagle3", 3, 512, fixed=True)
+    assert resolve_method(None, None, fixed) == ("eagle3", 3)
+    for method, k, field in (("none", None, P.SPECULATIVE_METHOD), ("eagle3", 0, P.NUM_DRAFT_TOKENS), ("eagle3", 5, P.NUM_DRAFT_TOKENS)):
+        with pytest.raises(InvalidRequestError) as err:
+            resolve_method(method, k, fixed)
+        assert err.value.field == field
+
+
+def test_budget_cut_and_prompt_checks():
+    assert draft_budget(5, max_tokens=10, max_seq_len=100, prompt_len=10, generated=7) == 2  # 3 left: 2 drafts + bonus
+    assert draft_budget(5, max_tokens=100, max_seq_len=20, prompt_len=10, generated=8) == 1  # the context binds
+    assert draft_budget(5, max_tokens=10, max_seq_len=100, prompt_len=10, generated=10) == 0
+    for ids, field in (([], P.TEXT_INPUT), (list(range(20)), P.TEXT_INPUT), ([5, 99], P.INPUT_IDS)):
+        with pytest.raises(InvalidRequestError) as err:
+            check_prompt_ids(ids, max_seq_len=20, vocab_size=50)
+        assert err.value.field == field
+
+
+def test_sampling_round_trips_the_wire():
+    params = SamplingParams(max_tokens=33, temperature=0.7, top_k=20, top_p=0.9, seed=2**63 + 5)
+    wire = encode_sampling(params)
+    back = decode_sampling(wire.get)
+    assert (back.max_tokens, back.top_k, back.seed) == (33, 20, 2**63 + 5)
+    assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
+    assert decode_sampling(encode_sampling(SamplingParams(max_tokens=4)).get).seed is None
+
+
+def test_the_in_process_cli_reads_requests_through_the_same_parser():
+    from specdec.cli import build_parser, request_inputs
+    from specdec.config import ServingConfig
+    from specdec.request import served_offer
+    from specdec.runtime import SERVED_SETTINGS
+
+    offer = served_offer(ServingConfig.from_file(SERVED_SETTINGS))
+    args = build_parser().parse_args(["generate", "--prompt", "Hi", "--method", "ngram", "--stop", "END"])
+    req = parse_request(request_inputs(args), offer)
+    assert (req.prompt, req.method, req.num_draft_tokens, req.params.stop) == ("Hi", "ngram", offer.methods["ngram"], ("END",))
+    args = build_parser().parse_args(["generate", "--prompt", "Hi", "--method", "eagle3", "--num-draft-tokens", "0"])
+    assert parse_request(request_inputs(args), offer).method == METHOD_NONE
+    args = build_parser().parse_args(["generate", "--prompt", "Hi", "--temperature", "1", "--top-p", "0"])
+    with pytest.raises(InvalidRequestError) as err:
+        parse_request(request_inputs(args), offer)
+    assert err.value.field == P.TOP_P
