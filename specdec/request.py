@@ -91,7 +91,10 @@ def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
     if value is None:
         return None
     flat = np.asarray(value, dtype=object).reshape(-1).tolist()
-    return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(name, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast: Callable = lambda v: v) -> Any:

@@ -20,6 +20,7 @@ from typing import Hashable, Mapping, Sequence
 
 from torch import Tensor
 
+from . import protocol as P
 from .config import METHOD_NONE, EngineConfig, SamplingParams
 from .drafters.base import Drafter
 from .drafting import DraftService
@@ -92,6 +93,24 @@ class Speculator:
     def check_method(self, method: str) -> None:
         if method != METHOD_NONE and method not in self.drafts.drafters:
             raise InvalidRequestError("speculative_method", f"no co-located drafter {method!r}; available: {', '.join(self.methods) or 'none'}")
+
+    def check_tree(self, tree: DraftTree) -> DraftTree:
+        """A tree from outside (a drafter served apart) must fit the budget and the
+        vocabulary before it joins a batch: a bad one is refused alone, naming the field."""
+        limit, vocab = self.config.max_num_draft_tokens, self.verifier.target.cfg.vocab_size
+        if len(tree) > limit:
+            raise InvalidRequestError(P.DRAFT_TOKENS, f"at most {limit} draft tokens (max_num_draft_tokens), got {len(tree)}")
+        if tree.tokens and not (0 <= min(tree.tokens) and max(tree.tokens) < vocab):
+            raise InvalidRequestError(P.DRAFT_TOKENS, f"token ids must be in [0, {vocab})")
+        if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (len(tree), vocab):
+            raise InvalidRequestError(P.DRAFT_PROBS, f"must have shape [{len(tree)}, {vocab}], got {list(tree.draft_probs.shape)}")
+        return tree
+
+    def check_budget(self, num_draft_tokens: int) -> int:
+        limit = self.config.max_num_draft_tokens
+        if not 0 <= num_draft_tokens <= limit:
+            raise InvalidRequestError(P.DRAFT_BUDGET, f"must be in [0, {limit}] (max_num_draft_tokens), got {num_draft_tokens}")
+        return num_draft_tokens
 
     def _budget(self, seq: _Sequence, wanted: int) -> int:
         return draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)

@@ -3,7 +3,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec import protocol as P
-from specdec.errors import SpecDecError
 from specdec.request import parse_prompt
 from specdec.runtime import encode_prompt, load_tokenizer, resolve_model_dir
 from specdec_triton.common import batched, error_response, inputs_of, load_settings
@@ -23,5 +22,5 @@ class TritonPythonModel:
             text, _, chat = parse_prompt(inputs, self.settings.apply_chat_template)
             ids = np.asarray(encode_prompt(self.tokenizer, text, chat=chat), dtype=np.int32)
             return pb_utils.InferenceResponse([batched(P.INPUT_IDS, ids)])
-        except SpecDecError as exc:
+        except Exception as exc:  # noqa: BLE001 - answered with the error, never a traceback
             return error_response(exc)

@@ -163,7 +163,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         try:
             parsed, req = self._parse(request)
-        except SpecDecError as exc:
+        except Exception as exc:  # noqa: BLE001 - every request ends with a final response
             send(sender, error_response(exc), FINAL)
             return
         self._next_cid += 1

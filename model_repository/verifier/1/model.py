@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdec import protocol as P
 from specdec.config import METHOD_NONE
-from specdec.errors import CapacityError, SpecDecError
+from specdec.errors import CapacityError, InvalidRequestError, SpecDecError
 from specdec.request import decode_sampling
 from specdec.runtime import build_colocated_speculator
 from specdec.speculator import StartItem, StepItem
@@ -40,7 +40,7 @@ class TritonPythonModel:
             try:
                 seq_id = request.correlation_id()
                 want_hidden = scalar(request, P.RETURN_HIDDEN, False, bool)
-                budget = scalar(request, P.DRAFT_BUDGET, 0, int)
+                budget = self.speculator.check_budget(scalar(request, P.DRAFT_BUDGET, 0, int))
                 if control(request, P.CONTROL_START):
                     starts.append((i, self._start_item(request, seq_id, budget, want_hidden)))
                 elif array(request, P.DRAFT_TOKENS) is not None or not control(request, P.CONTROL_END):
@@ -88,14 +88,23 @@ class TritonPythonModel:
                 outputs.append(batched(P.HIDDEN_STATES, res.hidden.float().numpy()))
             responses[i] = pb_utils.InferenceResponse(outputs)
 
-    @staticmethod
-    def _tree(request):
-        """A tree drafted apart (the drafter model), or None: the co-located drafter's."""
+    def _tree(self, request):
+        """A tree drafted apart (the drafter model), or None: the co-located drafter's.
+        Checked here, per request, so a malformed one never reaches the batch."""
         tokens = array(request, P.DRAFT_TOKENS)
         if tokens is None:
             return None
         if tokens.size == 0:
             return DraftTree()
+        parents = array(request, P.DRAFT_PARENTS)
+        if parents is None or parents.size != tokens.size:
+            raise InvalidRequestError(P.DRAFT_PARENTS, "one parent per draft token")
         probs = array(request, P.DRAFT_PROBS)
+        if probs is not None and probs.size and probs.size % tokens.size:
+            raise InvalidRequestError(P.DRAFT_PROBS, f"must have one row per draft token, got {probs.size} values")
         probs = torch.from_numpy(probs.reshape(tokens.size, -1).copy()) if probs is not None and probs.size else None
-        return DraftTree.from_arrays(tokens.reshape(-1), array(request, P.DRAFT_PARENTS).reshape(-1), probs)
+        try:
+            tree = DraftTree.from_arrays(tokens.reshape(-1), parents.reshape(-1), probs)
+        except ValueError as exc:
+            raise InvalidRequestError(P.DRAFT_PARENTS, str(exc)) from None
+        return self.speculator.check_tree(tree)

@@ -1,0 +1,96 @@
+"""Every request is answered, and one bad request never touches another's state: malformed
+strings, malformed trees sent straight to the verifier (the real Triton server)."""
+from __future__ import annotations
+
+import queue
+import urllib.request
+
+import numpy as np
+import pytest
+
+from specdec import protocol as P
+from specdec.errors import InvalidRequestError
+from specdec.request import ServedOffer, parse_request
+
+pytestmark = pytest.mark.server
+
+BAD_UTF8 = b"\xff\xfe not utf-8"
+OFFER = ServedOffer({"ngram": 4}, "ngram", 16, 64)
+
+
+@pytest.mark.parametrize("name", [P.TEXT_INPUT, P.STOP_WORDS, P.SPECULATIVE_METHOD])
+def test_non_utf8_strings_are_refused_naming_the_field(name):
+    inputs = {P.TEXT_INPUT: np.array([b"hi"], dtype=object), P.MAX_TOKENS: np.int32([4])}
+    inputs[name] = np.array([BAD_UTF8], dtype=object)
+    with pytest.raises(InvalidRequestError) as err:
+        parse_request(inputs, OFFER)
+    assert err.value.field == name
+
+
+def _stream_error(server, model: str, inputs: dict) -> str | None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    tensors = []
+    for name, value in inputs.items():
+        dtype = "BYTES" if value.dtype == object else {np.int32: "INT32"}[value.dtype.type]
+        tensor = grpcclient.InferInput(name, [1, *value.shape], dtype)
+        tensor.set_data_from_numpy(value[None])
+        tensors.append(tensor)
+    replies: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: replies.put(error))
+    client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+    error = replies.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    return None if error is None else str(error)
+
+
+@pytest.mark.parametrize("model, name", [("ensemble", P.STOP_WORDS), ("ensemble", P.SPECULATIVE_METHOD),
+                                         ("ensemble", P.TEXT_INPUT), ("speculative_loop", P.TEXT_INPUT)])
+def test_malformed_strings_get_an_answer_naming_the_field(triton_server, model, name):
+    inputs = {P.TEXT_INPUT: np.array([b"Say hi."], dtype=object), P.MAX_TOKENS: np.int32([4])}
+    inputs[name] = np.array([BAD_UTF8], dtype=object)
+    error = _stream_error(triton_server, model, inputs)
+    assert error is not None and name in error and "Traceback" not in error
+    assert urllib.request.urlopen(triton_server.endpoints.http_url + "/v2/health/ready").status == 200
+
+
+def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, grpc_client):
+    """Straight to the verifier: a tree with an out-of-vocabulary token, a bad parent, too
+    many nodes, or a drafting budget out of range is answered with an error naming the
+    field; the sequence still verifies a good tree afterwards and ordinary requests are
+    served."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+
+    def call(seq_id, start=False, end=False, **arrays):
+        tensors = []
+        for name, value in arrays.items():
+            tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
+            tensor.set_data_from_numpy(np.int32(value)[None])
+            tensors.append(tensor)
+        return client.infer("verifier", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
+                            outputs=[grpcclient.InferRequestedOutput(P.OUTPUT_IDS)])
+
+    seq = 4242
+    first = call(seq, start=True, **{P.INPUT_IDS: [1, 2, 3, 4]}).as_numpy(P.OUTPUT_IDS)
+    assert first.size == 1
+    for tokens, parents, field in (([10**8], [-1], P.DRAFT_TOKENS), ([5, 6], [-1, 7], P.DRAFT_PARENTS),
+                                   (list(range(5, 5 + 40)), list(range(-1, 39)), P.DRAFT_TOKENS)):
+        with pytest.raises(Exception, match=field):
+            call(seq, **{P.DRAFT_TOKENS: tokens, P.DRAFT_PARENTS: parents})
+    with pytest.raises(Exception, match=P.DRAFT_BUDGET):  # a drafting budget beyond the engine's bound
+        call(seq, **{P.DRAFT_BUDGET: [10**6]})
+    ok = call(seq, **{P.DRAFT_TOKENS: [5], P.DRAFT_PARENTS: [-1]}).as_numpy(P.OUTPUT_IDS)
+    assert 1 <= ok.size <= 2
+    call(seq, end=True)
+    client.close()
+    assert grpc_client.generate(_request()).text
+
+
+def _request():
+    from specdec_client import GenerateRequest
+
+    return GenerateRequest("Name a colour.", max_tokens=4)
