@@ -287,12 +287,16 @@ class ServingConfig:
     model_dir: str | None = None  # None = the prepared default target
     apply_chat_template: bool = True
     idle_timeout_s: float = 300.0
+    # Admission control: a request that finds every sequence slot taken waits this long for
+    # one, then is refused as busy (instead of waiting without bound).
+    admission_timeout_s: float = 60.0
     threads: Mapping[str, int] = field(default_factory=dict)  # per model: verifier, drafter, ...
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> "ServingConfig":
         raw = dict(raw)
-        known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s", "threads"}
+        known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s",
+                 "admission_timeout_s", "threads"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(sorted(unknown)[0], f"unknown setting; known: {', '.join(sorted(known))}")
@@ -324,6 +328,7 @@ class ServingConfig:
             engine=engine, methods=methods, default_method=default, model_dir=raw.get("model_dir"),
             apply_chat_template=bool(raw.get("apply_chat_template", True)),
             idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=dict(raw.get("threads", {})),
+            admission_timeout_s=float(raw.get("admission_timeout_s", 60.0)),
         )
 
     @staticmethod

@@ -126,12 +126,18 @@ class Speculator:
         outs = self.verifier.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
         t1 = time.perf_counter()
         results = []
-        for item, out in zip(items, outs):
-            self._seqs[item.seq_id] = _Sequence(item.method, len(item.prompt_ids), item.params.max_tokens, generated=1)
-            if item.method != METHOD_NONE:
-                self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
-            results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0))
-        self._draft_next(items, results)
+        try:
+            for item, out in zip(items, outs):
+                self._seqs[item.seq_id] = _Sequence(item.method, len(item.prompt_ids), item.params.max_tokens, generated=1)
+                if item.method != METHOD_NONE:
+                    self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
+                results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
+                                          verify_seconds=t1 - t0))
+            self._draft_next(items, results)
+        except Exception:
+            for item in items:  # all or nothing: a failed start holds no slot anywhere
+                self._drop(item.seq_id)
+            raise
         return results
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
@@ -186,8 +192,12 @@ class Speculator:
 
     def release(self, seq_id: Hashable) -> None:
         self._get(seq_id)
-        del self._seqs[seq_id]
-        self.verifier.release(seq_id)
+        self._drop(seq_id)
+
+    def _drop(self, seq_id: Hashable) -> None:
+        self._seqs.pop(seq_id, None)
+        if seq_id in self.verifier:
+            self.verifier.release(seq_id)
         if seq_id in self.drafts:
             self.drafts.release(seq_id)
 

@@ -431,3 +431,12 @@ def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
     for name in ("report.md", "throughput_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png"):
         assert (out / name).stat().st_size > 0
     assert ready(triton_server)
+
+
+def test_server_errors_that_mention_a_timeout_setting_are_server_errors():
+    from specdec_client.client import _grpc_error
+    from specdec_client.errors import ClientConnectionError, RequestTimeoutError, ServerError
+
+    assert isinstance(_grpc_error(Exception("server busy: waited 1 s (admission_timeout_s)")), ServerError)
+    assert isinstance(_grpc_error(Exception("StatusCode.DEADLINE_EXCEEDED: Deadline Exceeded")), RequestTimeoutError)
+    assert isinstance(_grpc_error(Exception("failed to connect to all addresses")), ClientConnectionError)

@@ -94,3 +94,51 @@ def _request():
     from specdec_client import GenerateRequest
 
     return GenerateRequest("Name a colour.", max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def two_slot_server(tmp_path_factory, smol_dir):
+    """The model repository with two sequence slots and a 1 s admission timeout."""
+    import json
+    import re
+    import shutil
+
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+
+    root = tmp_path_factory.mktemp("two_slots")
+    repo = root / "model_repository"
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    for model in ("verifier", "drafter"):
+        path = repo / model / "config.pbtxt"
+        text = re.sub(r"^max_batch_size: \d+", "max_batch_size: 2", path.read_text(), flags=re.M)
+        path.write_text(text.replace("max_candidate_sequences: 16", "max_candidate_sequences: 2"))
+    settings = json.loads((repo / "specdec.json").read_text())
+    settings["engine"].update(max_batch_size=2, max_seq_len=512, max_tokens_limit=512)
+    settings["admission_timeout_s"] = 1.0
+    (repo / "specdec.json").write_text(json.dumps(settings))
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(log_path=root / "triton.log")
+    server.start(repo, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_full_server_refuses_new_requests_as_busy_after_the_admission_timeout(two_slot_server):
+    from specdec_client import GenerateRequest, ServerError, SpecDecClient
+
+    grpc = two_slot_server.endpoints.grpc
+    long = GenerateRequest("Count to one thousand.", max_tokens=400, ignore_eos=True, num_draft_tokens=0)
+    holders = [SpecDecClient(grpc, model="speculative_loop") for _ in range(2)]
+    streams = [client.stream(long) for client in holders]
+    for stream in streams:
+        next(stream)  # both slots are taken
+    with SpecDecClient(grpc) as client:
+        with pytest.raises(ServerError, match="busy"):
+            client.generate(GenerateRequest("Name a colour.", max_tokens=4))
+        for stream, holder in zip(streams, holders):
+            stream.close()  # cancels through speculative_loop: the slots free at once
+            holder.close()
+        assert client.generate(GenerateRequest("Name a colour.", max_tokens=4)).text  # admitted again

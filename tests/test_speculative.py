@@ -259,3 +259,23 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
     while engine.has_work():
         out += [t for o in engine.step() for t in o.new_token_ids]
     assert len(out) == 9 and engine.cache.num_free == 4
+
+
+def test_a_failed_start_holds_no_slot(tiny_target):
+    """Prefill is all or nothing: a drafter that fails to start leaves every slot free."""
+    from specdec.drafters.base import Drafter
+    from specdec.speculator import Speculator, StartItem
+
+    class Broken(Drafter):
+        def propose(self, seqs, budgets):
+            raise AssertionError("never reached")
+
+        def on_prefill(self, seq, hidden):
+            raise RuntimeError("head failed to load its state")
+
+    speculator = Speculator(tiny_target, EngineConfig(max_batch_size=4, max_seq_len=64), {"broken": Broken(), "ngram": NgramDrafter(SpeculativeConfig())})
+    items = [StartItem("a", [5, 6, 7], SamplingParams(max_tokens=8), "ngram", 4), StartItem("b", [5, 6], SamplingParams(max_tokens=8), "broken", 4)]
+    with pytest.raises(RuntimeError):
+        speculator.prefill(items)
+    assert speculator.active == 0 and speculator.verifier.cache.num_free == 4 and speculator.drafts.active == 0
+    assert len(speculator.prefill(items[:1])) == 1 and speculator.verifier.cache.num_free == 3

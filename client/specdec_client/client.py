@@ -139,7 +139,9 @@ def _grpc_error(exc: Exception) -> Exception:
     text = str(exc)
     if "unavailable" in text.lower() or "failed to connect" in text.lower() or "connection refused" in text.lower():
         return ClientConnectionError(text)
-    if "deadline" in text.lower() or "timeout" in text.lower():
+    # gRPC's own deadline ("Deadline Exceeded"); a server message that merely mentions a
+    # timeout setting (e.g. admission_timeout_s) is the server's answer, not a client timeout.
+    if "deadline exceeded" in text.lower() or "timed out" in text.lower():
         return RequestTimeoutError(text)
     return ServerError(text)
 

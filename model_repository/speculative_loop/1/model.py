@@ -17,7 +17,7 @@ from specdec import protocol as P
 from specdec.config import METHOD_NONE
 from specdec.detok import IncrementalDetokenizer
 from specdec.engine import eos_ids_of_config
-from specdec.errors import SpecDecError
+from specdec.errors import CapacityError, SpecDecError
 from specdec.loop import LoopBackend, run_loop
 from specdec.request import check_prompt_ids, encode_sampling, parse_request, served_offer
 from specdec.speculator import StepResult
@@ -140,6 +140,8 @@ class TritonPythonModel:
     async def execute(self, requests):
         if not self._executor_set:  # each in-flight BLS call holds a pool thread; the default pool is tiny
             asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
+            # One permit per KV-cache slot: only this model starts sequences on the verifier.
+            self._slots = asyncio.Semaphore(self.settings.engine.max_batch_size)
             self._executor_set = True
         # One request's failure must never take the others (or the stub) down with it.
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
@@ -167,6 +169,28 @@ class TritonPythonModel:
             send(sender, error_response(exc), FINAL)
             return
         self._next_cid += 1
+        if not await self._admit(sender, req):
+            return
+        try:
+            await self._generate(request, sender, parsed, req)
+        finally:
+            self._slots.release()
+
+    async def _admit(self, sender, req):
+        """Wait (bounded) for a free sequence slot; refuse as busy when none frees in time."""
+        timeout = self.settings.admission_timeout_s
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            self.metrics.inc(P.REQUESTS_TOTAL, reason="busy", method=req.method)
+            self.metrics.flush()
+            limit = self.settings.engine.max_batch_size
+            busy = CapacityError(f"server busy: all {limit} sequence slots are in use; waited {timeout:g} s (admission_timeout_s)")
+            send(sender, error_response(busy), FINAL)
+            return False
+
+    async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
         pieces = []
         spec = self.settings.methods.get(req.method)
