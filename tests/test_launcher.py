@@ -404,3 +404,10 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
     assert (method, k) == ("ngram", 4) and "2.10x" in why
     assert fastest_measured({"eagle3"}, path)[:2] == ("eagle3", 5)
     assert fastest_measured(set(), path) is None and fastest_measured({"eagle3"}, tmp_path / "missing.json") is None
+
+
+def test_serve_binds_this_machine_only_unless_asked():
+    from triton_launcher.cli import _build_parser
+
+    assert _build_parser().parse_args([]).address == "127.0.0.1"
+    assert _build_parser().parse_args(["--address", "0.0.0.0"]).address == "0.0.0.0"

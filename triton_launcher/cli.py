@@ -23,7 +23,9 @@ def _build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-file", type=Path, default=None, help="server + model log (default: a file under the cache dir)")
-    p.add_argument("--address", default=None, help="interface to bind (default: tritonserver's 0.0.0.0)")
+    # Local only unless asked: the server has no authentication (containers pass 0.0.0.0 and
+    # sit behind the NetworkPolicy).
+    p.add_argument("--address", default="127.0.0.1", help="interface to bind (default: %(default)s; 0.0.0.0 = all)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for all models to load")
     p.add_argument("--stop-timeout", type=float, default=30.0)
     p.add_argument(
