@@ -179,3 +179,22 @@ def test_malformed_requests_are_named(triton_server):
     assert error is not None and "max_tokens" in str(error) and "FP32" in str(error)
     assert ready(triton_server)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
+
+
+def test_sampled_requests_through_the_server_equal_the_in_process_engine(triton_server, grpc_client, smol_dir):
+    """Sampling through Triton runs the same speculator with the same seeded generators as
+    the in-process engine: with a seed, the served text equals the engine's, for chains with
+    draft probabilities (eagle3), trees (eagle3-tree) and one-hot drafts (ngram)."""
+    from specdec.config import SamplingParams, ServingConfig
+    from specdec.runtime import SERVED_SETTINGS, build_engine, encode_prompt
+
+    settings = ServingConfig.from_file(SERVED_SETTINGS)
+    engine = build_engine(smol_dir, settings.engine, settings.methods)
+    prompt = PROMPTS[5]
+    ids = encode_prompt(engine.tokenizer, prompt, chat=settings.apply_chat_template)
+    for method, k in (("eagle3", 5), ("eagle3-tree", 12), ("ngram", 4), ("none", 0)):
+        params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+        local = "".join(out.text_delta for out in engine.generate(ids, params, method, k))
+        served = grpc_client.generate(request(prompt, max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7,
+                                              method=method, num_draft_tokens=k))
+        assert served.text == local, method
