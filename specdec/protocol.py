@@ -48,6 +48,11 @@ RETURN_HIDDEN = "return_hidden"
 STEP_STATS = "step_stats"
 STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "next_draft_tokens", "verify_seconds", "draft_seconds")
 
+# Proof that a call to the verifier or the drafter comes from the speculative loop: a
+# per-server secret, generated at start-up into this environment variable (never logged).
+INTERNAL_KEY = "internal_key"
+INTERNAL_KEY_ENV = "SPECDEC_INTERNAL_KEY"
+
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
 CONTROL_END = "END"
@@ -125,6 +130,7 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (DRAFT_PARENTS, "TYPE_INT32", (-1,), True),
             (DRAFT_PROBS, "TYPE_FP32", (-1, -1), True),
             (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
+            (INTERNAL_KEY, "TYPE_STRING", (1,), True),
             *WIRE_SAMPLING_INPUTS,
         ),
         _specs((OUTPUT_IDS, "TYPE_INT32", (-1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
@@ -137,6 +143,7 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (HIDDEN_STATES, "TYPE_FP32", (-1, -1), True),
             (DRAFT_BUDGET, "TYPE_INT32", (1,), True),
             (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+            (INTERNAL_KEY, "TYPE_STRING", (1,), True),
             *WIRE_SAMPLING_INPUTS,
         ),
         _specs((DRAFT_TOKENS, "TYPE_INT32", (-1,)), (DRAFT_PARENTS, "TYPE_INT32", (-1,)), (DRAFT_PROBS, "TYPE_FP32", (-1, -1))),

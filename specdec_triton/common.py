@@ -2,6 +2,7 @@
 metrics (requests are parsed by specdec.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -87,6 +88,26 @@ def text_tensor(name: str, text: str) -> "pb_utils.Tensor":
 def control(request, name: str) -> bool:
     value = array(request, name)
     return bool(value is not None and value.reshape(-1)[0])
+
+
+def internal_key() -> bytes | None:
+    """The per-server secret `specdec serve` puts in the environment (None: not set, e.g. a
+    plain `tritonserver` start; the internal models then accept any caller)."""
+    key = os.environ.get(P.INTERNAL_KEY_ENV)
+    return key.encode() if key else None
+
+
+def from_the_loop(request, key: bytes | None) -> bool:
+    """A call to an internal model carries the secret (compared in constant time)."""
+    if key is None:
+        return True
+    sent = array(request, P.INTERNAL_KEY)
+    value = sent.reshape(-1)[0] if sent is not None and sent.size == 1 else b""
+    return hmac.compare_digest(value if isinstance(value, bytes) else str(value).encode(), key)
+
+
+def refused() -> "pb_utils.InferenceResponse":
+    return error_response(PermissionError("the verifier and the drafter serve the speculative loop only"))
 
 
 def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":

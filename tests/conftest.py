@@ -57,12 +57,18 @@ def smol_tokenizer(smol_dir):
     return load_tokenizer(smol_dir)
 
 
+# The per-server secret of the test server: tests that call the internal models directly
+# (as an attacker would, or with the key, as the loop does) need to know it.
+TEST_INTERNAL_KEY = "test-internal-key"
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, smol_dir):
     """The real model repository on the real tritonserver, on free ports, with settings
     that keep the KV cache small (max_seq_len 512)."""
     import json
 
+    from specdec.protocol import INTERNAL_KEY_ENV
     from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
@@ -76,7 +82,7 @@ def triton_server(tmp_path_factory, smol_dir):
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=tmp_path_factory.mktemp("triton") / "triton.log")
     server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                 env={"SPECDEC_SETTINGS": str(path)})
+                 env={"SPECDEC_SETTINGS": str(path), INTERNAL_KEY_ENV: TEST_INTERNAL_KEY})
     try:
         server.wait_ready(timeout=300)
         yield server

@@ -12,6 +12,8 @@ from specdec import protocol as P
 from specdec.errors import InvalidRequestError
 from specdec.request import ServedOffer, parse_request
 
+from conftest import TEST_INTERNAL_KEY
+
 pytestmark = pytest.mark.server
 
 BAD_UTF8 = b"\xff\xfe not utf-8"
@@ -64,15 +66,7 @@ def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, gr
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
-
-    def call(seq_id, start=False, end=False, **arrays):
-        tensors = []
-        for name, value in arrays.items():
-            tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
-            tensor.set_data_from_numpy(np.int32(value)[None])
-            tensors.append(tensor)
-        return client.infer("verifier", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
-                            outputs=[grpcclient.InferRequestedOutput(P.OUTPUT_IDS)])
+    call = _verifier_caller(client, key=TEST_INTERNAL_KEY)
 
     seq = 4242
     first = call(seq, start=True, **{P.INPUT_IDS: [1, 2, 3, 4]}).as_numpy(P.OUTPUT_IDS)
@@ -88,6 +82,57 @@ def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, gr
     call(seq, end=True)
     client.close()
     assert grpc_client.generate(_request()).text
+
+
+def _verifier_caller(client, key: str | None):
+    import tritonclient.grpc as grpcclient
+
+    def call(seq_id, start=False, end=False, **arrays):
+        tensors = []
+        for name, value in arrays.items():
+            tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
+            tensor.set_data_from_numpy(np.int32(value)[None])
+            tensors.append(tensor)
+        if key is not None:
+            tensor = grpcclient.InferInput(P.INTERNAL_KEY, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[key.encode()]], dtype=object))
+            tensors.append(tensor)
+        return client.infer("verifier", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
+                            outputs=[grpcclient.InferRequestedOutput(P.OUTPUT_IDS)])
+
+    return call
+
+
+def test_the_internal_models_refuse_callers_without_the_servers_key(triton_server):
+    """Without the per-server secret a START takes no slot, a step reads nothing and an END
+    frees nothing, even with a live sequence's id; with it, that sequence carries on. (Triton's
+    sequence batcher itself forgets a sequence on any END, which is why the loop's
+    correlation ids are random 63-bit numbers: nobody can aim at a live one.)"""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+    loop, stranger, guesser = (_verifier_caller(client, key) for key in (TEST_INTERNAL_KEY, None, "guess"))
+    assert loop(777, start=True, **{P.INPUT_IDS: [1, 2, 3]}).as_numpy(P.OUTPUT_IDS).size == 1
+    for caller in (stranger, guesser):
+        with pytest.raises(Exception, match="speculative loop only"):
+            caller(778, start=True, **{P.INPUT_IDS: [1, 2, 3]})
+        with pytest.raises(Exception, match="speculative loop only"):
+            caller(777)  # a step on someone else's sequence
+    assert _active_verifier_sequences(triton_server) == 1  # only the loop's own
+    assert loop(777).as_numpy(P.OUTPUT_IDS).size == 1  # still alive
+    with pytest.raises(Exception, match="speculative loop only"):
+        stranger(777, end=True)
+    assert _active_verifier_sequences(triton_server) == 1  # our state untouched
+    with pytest.raises(Exception, match="already running"):  # Triton forgot 777; the loop's END still frees it
+        loop(777, start=True, end=True, **{P.INPUT_IDS: [1, 2, 3]})
+    assert _active_verifier_sequences(triton_server) == 0
+    client.close()
+
+
+def _active_verifier_sequences(server) -> float:
+    text = urllib.request.urlopen(server.endpoints.metrics_url).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(P.ACTIVE_SEQUENCES + "{") and 'model="verifier"' in line)
 
 
 def _request():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -16,6 +17,8 @@ import urllib.request
 import weakref
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
+
+from specdec.protocol import INTERNAL_KEY_ENV
 
 from .install import DEFAULT_MODEL_REPOSITORY, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
 from .processes import _alive, _proc_cmdline, _tail, descendants, group_members
@@ -210,6 +213,8 @@ class TritonServer:
             child_env = server_environment(install)
             if env:
                 child_env.update({str(k): str(v) for k, v in env.items()})
+            # The internal models accept only calls that carry this per-server secret.
+            child_env.setdefault(INTERNAL_KEY_ENV, secrets.token_hex(32))
 
             if self._log_path is None:
                 log_dir = default_cache_dir() if self._cache_dir is None else self._cache_dir

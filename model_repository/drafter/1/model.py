@@ -16,7 +16,9 @@ from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.request import decode_sampling
 from specdec.models.loading import read_model_config
 from specdec.runtime import build_drafters, colocated_methods, resolve_model_dir
-from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, scalar, strings
+from specdec_triton.common import (
+    Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused, scalar, strings,
+)
 
 EMPTY_PROBS = np.zeros((0, 0), dtype=np.float32)
 
@@ -28,6 +30,7 @@ class TritonPythonModel:
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         self.drafts = DraftService(build_drafters(read_model_config(model_dir), colocated_methods(settings, False), settings.engine, model_dir))
+        self.key = internal_key()
         self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding drafter state")})
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="drafter")
 
@@ -35,8 +38,12 @@ class TritonPythonModel:
         self.drafts.release_idle(self.settings.idle_timeout_s)
         responses = [None] * len(requests)
         proposing = []
+        allowed = [from_the_loop(request, self.key) for request in requests]
         for i, request in enumerate(requests):
             seq_id = request.correlation_id()
+            if not allowed[i]:  # refused without touching any sequence's state
+                responses[i] = refused()
+                continue
             try:
                 if control(request, P.CONTROL_START):
                     self._start(seq_id, request)
@@ -56,8 +63,8 @@ class TritonPythonModel:
                     batched(P.DRAFT_PARENTS, np.asarray(tree.parents, dtype=np.int32)),
                     batched(P.DRAFT_PROBS, probs),
                 ])
-        for request in requests:
-            if control(request, P.CONTROL_END) and request.correlation_id() in self.drafts:
+        for request, ok in zip(requests, allowed):
+            if ok and control(request, P.CONTROL_END) and request.correlation_id() in self.drafts:
                 self.drafts.release(request.correlation_id())
         self.metrics.set(P.ACTIVE_SEQUENCES, self.drafts.active, model="drafter")
         return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]

@@ -7,7 +7,7 @@ like TensorRT-LLM's tensorrt_llm_bls, with the ensemble's tensor names)."""
 import asyncio
 import concurrent.futures
 import contextlib
-import random
+import secrets
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from specdec.models.loading import read_model_config
 from specdec.runtime import encode_prompt, load_tokenizer, resolve_model_dir, tap_layers_of
 from specdec.sequence import RequestState
 from specdec.tree import DraftTree
-from specdec_triton.common import Metrics, batched, error_response, inputs_of, load_settings, text_tensor
+from specdec_triton.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -46,10 +46,14 @@ class BLSBackend(LoopBackend):
     """The loop's hooks as BLS calls: one verifier call per step for co-located drafters;
     a drafter call before it for a drafter served apart."""
 
-    def __init__(self, cid):
+    def __init__(self, cid, key):
         self.cid = cid
+        # The per-server secret the internal models ask for (None when none was set).
+        self.key = None if key is None else np.array([key], dtype=np.object_)
 
     async def _call(self, model, inputs, outputs, flags=0):
+        if self.key is not None:
+            inputs = {**inputs, P.INTERNAL_KEY: self.key}
         request = pb_utils.InferenceRequest(
             model_name=model, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
             correlation_id=self.cid, flags=flags,
@@ -132,8 +136,9 @@ class TritonPythonModel:
         # Drafters served apart that need the target's hidden taps (co-located ones get them in place).
         self.hidden_methods = {name for name, spec in self.settings.methods.items() if tap_layers_of(spec, target_cfg)}
         self.offer = served_offer(self.settings)
+        self.key = internal_key()
         self.metrics = Metrics(P.LOOP_METRICS)
-        self._next_cid = random.getrandbits(48) << 8  # unique per server lifetime
+        self._live_cids: set[int] = set()
         self._decoding = 0  # requests in their decode loop: the batch size the load controls see
         self._executor_set = False
 
@@ -155,7 +160,7 @@ class TritonPythonModel:
         limit = self.settings.engine.max_seq_len
         check_prompt_ids(prompt, limit, self.vocab_size)
         state = RequestState(
-            request_id=str(self._next_cid), prompt_ids=prompt, params=req.params, method=req.method,
+            request_id=str(self._new_cid()), prompt_ids=prompt, params=req.params, method=req.method,
             num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=self.eos_ids,
             detok=IncrementalDetokenizer(self.tokenizer, req.params.stop),
         )
@@ -168,13 +173,24 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - every request ends with a final response
             send(sender, error_response(exc), FINAL)
             return
-        self._next_cid += 1
-        if not await self._admit(sender, req):
-            return
         try:
-            await self._generate(request, sender, parsed, req)
+            if not await self._admit(sender, req):
+                return
+            try:
+                await self._generate(request, sender, parsed, req)
+            finally:
+                self._slots.release()
         finally:
-            self._slots.release()
+            self._live_cids.discard(int(req.request_id))
+
+    def _new_cid(self):
+        """A random 63-bit correlation id, unique among live requests: ids cannot be guessed,
+        so no client can aim a request (or an END) at someone else's sequence."""
+        while True:
+            cid = secrets.randbits(63) or 1
+            if cid not in self._live_cids:
+                self._live_cids.add(cid)
+                return cid
 
     async def _admit(self, sender, req):
         """Wait (bounded) for a free sequence slot; refuse as busy when none frees in time."""
@@ -196,7 +212,7 @@ class TritonPythonModel:
         spec = self.settings.methods.get(req.method)
         self._decoding += 1
         try:
-            backend = BLSBackend(int(req.request_id))
+            backend = BLSBackend(int(req.request_id), self.key)
             scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
             updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled,
                                drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)

@@ -18,7 +18,10 @@ from specdec.request import decode_sampling
 from specdec.runtime import build_colocated_speculator
 from specdec.speculator import StartItem, StepItem
 from specdec.tree import DraftTree
-from specdec_triton.common import Metrics, array, batched, check_max_batch_size, control, error_response, load_settings, scalar, strings
+from specdec_triton.common import (
+    Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused,
+    scalar, strings,
+)
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -26,6 +29,7 @@ class TritonPythonModel:
         check_max_batch_size(args, settings)
         self.settings = settings
         self.speculator = build_colocated_speculator(settings)
+        self.key = internal_key()
         self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot")})
         self._update_gauge()
 
@@ -36,7 +40,11 @@ class TritonPythonModel:
         self.speculator.release_idle(self.settings.idle_timeout_s)
         responses = [None] * len(requests)
         starts, steps = [], []
+        allowed = [from_the_loop(request, self.key) for request in requests]
         for i, request in enumerate(requests):
+            if not allowed[i]:  # refused without touching any sequence's state
+                responses[i] = refused()
+                continue
             try:
                 seq_id = request.correlation_id()
                 want_hidden = scalar(request, P.RETURN_HIDDEN, False, bool)
@@ -56,8 +64,8 @@ class TritonPythonModel:
             self._run(self.speculator.prefill, starts[:free], responses)
         if steps:
             self._run(self.speculator.step, steps, responses)
-        for request in requests:  # END: free the slot (after this request's own work)
-            if control(request, P.CONTROL_END) and request.correlation_id() in self.speculator:
+        for request, ok in zip(requests, allowed):  # END: free the slot (after this request's own work)
+            if ok and control(request, P.CONTROL_END) and request.correlation_id() in self.speculator:
                 self.speculator.release(request.correlation_id())
         self._update_gauge()
         return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
