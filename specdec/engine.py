@@ -77,10 +77,6 @@ class SpecEngine:
         return self.verifier.cache
 
     @property
-    def methods(self) -> tuple[str, ...]:
-        return (METHOD_NONE, *self.drafts.drafters)
-
-    @property
     def offer(self) -> ServedOffer:
         """Requests name their draft tokens explicitly here (default 0: the baseline)."""
         methods = {name: 0 for name in self.drafts.drafters}

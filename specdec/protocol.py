@@ -46,7 +46,7 @@ HIDDEN_STATES = "hidden_states"
 RETURN_HIDDEN = "return_hidden"
 # The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
 STEP_STATS = "step_stats"
-STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "next_draft_tokens", "verify_seconds", "draft_seconds")
+STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds")
 
 # Proof that a call to the verifier or the drafter comes from the speculative loop: a
 # per-server secret, generated at start-up into this environment variable (never logged).

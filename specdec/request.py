@@ -72,10 +72,6 @@ class GenerateRequest:
     stream: bool = False
     return_perf_metrics: bool = False
 
-    @property
-    def speculative(self) -> bool:
-        return self.num_draft_tokens > 0
-
 
 def served_offer(settings: ServingConfig) -> ServedOffer:
     """What our model repository's settings offer a request."""

@@ -86,14 +86,8 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     model_dir = resolve_model_dir(settings.model_dir)
     target = load_target(model_dir, settings.engine)
     drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, embed=target.embed)
-    speculator = Speculator(target, settings.engine, drafters)
     # Drafters served apart may need hidden taps too (returned on request).
-    apart = tap_layers_for(target.cfg, colocated_methods(settings, False))
-    if apart and not speculator.verifier.tap_layers:
-        speculator.verifier.tap_layers = apart
-    elif apart and apart != speculator.verifier.tap_layers:
-        raise ConfigError("methods", f"drafters need different target layers {apart} and {speculator.verifier.tap_layers}")
-    return speculator
+    return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)))
 
 
 def build_engine(

@@ -24,9 +24,10 @@ from . import protocol as P
 from .config import METHOD_NONE, EngineConfig, SamplingParams
 from .drafters.base import Drafter
 from .drafting import DraftService
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 from .models.llama import Transformer
 from .request import draft_budget
+from .sequence import KeyedSequences
 from .tree import DraftTree
 from .verifier import TargetVerifier
 
@@ -55,7 +56,6 @@ class StepResult:
     accepted: int  # how many of `emitted` were draft tokens
     draft_depth: int = 0  # of the tree verified in this step
     draft_tokens: int = 0  # nodes of the tree verified in this step
-    next_draft_tokens: int = 0  # nodes of the tree drafted for the next step (co-located)
     hidden: Tensor | None = None  # taps of the committed positions, when asked for
     verify_seconds: float = 0.0  # the batch's, shared by its sequences
     draft_seconds: float = 0.0
@@ -70,29 +70,27 @@ class _Sequence:
     next_tree: DraftTree = field(default_factory=DraftTree)
 
 
-class Speculator:
+class Speculator(KeyedSequences[_Sequence]):
     """Target + co-located drafters, keyed by sequence id."""
 
-    def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None):
+    where = "verifier"
+
+    def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
+                 apart_tap_layers: Sequence[int] = ()):
+        """apart_tap_layers: target layers a drafter served apart needs (returned on request);
+        they must agree with the co-located drafters' (one forward taps them)."""
+        super().__init__()
         self.config = config
         self.drafts = DraftService(drafters or {})
-        self.verifier = TargetVerifier(target, config, tap_layers=self.drafts.tap_layers)
-        self._seqs: dict[Hashable, _Sequence] = {}
-
-    @property
-    def methods(self) -> tuple[str, ...]:
-        return tuple(self.drafts.drafters)
-
-    @property
-    def active(self) -> int:
-        return len(self._seqs)
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
+        if taps and apart and taps != apart:
+            raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
+        self.verifier = TargetVerifier(target, config, tap_layers=taps or apart)
 
     def check_method(self, method: str) -> None:
         if method != METHOD_NONE and method not in self.drafts.drafters:
-            raise InvalidRequestError("speculative_method", f"no co-located drafter {method!r}; available: {', '.join(self.methods) or 'none'}")
+            available = ", ".join(self.drafts.drafters) or "none"
+            raise InvalidRequestError(P.SPECULATIVE_METHOD, f"no co-located drafter {method!r}; available: {available}")
 
     def check_tree(self, tree: DraftTree) -> DraftTree:
         """A tree from outside (a drafter served apart) must fit the budget and the
@@ -178,18 +176,12 @@ class Speculator:
         t0 = time.perf_counter()
         trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted])
         seconds = time.perf_counter() - t0
-        for (n, seq_id, _), tree in zip(wanted, trees):
+        for (_, seq_id, _), tree in zip(wanted, trees):
             self._seqs[seq_id].next_tree = tree
-            results[n].next_draft_tokens = len(tree)
         for result in results:
             result.draft_seconds = seconds
 
     # ---- life cycle -------------------------------------------------------------------------
-    def _get(self, seq_id: Hashable) -> _Sequence:
-        if seq_id not in self._seqs:
-            self.verifier._get(seq_id)  # raises UnknownSequenceError naming the sequence
-        return self._seqs[seq_id]
-
     def release(self, seq_id: Hashable) -> None:
         self._get(seq_id)
         self._drop(seq_id)
@@ -202,7 +194,8 @@ class Speculator:
             self.drafts.release(seq_id)
 
     def release_idle(self, max_idle_s: float) -> list[Hashable]:
-        """Free sequences nobody has touched for max_idle_s (a client that vanished)."""
+        """Free sequences nobody has touched for max_idle_s (a client that vanished): the
+        verifier records every touch."""
         stale = self.verifier.idle(max_idle_s)
         for seq_id in stale:
             self.release(seq_id)

@@ -334,9 +334,8 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
 
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)
-    speculator = Speculator(target, engine.config, {})
     drafts = DraftService(engine.drafts.drafters)
-    speculator.verifier.tap_layers = drafts.tap_layers
+    speculator = Speculator(target, engine.config, {}, apart_tap_layers=drafts.tap_layers)
 
     class Separate(InProcessBackend):
         def __init__(self):

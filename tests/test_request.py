@@ -36,7 +36,7 @@ def test_defaults_method_budget_and_baseline():
     assert parse_request(inputs(text_input="Hi", max_tokens=8, speculative_method="ngram"), OFFER).num_draft_tokens == 4
     for baseline in (dict(num_draft_tokens=0), dict(speculative_method="none"), dict(speculative_method="ngram", num_draft_tokens=0)):
         req = parse_request(inputs(text_input="Hi", max_tokens=8, **baseline), OFFER)
-        assert (req.method, req.num_draft_tokens, req.speculative) == (METHOD_NONE, 0, False)
+        assert (req.method, req.num_draft_tokens) == (METHOD_NONE, 0)
     ids = parse_request({**inputs(max_tokens=8), P.INPUT_IDS: np.int32([5, 6, 7])}, OFFER)
     assert ids.prompt is None and ids.prompt_ids == (5, 6, 7)
 

@@ -71,7 +71,7 @@ class BLSBackend(LoopBackend):
         stats = dict(zip(P.STEP_STATS_FIELDS, out[P.STEP_STATS].tolist()))
         return StepResult(
             out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
-            int(stats["next_draft_tokens"]), self._hidden(out[P.HIDDEN_STATES]) if P.HIDDEN_STATES in out else None,
+            self._hidden(out[P.HIDDEN_STATES]) if P.HIDDEN_STATES in out else None,
             stats["verify_seconds"], stats["draft_seconds"],
         )
 

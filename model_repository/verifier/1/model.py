@@ -89,8 +89,7 @@ class TritonPythonModel:
                 responses[i] = error_response(exc)
             return
         for (i, _), res in zip(indexed, results):
-            stats = np.float32([res.accepted, res.draft_depth, res.draft_tokens, res.next_draft_tokens,
-                                res.verify_seconds, res.draft_seconds])
+            stats = np.float32([getattr(res, field) for field in P.STEP_STATS_FIELDS])
             outputs = [batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)), batched(P.STEP_STATS, stats)]
             if res.hidden is not None:  # only for a drafter served apart: most steps send two small tensors
                 outputs.append(batched(P.HIDDEN_STATES, res.hidden.float().numpy()))
