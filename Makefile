@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,10 +37,17 @@ bench-engine: prepare
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json
 
-# Matched Triton benchmark: baseline + every configured method (+ eagle3 with 3 draft tokens), c=1, 4, 16, ShareGPT.
+# Matched Triton benchmark: baseline + fixed and adaptive methods (+ eagle3 with 3 draft tokens), c=1, 4, 16, ShareGPT.
 bench: prepare
 	$(BIN)/specdec-client bench --start-server --out results/bench/latest --num-prompts 16 --concurrency 1,4,16 \
-		--methods eagle3,eagle3:3,eagle3-tree,ngram,ngram-tree
+		--methods eagle3,eagle3:3,eagle3-tree,eagle3-adaptive,eagle3-tree-adaptive,ngram,ngram-tree,ngram-adaptive
+
+# The adaptive budget against the fixed ones over load (2 x c requests at the largest c), greedy and T=0.7 (~2 h on 2 cores).
+ADAPTIVE_MATRIX = --start-server --num-prompts 64 --max-tokens 96 --concurrency 1,2,4,8,16,32 \
+	--methods eagle3,eagle3:3,eagle3-adaptive,eagle3-tree-adaptive,ngram,ngram-adaptive
+bench-matrix: prepare
+	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --out results/bench/matrix-greedy
+	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --temperature 0.7 --out results/bench/matrix-t07
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest

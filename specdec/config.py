@@ -163,6 +163,10 @@ class SpeculativeConfig:
     # 5-8 -> 2, 9-32 -> 1, larger -> 0; max_concurrency: above this batch size, 0.
     max_concurrency: int | None = None
     draft_len_schedule: Mapping[int, int] | None = None
+    # Instead of those static tables: choose every step's draft and verification budget
+    # (max_total_draft_tokens at most, 0 included) from measured costs and acceptance
+    # (specdec/planner.py), per batch.
+    adaptive: bool = False
     # Where the drafter runs when served: true = beside the target in the `verifier` model,
     # one call per step (TensorRT-LLM's one-model EAGLE-3); false = in the `drafter` model,
     # its own process (a draft call and a verify call per step; the two-model path).
@@ -176,6 +180,10 @@ class SpeculativeConfig:
             raise ConfigError("max_concurrency", f"must be an integer >= 1 or null, got {self.max_concurrency!r}")
         if self.draft_len_schedule is not None:
             object.__setattr__(self, "draft_len_schedule", _parse_schedule(self.draft_len_schedule))
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError("adaptive", f"must be true or false, got {self.adaptive!r}")
+        if self.adaptive and (self.max_concurrency is not None or self.draft_len_schedule is not None):
+            raise ConfigError("adaptive", "chooses budgets itself: leave max_concurrency and draft_len_schedule unset")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:
             raise ConfigError("max_draft_len", f"must be an integer >= 1, got {self.max_draft_len!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -218,7 +226,8 @@ class SpeculativeConfig:
 
     def scheduled_draft_tokens(self, requested: int, batch_size: int) -> int:
         """The draft budget of one step for a sequence asking `requested`, with `batch_size`
-        sequences decoding together (the load controls above)."""
+        sequences decoding together (the load controls above). Adaptive methods ask for their
+        whole budget; the planner beside the target cuts it per step."""
         if self.max_concurrency is not None and batch_size > self.max_concurrency:
             return 0
         if self.draft_len_schedule is not None:

@@ -55,8 +55,10 @@ class DraftService(KeyedSequences[SequenceState]):
         self._seqs[seq_id] = seq
         self.drafters[method].on_prefill(seq, hidden)
 
-    def propose(self, items: Sequence[tuple[Hashable, int]]) -> list[DraftTree]:
-        """items: (seq_id, budget). Each drafter is called once for all of its sequences."""
+    def propose(self, items: Sequence[tuple[Hashable, int]], cut_for=None) -> list[DraftTree]:
+        """items: (seq_id, budget). Each drafter is called once for all of its sequences.
+        cut_for(method, seq_ids) -> a planner.DraftCut (or None): asked before each further
+        draft pass, and told the call's seconds."""
         seqs = [self._get(seq_id) for seq_id, _ in items]
         trees = [DraftTree() for _ in items]
         by_method: dict[str, list[int]] = {}
@@ -65,7 +67,13 @@ class DraftService(KeyedSequences[SequenceState]):
                 by_method.setdefault(seq.method, []).append(i)
         for method, idx in by_method.items():
             budgets = [items[i][1] for i in idx]
-            proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
+            cut = None if cut_for is None else cut_for(method, [items[i][0] for i in idx])
+            t0 = time.perf_counter()
+            if cut is None:
+                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
+            else:
+                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets, cut)
+                cut.finish(time.perf_counter() - t0)
             for i, tree, budget in zip(idx, proposed, budgets):
                 trees[i] = tree.truncated(budget)
         return trees

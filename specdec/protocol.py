@@ -166,6 +166,14 @@ VERIFY_SECONDS_TOTAL = "specdec_verify_seconds_total"
 STEP_SECONDS_TOTAL = "specdec_step_seconds_total"
 REQUESTS_TOTAL = "specdec_requests_total"
 ACTIVE_SEQUENCES = "specdec_active_sequences"
+# The budget planner's current beliefs (adaptive methods; specdec/planner.py), from the verifier.
+ACCEPTANCE_ESTIMATE = "specdec_acceptance_estimate"
+PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
+VERIFIER_METRICS = {
+    ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot"),
+    ACCEPTANCE_ESTIMATE: ("gauge", "Estimated chance that draft position `position` is accepted given the one before, per `method`"),
+    PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),
+}
 
 # name -> (kind, help) of what the speculative loop exports.
 LOOP_METRICS = {

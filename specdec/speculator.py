@@ -10,7 +10,9 @@ drive this class; neither knows which drafter runs.
 
 Budgets: the caller passes the draft tokens it wants for the next tree (its method's load
 controls already applied); the speculator cuts them to the sequence's room here, the one
-place that knows how many tokens the step emitted.
+place that knows how many tokens the step emitted. For adaptive methods the planner
+(specdec/planner.py) then decides, for the whole batch, how deep to draft and which drafted
+nodes to verify, from costs it measures here (a start-up microbenchmark, then every step).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .drafters.base import Drafter
 from .drafting import DraftService
 from .errors import ConfigError, InvalidRequestError
 from .models.llama import Transformer
+from .planner import BudgetPlanner, DraftCut, PlanItem
 from .request import draft_budget
 from .sequence import KeyedSequences
 from .tree import DraftTree
@@ -86,6 +89,39 @@ class Speculator(KeyedSequences[_Sequence]):
         if taps and apart and taps != apart:
             raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
         self.verifier = TargetVerifier(target, config, tap_layers=taps or apart)
+        self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
+        self.planner = BudgetPlanner()
+        self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
+        if self.adaptive:
+            self._calibrate()
+
+    def _calibrate(self, prompt_len: int = 64) -> None:
+        """The planner's first verify-cost table: a short microbenchmark of the real
+        verification (dummy ids): one sequence with 0 to max draft tokens, then a few
+        sequences (larger batches' token counts). Skipped where the context is too short to
+        hold it (the table is then learnt from served steps alone)."""
+        width = self.config.max_num_draft_tokens
+        batch = min(4, self.config.max_batch_size, self.verifier.cache.num_free)
+        params = SamplingParams(max_tokens=1)
+        vocab = self.verifier.target.cfg.vocab_size
+        for sequences, widths in ((1, range(width + 1)), (batch, sorted({0, width // 4, width // 2, width}))):
+            room = self.config.max_seq_len - sum(w + 1 for w in widths) - 1  # each verification commits <= w + 1
+            if room < 1:
+                return
+            ids = [("calibration", n) for n in range(sequences)]
+            for repeat in range(2):  # the first round warms up
+                self.verifier.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
+                try:
+                    for w in widths:
+                        tree = DraftTree.chain([(13 * j + 5) % vocab for j in range(w)])
+                        t0 = time.perf_counter()
+                        self.verifier.verify([(i, tree) for i in ids])
+                        if repeat:
+                            self.planner.observe_verify(sequences * (1 + w), sequences, time.perf_counter() - t0)
+                finally:
+                    for i in ids:
+                        self.verifier.release(i)
+        self.planner.verify_cost.fit()
 
     def check_method(self, method: str) -> None:
         if method != METHOD_NONE and method not in self.drafts.drafters:
@@ -131,7 +167,7 @@ class Speculator(KeyedSequences[_Sequence]):
                     self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
                 results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
                                           verify_seconds=t1 - t0))
-            self._draft_next(items, results)
+            self._draft_next(items, results, first=True)
         except Exception:
             for item in items:  # all or nothing: a failed start holds no slot anywhere
                 self._drop(item.seq_id)
@@ -146,14 +182,23 @@ class Speculator(KeyedSequences[_Sequence]):
             tree = item.tree if item.tree is not None else seq.next_tree
             trees.append(tree.truncated(self._budget(seq, len(tree))))
             seq.next_tree = DraftTree()
+        if self.adaptive:
+            trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
+                                         for i, s, t in zip(items, seqs, trees)])
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
         t0 = time.perf_counter()
         outs = self.verifier.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
         t1 = time.perf_counter()
+        self.planner.observe_verify(sum(1 + len(t) for t in trees), len(items), t1 - t0)
+        if self._last_verify is not None and t0 - self._last_verify[0] < 4 * self._last_verify[1] + 0.05:
+            self.planner.observe_step_extra(t0 - self._last_verify[0] - self._last_verify[1])  # back to back: a busy server
+        self._last_verify = (t0, t1 - t0)
         results = []
         for item, seq, tree, out in zip(items, seqs, trees, outs):
             emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
             seq.generated += len(emitted)
+            if seq.method != METHOD_NONE:
+                self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
             if seq.method != METHOD_NONE:  # every step, drafting or not: the drafter sees every token once
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
             results.append(StepResult(
@@ -163,23 +208,42 @@ class Speculator(KeyedSequences[_Sequence]):
         self._draft_next(items, results)
         return results
 
-    def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult]) -> None:
-        """One batched propose per drafter (one head pass per draft depth for all sequences)."""
+    def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult], first: bool = False) -> None:
+        """One batched propose per drafter (one head pass per draft depth for all sequences).
+        first: the sequences' first drafts (the drafter catches up on whole prompts, which
+        says nothing about a step's drafting cost)."""
         wanted = []
         for n, item in enumerate(items):
             seq = self._seqs[item.seq_id]
             budget = self._budget(seq, item.num_draft_tokens) if seq.method != METHOD_NONE else 0
             if budget > 0:
                 wanted.append((n, item.seq_id, budget))
+        wanted = self._worth_drafting(wanted)
         if not wanted:
             return
         t0 = time.perf_counter()
-        trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted])
+        cut_for = (lambda method, seq_ids: self._draft_cut(method, seq_ids, record=not first))
+        trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted], cut_for)
         seconds = time.perf_counter() - t0
         for (_, seq_id, _), tree in zip(wanted, trees):
             self._seqs[seq_id].next_tree = tree
         for result in results:
             result.draft_seconds = seconds
+
+    def _worth_drafting(self, wanted: list[tuple[int, Hashable, int]]) -> list[tuple[int, Hashable, int]]:
+        """Adaptive methods draft only where the planner expects the draft to pay this step."""
+        if not self.adaptive:
+            return wanted
+        by_method: dict[str, list[Hashable]] = {}
+        for _, seq_id, _ in wanted:
+            method = self._seqs[seq_id].method
+            if method in self.adaptive:
+                by_method.setdefault(method, []).append(seq_id)
+        drafting = {s for m, ids in by_method.items() for s in self.planner.to_draft(m, ids)}
+        return [w for w in wanted if self._seqs[w[1]].method not in self.adaptive or w[1] in drafting]
+
+    def _draft_cut(self, method: str, seq_ids: Sequence[Hashable], record: bool) -> DraftCut | None:
+        return DraftCut(self.planner, method, seq_ids, record) if method in self.adaptive else None
 
     # ---- life cycle -------------------------------------------------------------------------
     def release(self, seq_id: Hashable) -> None:
@@ -188,6 +252,7 @@ class Speculator(KeyedSequences[_Sequence]):
 
     def _drop(self, seq_id: Hashable) -> None:
         self._seqs.pop(seq_id, None)
+        self.planner.forget(seq_id)
         if seq_id in self.verifier:
             self.verifier.release(seq_id)
         if seq_id in self.drafts:

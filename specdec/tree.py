@@ -29,6 +29,9 @@ class DraftTree:
     # [n, V] q at each node's parent (the distribution the node was drawn from); IID only.
     draft_probs: Tensor | None = None
     scheme: str = DETERMINISTIC
+    # [n] the drafter's probability of each node given its parent (None: not stated, e.g.
+    # n-gram). Only planning reads it (which nodes to verify); acceptance never does.
+    confidence: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -38,11 +41,13 @@ class DraftTree:
                 raise ValueError(f"node {i}: parent {p} must be ROOT or an earlier node")
         if self.scheme == IID_SAMPLED and self.draft_probs is None and self.tokens:
             raise ValueError("an IID-sampled tree needs draft_probs")
+        if self.confidence is not None and len(self.confidence) != len(self.tokens):
+            raise ValueError("confidence must have one entry per node")
 
     @staticmethod
-    def chain(tokens: list[int], draft_probs: Tensor | None = None) -> "DraftTree":
+    def chain(tokens: list[int], draft_probs: Tensor | None = None, confidence: list[float] | None = None) -> "DraftTree":
         scheme = IID_SAMPLED if draft_probs is not None else DETERMINISTIC
-        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, scheme)
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, scheme, confidence)
 
     @staticmethod
     def from_arrays(tokens, parents, draft_probs: Tensor | None = None) -> "DraftTree":
@@ -78,8 +83,23 @@ class DraftTree:
         """The first max_nodes nodes (topological order keeps it a tree)."""
         if max_nodes >= len(self):
             return self
-        probs = None if self.draft_probs is None else self.draft_probs[:max_nodes]
-        return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes], probs, self.scheme)
+        return self.select(range(max(max_nodes, 0)))
+
+    def select(self, nodes) -> "DraftTree":
+        """The subtree of `nodes` (ascending; every kept node's parent kept too), re-indexed."""
+        keep = list(nodes)
+        if len(keep) == len(self):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        parents = []
+        for old in keep:
+            p = self.parents[old]
+            if p != ROOT and p not in index:
+                raise ValueError(f"node {old} kept without its parent {p}")
+            parents.append(ROOT if p == ROOT else index[p])
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        confidence = None if self.confidence is None else [self.confidence[i] for i in keep]
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, self.scheme, confidence)
 
     def input_rows(self, root_token: int) -> tuple[list[int], list[int], Tensor]:
         """What the decoder takes for [root] + nodes: tokens, depth offsets (root = 0) and

@@ -262,7 +262,7 @@ def test_load_controls_skip_drafting_and_stay_lossless(tiny):
     engine.drafts.drafters["eagle3"].config = spec
     seen: list[tuple[int, list[int]]] = []
     propose = engine.drafts.propose
-    engine.drafts.propose = lambda items: seen.append((len(engine.sequences), [b for _, b in items])) or propose(items)
+    engine.drafts.propose = lambda items, cut_for=None: seen.append((len(engine.sequences), [b for _, b in items])) or propose(items, cut_for)
     results: dict[int, list[int]] = {}
     for i, p in enumerate(ps):  # different lengths, so the batch shrinks as requests finish
         engine.add_request(str(i), p, SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True), "eagle3", 5)

@@ -65,6 +65,9 @@ def test_greedy_speculative_equals_plain_tiny(tiny_target):
         "ngram-tree": NgramDrafter(SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3)),
         "chain": ScriptedDrafter(reference, VOCAB, tree=False),
         "tree": ScriptedDrafter(reference, VOCAB, tree=True),
+        # The planner chooses each step's drafts and verified nodes (specdec/planner.py).
+        "ngram-adaptive": NgramDrafter(SpeculativeConfig(max_draft_len=6, adaptive=True)),
+        "tree-adaptive": ScriptedDrafter(reference, VOCAB, tree=True, adaptive=True),
     }
     engine = SpecEngine(tiny_target, cfg, drafters=drafters)
     for method in drafters:
@@ -114,25 +117,58 @@ def toy_pair(tmp_path_factory):
     return target, table
 
 
-def exact_first3(target, params: SamplingParams) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) under the target with the same logits processing."""
-    from specdec.sampling import logits_to_probs
+def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, then top-k, then top-p (the smallest most-likely prefix whose mass
+    reaches top_p), written here in numpy so that the reference does not share the
+    engine's sampling code."""
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < len(z):
+        z = np.where(z < np.sort(z)[-params.top_k], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[mass_before < params.top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
 
+
+def exact_first3(target, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) under the target, from an independent implementation of the
+    logits processing."""
     prefixes = [()] + [(a,) for a in range(TOY_VOCAB)] + list(itertools.product(range(TOY_VOCAB), repeat=2))
     cache = target.new_cache(len(prefixes), 16, 4)
     slots = [cache.allocate() for _ in prefixes]
     rows = [TOY_PROMPT + list(p) for p in prefixes]
     logits = target(build_batch(slots, [0] * len(rows), rows), cache, last_only=True).logits[:, 0]
-    probs = {p: logits_to_probs(logits[i], params).double().numpy() for i, p in enumerate(prefixes)}
+    probs = {p: reference_probs(logits[i].double().numpy(), params) for i, p in enumerate(prefixes)}
     joint = np.zeros((TOY_VOCAB,) * 3)
     for a, b in itertools.product(range(TOY_VOCAB), repeat=2):
         joint[a, b] = probs[()][a] * probs[(a,)][b] * probs[(a, b)]
     return joint.ravel()
 
 
+class PricedTokens:
+    """A verify cost that makes nodes expensive enough for the planner to keep some and
+    drop others (the toy target's real forward is nearly free): planning is exercised."""
+
+    def seconds_for(self, tokens: int) -> float:
+        return 100.0 + 0.1 * tokens
+
+    def marginal(self, tokens: int) -> float:
+        return 0.1
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
 def sample_first3(target, drafter, params: SamplingParams, seed0: int, n: int = NUM_SAMPLES) -> np.ndarray:
     cfg = EngineConfig(max_batch_size=500, max_seq_len=32, max_num_draft_tokens=8)
     engine = SpecEngine(target, cfg, drafters={"toy": drafter})
+    engine.speculator.planner.verify_cost = PricedTokens()
     counts = np.zeros(TOY_VOCAB**3)
     issued = 0
     outputs: dict[str, list[int]] = {}
@@ -152,14 +188,20 @@ def sample_first3(target, drafter, params: SamplingParams, seed0: int, n: int = 
                 counts[(a * TOY_VOCAB + b) * TOY_VOCAB + c] += 1
                 del outputs[out.request_id]
     assert counts.sum() == n
+    if drafter.config is not None and drafter.config.adaptive:  # the planner verified some nodes, not all
+        assert 0 < engine.stats.draft_tokens < drafter.proposed, (engine.stats.draft_tokens, drafter.proposed)
     return counts
 
 
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs * counts.sum()
+    if counts[expected == 0].sum():  # a sequence the target cannot produce (e.g. outside top_p)
+        return 0.0
     big = expected >= 5  # pool the sparse cells so the chi-square approximation holds
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
+    small = ~big & (expected > 0)
+    obs, exp = counts[big], expected[big]
+    if expected[small].sum() > 0:
+        obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
@@ -168,15 +210,25 @@ CASES = {
     "chain_one_hot": dict(iid=False, branches=1, depth=4),
     "tree_with_draft_probs": dict(iid=True, branches=2, depth=2),
     "tree_one_hot": dict(iid=False, branches=3, depth=2),
+    # Planned: confidence-cut drafting and per-step node selection (by position for sampled
+    # draws, by confidence for deterministic ones).
+    "adaptive_chain_with_draft_probs": dict(iid=True, branches=1, depth=4, adaptive=True),
+    "adaptive_tree_one_hot": dict(iid=False, branches=3, depth=3, adaptive=True),
 }
 PARAMS = SamplingParams(max_tokens=8, temperature=0.9, top_k=10, ignore_eos=True)
+CASES["tree_with_draft_probs_top_p"] = dict(CASES["tree_with_draft_probs"], params=SamplingParams(
+    max_tokens=8, temperature=0.8, top_p=0.8, ignore_eos=True))
+CASES["adaptive_chain_one_hot_top_p"] = dict(iid=False, branches=1, depth=4, adaptive=True, params=SamplingParams(
+    max_tokens=8, temperature=1.1, top_k=8, top_p=0.9, ignore_eos=True))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampling_is_lossless(toy_pair, case):
     target, table = toy_pair
-    counts = sample_first3(target, BigramDrafter(table, **CASES[case]), PARAMS, seed0=1000)
-    p = chi_square_p(counts, exact_first3(target, PARAMS))
+    drafter_args = dict(CASES[case])
+    params = drafter_args.pop("params", PARAMS)
+    counts = sample_first3(target, BigramDrafter(table, **drafter_args), params, seed0=1000)
+    p = chi_square_p(counts, exact_first3(target, params))
     assert p > 1e-3, f"{case}: chi-square p={p:.2e}"
 
 

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.sampling import logits_to_probs
 from specdec.sequence import SequenceState
@@ -19,11 +20,13 @@ class ScriptedDrafter(Drafter):
 
     name = "scripted"
 
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], vocab: int, tree: bool, seed: int = 0):
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], vocab: int, tree: bool, seed: int = 0,
+                 adaptive: bool = False):
         self.reference, self.vocab, self.tree = reference, vocab, tree
         self.rng = random.Random(seed)
+        self.config = SpeculativeConfig(adaptive=True) if adaptive else None
 
-    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting=None) -> list[DraftTree]:
         return [self._one(s, b) for s, b in zip(seqs, budgets)]
 
     def _one(self, seq: SequenceState, budget: int) -> DraftTree:
@@ -52,18 +55,24 @@ class BigramDrafter(Drafter):
 
     name = "bigram"
 
-    def __init__(self, table: torch.Tensor, iid: bool, branches: int, depth: int):
+    def __init__(self, table: torch.Tensor, iid: bool, branches: int, depth: int, adaptive: bool = False):
         self.table, self.iid, self.branches, self.depth = table, iid, branches, depth
+        self.config = SpeculativeConfig(adaptive=True) if adaptive else None
+        self.proposed = 0  # nodes drafted (the planner may verify fewer)
 
-    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
-        return [self._one(s, b) for s, b in zip(seqs, budgets)]
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting=None) -> list[DraftTree]:
+        trees = [self._one(s, b, keep_drafting) for s, b in zip(seqs, budgets)]
+        self.proposed += sum(len(t) for t in trees)
+        return trees
 
-    def _one(self, seq: SequenceState, budget: int) -> DraftTree:
-        tokens, parents, probs = [], [], []
-        frontier = [(ROOT, seq.root_token)]
-        for _ in range(self.depth):
+    def _one(self, seq: SequenceState, budget: int, keep_drafting=None) -> DraftTree:
+        tokens, parents, probs, confidence = [], [], [], []
+        frontier = [(ROOT, seq.root_token, 1.0)]
+        for level in range(self.depth):
+            if level and keep_drafting is not None and not keep_drafting(level, [max(f[2] for f in frontier)]):
+                break
             nxt = []
-            for parent, last in frontier:
+            for parent, last, path in frontier:
                 q = logits_to_probs(self.table[last], seq.params)
                 if self.iid:
                     kids = torch.multinomial(q, self.branches, replacement=True, generator=seq.generator).tolist()
@@ -75,10 +84,11 @@ class BigramDrafter(Drafter):
                     tokens.append(int(tok))
                     parents.append(parent)
                     probs.append(q)
-                    nxt.append((len(tokens) - 1, int(tok)))
+                    confidence.append(float(q[tok]))
+                    nxt.append((len(tokens) - 1, int(tok), path * float(q[tok])))
             frontier = nxt
         if not tokens:
             return DraftTree()
         return DraftTree(
-            tokens, parents, torch.stack(probs) if self.iid else None, IID_SAMPLED if self.iid else DETERMINISTIC
+            tokens, parents, torch.stack(probs) if self.iid else None, IID_SAMPLED if self.iid else DETERMINISTIC, confidence
         )

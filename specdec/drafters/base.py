@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 from torch import Tensor
 
 from ..config import SpeculativeConfig
 from ..sequence import SequenceState
 from ..tree import DraftTree
+
+
+# Asked before each further draft pass: (depth drafted so far, per row the drafter's
+# confidence in its best path) -> run the pass? (confidence-cut drafting; planner.DraftCut)
+KeepDrafting = Callable[[int, Sequence[float]], bool]
 
 
 class Drafter(ABC):
@@ -21,10 +26,13 @@ class Drafter(ABC):
         return requested if self.config is None else self.config.scheduled_draft_tokens(requested, batch_size)
 
     @abstractmethod
-    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int],
+                keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         """One tree per sequence with at most budgets[i] nodes (all >= 1), proposed after
         seq.root_token. Sequences skipped in a step (budget 0) are not passed: their
-        on_verified updates accumulate until the next propose."""
+        on_verified updates accumulate until the next propose. A drafter that drafts in
+        passes asks keep_drafting (when given) before each pass after the first, and states
+        each node's confidence (DraftTree.confidence) when it has probabilities."""
 
     def on_prefill(self, seq: SequenceState, hidden: Tensor | None) -> None:
         """After the prompt is in the target cache. hidden: [prompt_len, taps*H] or None."""

@@ -22,7 +22,7 @@ from ..models.llama import ForwardBatch, build_batch
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
 from ..tree import ROOT, DraftTree
-from .base import Drafter
+from .base import Drafter, KeepDrafting
 from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
 from .tree_search import Expansion, dynamic_trees
 
@@ -69,7 +69,7 @@ class Eagle3Drafter(Drafter):
             self.cache.release(state.slot)
 
     # ---- drafting ---------------------------------------------------------------------------
-    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         states = [s.drafter_state[self.name] for s in seqs]
         self._absorb_pending(states)
         trees = [DraftTree() for _ in seqs]
@@ -77,11 +77,11 @@ class Eagle3Drafter(Drafter):
         if not active:
             return trees
         if self.config.use_dynamic_tree:
-            for i, tree in zip(active, self._dynamic_trees([seqs[i] for i in active], [states[i] for i in active], [budgets[i] for i in active])):
-                trees[i] = tree
+            draft = self._dynamic_trees
         else:
-            for i, tree in zip(active, self._chains([seqs[i] for i in active], [states[i] for i in active], [budgets[i] for i in active])):
-                trees[i] = tree
+            draft = self._chains
+        for i, tree in zip(active, draft([seqs[i] for i in active], [states[i] for i in active], [budgets[i] for i in active], keep_drafting)):
+            trees[i] = tree
         return trees
 
     def _absorb_pending(self, states: list[_HeadState]) -> None:
@@ -128,37 +128,48 @@ class Eagle3Drafter(Drafter):
                              slots[0] if contiguous else None)
         return self.head(hidden, batch, self.cache)
 
-    def _chains(self, seqs, states, budgets) -> list[DraftTree]:
+    def _chains(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         """Linear drafts: argmax (greedy) or sampled with draft probabilities."""
         B = len(seqs)
         tokens: list[list[int]] = [[] for _ in range(B)]
         probs: list[list[Tensor]] = [[] for _ in range(B)]
+        confidence: list[list[float]] = [[] for _ in range(B)]
+        path = [1.0] * B
         logits = torch.stack([s.last_logits for s in states])
         hidden = torch.stack([s.last_hidden for s in states])[:, None]
         for depth in range(max(budgets)):
             for b, seq in enumerate(seqs):
                 if depth < budgets[b]:
-                    token, q = self._pick(seq, logits[b])
+                    token, q, conf = self._pick(seq, logits[b])
                     tokens[b].append(token)
+                    confidence[b].append(conf)
+                    path[b] *= conf
                     if q is not None:
                         probs[b].append(q)
             if depth + 1 == max(budgets):
+                break
+            if keep_drafting is not None and not keep_drafting(depth + 1, [p if depth < n else 0.0 for p, n in zip(path, budgets)]):
                 break
             masks = [torch.ones(1, depth + 1, dtype=torch.bool) for _ in range(B)]
             last = [[t[-1]] for t in tokens]
             out_hidden, out_logits = self._step(states, hidden, last, [depth] * B, [[depth]] * B, masks)
             hidden, logits = out_hidden, out_logits[:, 0]
         return [
-            DraftTree.chain(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)
+            DraftTree.chain(t, torch.stack(p) if p else None, c) for t, p, c in zip(tokens, probs, confidence)
         ]
 
-    def _pick(self, seq: SequenceState, draft_logits: Tensor) -> tuple[int, Tensor | None]:
+    def _pick(self, seq: SequenceState, draft_logits: Tensor) -> tuple[int, Tensor | None, float]:
+        """The next draft token, the distribution it was sampled from (None: argmax) and
+        the head's probability of it."""
         if seq.params.greedy:
-            return int(self.draft_to_target[int(draft_logits.argmax())]), None
+            best = int(draft_logits.argmax())
+            conf = float(torch.softmax(draft_logits.float(), -1)[best])
+            return int(self.draft_to_target[best]), None, conf
         q = logits_to_probs(mapped_logits(self.head, draft_logits), seq.params)  # same processing as the target
-        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+        token = int(torch.multinomial(q, 1, generator=seq.generator))
+        return token, q, float(q[token])
 
-    def _dynamic_trees(self, seqs, states, budgets) -> list[DraftTree]:
+    def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth; each node's
         pass starts from its parent's head output."""
         parent_hidden = torch.stack([s.last_hidden for s in states])  # [B, H]
@@ -180,7 +191,7 @@ class Eagle3Drafter(Drafter):
         root_logp = draft_log_probs(torch.stack([s.last_logits for s in states]))  # [B, Vd]
         cfg = self.config
         return dynamic_trees(root_logp, expand, cfg.dynamic_tree_max_topK, cfg.max_draft_len, budgets,
-                             lambda d: int(self.draft_to_target[d]))
+                             lambda d: int(self.draft_to_target[d]), keep_drafting)
 
 
 DEFAULT_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"

@@ -41,7 +41,8 @@ class NgramDrafter(Drafter):
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting=None) -> list[DraftTree]:
+        # Lookup costs nothing to extend: the planner trims what is verified instead.
         return [self._propose_one(seq, budget) for seq, budget in zip(seqs, budgets)]
 
     def _propose_one(self, seq: SequenceState, budget: int) -> DraftTree:

@@ -10,6 +10,7 @@ deterministically (top-k), so verification uses the one-hot rule: lossless under
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -50,6 +51,7 @@ def dynamic_trees(
     max_depth: int,
     budgets: Sequence[int],
     to_target: Callable[[int], int] = int,  # drafter vocabulary id -> target id
+    keep_drafting: Callable[[int, Sequence[float]], bool] | None = None,
 ) -> list[DraftTree]:
     B = root_logp.shape[0]
     cands: list[list[Candidate]] = [[] for _ in range(B)]
@@ -59,6 +61,10 @@ def dynamic_trees(
     frontier = [list(range(len(c))) for c in cands]
     written: list[list[int]] = [[] for _ in range(B)]  # candidate index of each written draft column
     for level in range(min(max_depth, max(budgets)) - 1):  # a node at depth d needs a budget >= d
+        if keep_drafting is not None:
+            best = [math.exp(max(cands[b][c].score for c in frontier[b])) for b in range(B)]
+            if not keep_drafting(level + 1, best):
+                break
         rows = [_expansion(cands[b], frontier[b], written[b], level) for b in range(B)]
         child_logp = expand(rows)  # [B, N, V]
         for b in range(B):
@@ -94,10 +100,12 @@ def _ancestors(cands: list[Candidate], c: int) -> set[int]:
 
 
 def rerank(cands: list[Candidate], budget: int) -> DraftTree:
-    """The `budget` best candidates, in topological order."""
+    """The `budget` best candidates, in topological order; each node's confidence is its
+    draft probability given its parent."""
     best = sorted(range(len(cands)), key=lambda i: (-cands[i].score, cands[i].depth, i))[:budget]
     keep = sorted(best, key=lambda i: (cands[i].depth, i))
     index = {c: n for n, c in enumerate(keep)}
     tokens = [cands[c].token for c in keep]
     parents = [ROOT if cands[c].parent == ROOT else index[cands[c].parent] for c in keep]
-    return DraftTree(tokens, parents, None, DETERMINISTIC)
+    confidence = [math.exp(cands[c].score - (0.0 if cands[c].parent == ROOT else cands[cands[c].parent].score)) for c in keep]
+    return DraftTree(tokens, parents, None, DETERMINISTIC, confidence)

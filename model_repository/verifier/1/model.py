@@ -7,6 +7,8 @@ requests are prefilled together in one forward, the others' trees are verified t
 in ONE batched target forward, and every co-located drafter drafts for all of its
 sequences at once; END requests free their slot.
 """
+import time
+
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
@@ -30,11 +32,20 @@ class TritonPythonModel:
         self.settings = settings
         self.speculator = build_colocated_speculator(settings)
         self.key = internal_key()
-        self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot")})
+        self.metrics = Metrics(P.VERIFIER_METRICS)
+        self._planner_published = 0.0
         self._update_gauge()
 
     def _update_gauge(self):
         self.metrics.set(P.ACTIVE_SEQUENCES, self.speculator.active, model="verifier")
+        if self.speculator.adaptive and time.monotonic() - self._planner_published > 1.0:  # beliefs move slowly
+            self._planner_published = time.monotonic()
+            planner = self.speculator.planner
+            for method in self.speculator.adaptive:
+                depth = self.settings.methods[method].max_draft_len
+                for position, rate in enumerate(planner.position_estimates(method, depth), start=1):
+                    self.metrics.set(P.ACCEPTANCE_ESTIMATE, round(rate, 4), method=method, position=str(position))
+            self.metrics.set(P.PLANNED_TOKENS_PER_SECOND, round(planner.tokens_per_second, 2))
 
     def execute(self, requests):
         self.speculator.release_idle(self.settings.idle_timeout_s)
