@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix soak compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,15 @@ ADAPTIVE_MATRIX = --start-server --num-prompts 64 --max-tokens 96 --concurrency 
 bench-matrix: prepare
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --out results/bench/matrix-greedy
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --temperature 0.7 --out results/bench/matrix-t07
+
+# Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
+soak: prepare
+	$(BIN)/python -m loadtest.soak --minutes 30 --users 16 --out results/soak
+
+# docker compose's secrets (.env, git-ignored; kept if it exists): the admin-API key and the internal models' key.
+compose-keys:
+	@test -f .env || $(PY) -c "import secrets; print(f'SPECDEC_ADMIN_KEY={secrets.token_hex(32)}\nSPECDEC_INTERNAL_KEY={secrets.token_hex(32)}')" > .env
+	@chmod 600 .env && echo ".env holds SPECDEC_ADMIN_KEY and SPECDEC_INTERNAL_KEY"
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest

@@ -167,6 +167,10 @@ class SpeculativeConfig:
     # (max_total_draft_tokens at most, 0 included) from measured costs and acceptance
     # (specdec/planner.py), per batch.
     adaptive: bool = False
+    # EAGLE-3 only: merge the n-gram lookup's continuation (prompt_lookup_min/max) into the
+    # head's tree, one tree and one verification, shared prefixes deduplicated. Greedy and
+    # deterministic (top-k) trees only: a sampled chain keeps its own acceptance rule.
+    hybrid_ngram: bool = False
     # Where the drafter runs when served: true = beside the target in the `verifier` model,
     # one call per step (TensorRT-LLM's one-model EAGLE-3); false = in the `drafter` model,
     # its own process (a draft call and a verify call per step; the two-model path).
@@ -180,6 +184,8 @@ class SpeculativeConfig:
             raise ConfigError("max_concurrency", f"must be an integer >= 1 or null, got {self.max_concurrency!r}")
         if self.draft_len_schedule is not None:
             object.__setattr__(self, "draft_len_schedule", _parse_schedule(self.draft_len_schedule))
+        if self.hybrid_ngram and self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
+            raise ConfigError("hybrid_ngram", f"merges n-gram drafts into an EAGLE-3 tree; method is {self.method!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError("adaptive", f"must be true or false, got {self.adaptive!r}")
         if self.adaptive and (self.max_concurrency is not None or self.draft_len_schedule is not None):

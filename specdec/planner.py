@@ -39,7 +39,9 @@ _DECAY = 0.998  # per observed node: ~500 recent nodes carry the estimate
 _SEQ_DECAY = 0.9  # per step of a sequence: its factor follows the last ~10 steps
 _SEQ_PRIOR = 3.0
 _MAX_RATE = 0.98  # no node is ever certain: keeps path gains strictly decreasing
-EXPLORE_EVERY = 16  # steps without a verified node before one is verified anyway (keeps estimates alive)
+# Steps of a method without a verified node before one sequence verifies one anyway: keeps
+# the estimates measured, at one node (and one sequence's draft) per 16 steps of the method.
+EXPLORE_EVERY = 16
 
 
 class LinearCost:
@@ -75,56 +77,69 @@ class LinearCost:
 
 
 class VerifyCost:
-    """Seconds of one batched verification by the batch's total tokens (root + nodes of
-    every sequence). A small target's forward is weight-bandwidth bound: flat up to a knee,
-    then rising (SmolLM2 on 2 CPU cores: ~33 ms for 1 to 6 tokens, ~50 ms for 16), so it is
-    kept as a measured table, not a line: a mean per token count (start-up calibration, then
-    a running average of served steps), made non-decreasing by isotonic regression;
-    interpolated between measured counts, extrapolated along the last slope beyond them."""
+    """Seconds of one batched verification by the batch's sequences and total tokens (root +
+    nodes of every sequence). A small target's forward is weight-bandwidth bound: flat up to
+    a knee, then rising (SmolLM2 on 2 CPU cores: ~33 ms for 1 to 6 tokens, ~50 ms for 16),
+    and attention over every sequence's context makes a batch of 16 dearer than one of 4 at
+    the same token count. So it is kept as measured tables, one per batch size, not a line:
+    a mean per token count (start-up calibration, then a running average of served steps),
+    made non-decreasing by isotonic regression, interpolated between measured counts and
+    extrapolated along the steepest measured per-token slope beyond them. A batch size not
+    yet seen borrows the nearest measured one's table, moved by its extra sequences."""
 
     MIN_PER_TOKEN = 1e-6  # a verified token always costs something, so budgets stay finite
 
     def __init__(self, refit_every: int = 16):
-        self.means: dict[int, float] = {}
-        self.counts: dict[int, float] = {}
+        self.means: dict[int, dict[int, float]] = {}  # sequences -> tokens -> seconds
+        self.counts: dict[int, dict[int, float]] = {}
         self.refit_every = refit_every
         self._since_fit = 0
-        self._xs = np.zeros(0)
-        self._ys = np.zeros(0)
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.slope = 0.0  # steepest measured seconds per extra token
 
     @property
     def calibrated(self) -> bool:
         return bool(self.means)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        n = self.counts.get(tokens, 0.0) + 1.0
-        self.counts[tokens] = min(n, 20.0)  # after 20 steps: a running average that follows drift
-        mean = self.means.get(tokens, seconds)
-        self.means[tokens] = mean + (seconds - mean) / self.counts[tokens]
+    def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
+        means = self.means.setdefault(sequences, {})
+        counts = self.counts.setdefault(sequences, {})
+        counts[tokens] = min(counts.get(tokens, 0.0) + 1.0, 20.0)  # after 20 steps: a running average that follows drift
+        mean = means.get(tokens, seconds)
+        means[tokens] = mean + (seconds - mean) / counts[tokens]
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or len(self._xs) == 0:
+        if self._since_fit >= self.refit_every or sequences not in self._curves:
             self.fit()
 
     def fit(self) -> None:
-        keys = sorted(self.means)
-        self._xs = np.array(keys, dtype=float)
-        self._ys = _isotonic([self.means[k] for k in keys], [self.counts[k] for k in keys])
+        self._curves = {}
+        slopes = [0.0]
+        for b, means in self.means.items():
+            keys = sorted(means)
+            xs = np.array(keys, dtype=float)
+            ys = _isotonic([means[k] for k in keys], [self.counts[b][k] for k in keys])
+            self._curves[b] = (xs, ys)
+            if len(xs) > 1:
+                slopes.append(float(np.max(np.diff(ys) / np.diff(xs))))
+        self.slope = max(slopes)
         self._since_fit = 0
 
-    def seconds_for(self, tokens: int) -> float:
-        xs, ys = self._xs, self._ys
-        if not len(xs):
+    def seconds_for(self, tokens: int, sequences: int = 1) -> float:
+        if not self._curves:
             return self.MIN_PER_TOKEN * tokens
-        if tokens <= xs[-1]:
-            base = float(np.interp(tokens, xs, ys))
+        nearest = min(self._curves, key=lambda b: (abs(b - sequences), -b))
+        xs, ys = self._curves[nearest]
+        shift = sequences - nearest  # another batch size: as many extra tokens, and its extra sequences
+        t = tokens - shift
+        if t <= xs[-1]:
+            base = float(np.interp(t, xs, ys))
         else:
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-            base = float(ys[-1] + slope * (tokens - xs[-1]))
-        return base + self.MIN_PER_TOKEN * tokens
+            base = float(ys[-1] + self.slope * (t - xs[-1]))
+        return base + self.slope * max(shift, 0) + self.MIN_PER_TOKEN * tokens
 
-    def marginal(self, tokens: int) -> float:
+    def marginal(self, tokens: int, sequences: int = 1) -> float:
         """Seconds that one more token adds to a batch of `tokens`."""
-        return self.seconds_for(tokens + 1) - self.seconds_for(tokens)
+        return self.seconds_for(tokens + 1, sequences) - self.seconds_for(tokens, sequences)
 
 
 def _isotonic(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
@@ -141,10 +156,11 @@ def _isotonic(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
 
 
 class DraftCost(LinearCost):
-    """seconds of one drafting call = fixed (catching up on the kept tokens) + per_pass * passes."""
+    """seconds of one drafting call = fixed + per_pass * passes + per_sequence * sequences
+    (catching up on each sequence's kept tokens)."""
 
     def __init__(self):
-        super().__init__(2)
+        super().__init__(3)
 
     @property
     def per_pass(self) -> float:
@@ -193,7 +209,7 @@ def _usable_confidence(tree: DraftTree) -> list[float] | None:
 
 
 def _key(confidence: float | None, depth: int) -> int:
-    if confidence is None:
+    if confidence is None or confidence != confidence:  # not stated (None, or NaN in a merged tree)
         return _DEPTH_KEY + depth
     return min(int(confidence * _CONFIDENCE_BINS), _CONFIDENCE_BINS - 1)
 
@@ -237,7 +253,8 @@ class DraftCut:
 
     def finish(self, seconds: float) -> None:
         if self.record:
-            self.planner.draft_costs.setdefault(self.method, DraftCost()).observe((1.0, self.passes), seconds)
+            cost = self.planner.draft_costs.setdefault(self.method, DraftCost())
+            cost.observe((1.0, self.passes, len(self.seq_ids)), seconds)
 
 
 class BudgetPlanner:
@@ -247,8 +264,10 @@ class BudgetPlanner:
         self.rates: dict[str, _Rates] = {}
         self.position_rates: dict[str, _Rates] = {}  # by draft position, for metrics
         self.sequences: dict[Hashable, _SequenceFit] = {}
+        self.method_idle: dict[str, int] = {}  # steps since the method last verified a node
         self.tokens_per_second = 0.0  # the last plan's expected rate: the price of a second
-        self.planned_tokens = 1  # the last plan's batch tokens (where a further node is priced)
+        self.planned_tokens = 1  # the last plan's batch tokens and sequences (where a further node is priced)
+        self.planned_sequences = 1
         # Seconds of a step outside verification (drafting, the serving loop's turn-around),
         # measured between consecutive steps: part of every step's cost, so part of the rate.
         self.step_extra_seconds = 0.0
@@ -288,40 +307,56 @@ class BudgetPlanner:
         candidates.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
         sequences = len(items)
         expected = float(sequences) + sum(sum(self.node_gains(i.method, i.seq_id, i.tree)) for i in items if not i.adaptive)
-        best_n, best_rate = 0, expected / self._step_seconds(base_tokens)
+        best_n, best_rate = 0, expected / self._step_seconds(base_tokens, sequences)
         for n, (gain, *_rest) in enumerate(candidates, start=1):
             expected += gain
-            rate = expected / self._step_seconds(base_tokens + n)
+            rate = expected / self._step_seconds(base_tokens + n, sequences)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         self.tokens_per_second = best_rate
-        self.planned_tokens = base_tokens + best_n
+        self.planned_tokens, self.planned_sequences = base_tokens + best_n, sequences
         keep: list[list[int]] = [[] for _ in items]
         for _, _, n, j in candidates[:best_n]:
             keep[n].append(j)
+        self._explore(items, keep)
         out = []
         for n, item in enumerate(items):
             if not item.adaptive:
                 out.append(item.tree)
                 continue
             seq = self.sequences.setdefault(item.seq_id, _SequenceFit())
-            if not keep[n] and len(item.tree) and seq.steps_without_nodes >= EXPLORE_EVERY:
-                keep[n] = [0]  # verify the best first node anyway now and then: estimates stay measured
             seq.steps_without_nodes = 0 if keep[n] else seq.steps_without_nodes + 1
             out.append(item.tree.select(sorted(keep[n])))
         return out
 
-    def _step_seconds(self, tokens: int) -> float:
-        return max(self.verify_cost.seconds_for(tokens) + self.step_extra_seconds, 1e-6)
+    def _explore(self, items: Sequence[PlanItem], keep: list[list[int]]) -> None:
+        """A method that verified nothing for EXPLORE_EVERY steps verifies the first node of
+        one sequence (the longest-waiting one with a tree)."""
+        for method in {i.method for i in items if i.adaptive}:
+            mine = [n for n, i in enumerate(items) if i.adaptive and i.method == method]
+            if any(keep[n] for n in mine):
+                self.method_idle[method] = 0
+                continue
+            self.method_idle[method] = self.method_idle.get(method, 0) + 1
+            drafted = [n for n in mine if len(items[n].tree)]
+            if drafted and self.method_idle[method] >= EXPLORE_EVERY:
+                n = max(drafted, key=lambda n: self.sequences.setdefault(items[n].seq_id, _SequenceFit()).steps_without_nodes)
+                keep[n] = [0]
+                self.method_idle[method] = 0
+
+    def _step_seconds(self, tokens: int, sequences: int) -> float:
+        return max(self.verify_cost.seconds_for(tokens, sequences) + self.step_extra_seconds, 1e-6)
 
     def to_draft(self, method: str, seq_ids: Sequence[Hashable]) -> list[Hashable]:
         """Which of these sequences draft this step: all when a drafting call is expected to
         pay, else only those due to explore (so estimates stay measured at little cost)."""
         cost = self.draft_costs.get(method)
-        seconds = 0.0 if cost is None else cost.seconds(1.0, 1.0)
+        seconds = 0.0 if cost is None else cost.seconds(1.0, 1.0, len(seq_ids))
         if self._value(method, seq_ids, [1.0] * len(seq_ids), 0) > seconds * self.tokens_per_second:
             return list(seq_ids)
-        return [s for s in seq_ids if self.sequences.setdefault(s, _SequenceFit()).steps_without_nodes >= EXPLORE_EVERY]
+        if self.method_idle.get(method, 0) + 1 < EXPLORE_EVERY or not seq_ids:
+            return []
+        return [max(seq_ids, key=lambda s: self.sequences.setdefault(s, _SequenceFit()).steps_without_nodes)]
 
     def pass_pays(self, method: str, seq_ids: Sequence[Hashable], depth: int, path_confidence: Sequence[float]) -> bool:
         cost = self.draft_costs.get(method)
@@ -333,7 +368,7 @@ class BudgetPlanner:
         next node's gain (its path's calibrated acceptance) minus a node's verify price."""
         rates = self.rates.setdefault(method, _Rates())
         calibration = self._calibration(method)
-        price = self.verify_cost.marginal(self.planned_tokens) * self.tokens_per_second
+        price = self.verify_cost.marginal(self.planned_tokens, self.planned_sequences) * self.tokens_per_second
         value = 0.0
         for seq_id, conf in zip(seq_ids, path_confidence):
             factor = self.sequences.setdefault(seq_id, _SequenceFit()).factor
@@ -362,9 +397,9 @@ class BudgetPlanner:
 
     # ---- observations -------------------------------------------------------------------
     def observe_verify(self, tokens: int, sequences: int, seconds: float) -> None:
-        self.verify_cost.observe(tokens, seconds)
+        self.verify_cost.observe(tokens, seconds, sequences)
         if not self.tokens_per_second:
-            self.tokens_per_second = sequences / max(self.verify_cost.seconds_for(sequences), 1e-6)
+            self.tokens_per_second = sequences / max(self.verify_cost.seconds_for(sequences, sequences), 1e-6)
 
     def observe_step_extra(self, seconds: float) -> None:
         self.step_extra_seconds += 0.1 * (seconds - self.step_extra_seconds)
@@ -397,7 +432,8 @@ class BudgetPlanner:
     def snapshot(self) -> dict:
         """What the planner currently believes (for metrics and benchmark reports)."""
         return {
-            "verify_seconds_by_tokens": {int(x): float(y) for x, y in zip(self.verify_cost._xs, self.verify_cost._ys)},
+            "verify_seconds_by_sequences_and_tokens": {
+                int(b): {int(x): float(y) for x, y in zip(xs, ys)} for b, (xs, ys) in self.verify_cost._curves.items()},
             "draft_seconds": {m: {"fixed": float(c.theta[0]), "per_pass": c.per_pass} for m, c in self.draft_costs.items()},
             "acceptance_by_position": {m: self.position_estimates(m, 8) for m in self.position_rates},
             "tokens_per_second": self.tokens_per_second,

@@ -53,6 +53,19 @@ STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds"
 INTERNAL_KEY = "internal_key"
 INTERNAL_KEY_ENV = "SPECDEC_INTERNAL_KEY"
 
+# Triton's administrative APIs (restricted-API feature): callers must send this header with
+# the server's admin key (SPECDEC_ADMIN_KEY). Health, metadata and inference stay open.
+ADMIN_KEY_ENV = "SPECDEC_ADMIN_KEY"
+ADMIN_KEY_HEADER = "specdec-admin-key"
+ADMIN_KEY_GRPC_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # Triton's prefix for gRPC metadata
+RESTRICTED_APIS = ("model-repository", "logging", "trace", "shared-memory", "statistics")
+
+
+def restricted_api_args(admin_key: str) -> list[str]:
+    """tritonserver flags that put RESTRICTED_APIS behind ADMIN_KEY_HEADER, HTTP and gRPC."""
+    spec = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={admin_key}"
+    return [f"--http-restricted-api={spec}", f"--grpc-restricted-protocol={spec}"]
+
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
 CONTROL_END = "END"
@@ -105,13 +118,8 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
         _specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
         _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
     ),
-    "preprocessing": (
-        _specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True)),
-        _specs((INPUT_IDS, "TYPE_INT32", (-1,))),
-    ),
-    # Also client-facing (like TensorRT-LLM's tensorrt_llm_bls): text_input in, text_output
-    # out. Called directly it sees client cancellation, which Triton's ensemble scheduler
-    # does not forward into a running decoupled step (<= 2.51).
+    # The ensemble's contract plus token ids (like TensorRT-LLM's tensorrt_llm_bls); the
+    # same loop serves both names (specdec_triton/loop_model.py).
     "speculative_loop": (
         _specs(
             (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),

@@ -101,6 +101,28 @@ class DraftTree:
         confidence = None if self.confidence is None else [self.confidence[i] for i in keep]
         return DraftTree([self.tokens[i] for i in keep], parents, probs, self.scheme, confidence)
 
+    def merged(self, continuation: list[int], confidence: float = float("nan")) -> "DraftTree":
+        """This tree plus a chain of tokens from the root, sharing any prefix it already has
+        (one tree, one verification). Deterministic trees only: every node's children stay
+        distinct tokens, which the one-hot acceptance rule needs. New nodes get `confidence`
+        (NaN: not stated, planned by position)."""
+        if self.scheme != DETERMINISTIC:
+            raise ValueError("only deterministic trees can take merged continuations")
+        tokens, parents = list(self.tokens), list(self.parents)
+        conf = list(self.confidence) if self.confidence is not None else [float("nan")] * len(tokens)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        node = ROOT
+        for tok in continuation:
+            nxt = child.get((node, tok))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                conf.append(confidence)
+                child[(node, tok)] = nxt
+            node = nxt
+        return DraftTree(tokens, parents, None, DETERMINISTIC, conf)
+
     def input_rows(self, root_token: int) -> tuple[list[int], list[int], Tensor]:
         """What the decoder takes for [root] + nodes: tokens, depth offsets (root = 0) and
         the [n+1, n+1] ancestor-or-self mask."""

@@ -350,7 +350,7 @@ def test_sync_stream_and_cancel(triton_server, protocol):
         chunks = list(client.stream(GenerateRequest(PROMPTS[0], max_tokens=8, method="ngram")))
         assert len(chunks) >= 2 and chunks[-1].perf["output_tokens"] == 8
     before = cancelled_requests(triton_server)
-    with SpecDecClient(url, protocol, model=LOOP) as client:
+    with SpecDecClient(url, protocol) as client:  # through `ensemble` (the async test: speculative_loop)
         stream = client.stream(GenerateRequest(PROMPTS[1], max_tokens=200, ignore_eos=True))
         assert next(stream).text
         stream.close()  # cancel: stop reading and close the stream

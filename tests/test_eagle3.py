@@ -25,6 +25,7 @@ from specdec.config import (
 )
 from specdec.drafters.eagle3 import Eagle3Drafter, _HeadState
 from specdec.engine import SpecEngine
+from specdec.tree import DraftTree
 from specdec.errors import ConfigError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from specdec.models.loading import load_transformer
@@ -97,6 +98,11 @@ def eagle_engine(target, head_dir, max_batch=8):
         "eagle3": Eagle3Drafter(head, SpeculativeConfig(method="eagle3", max_draft_len=5), max_batch, 128),
         "eagle3-tree": Eagle3Drafter(head, SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True,
                                                              dynamic_tree_max_topK=3, max_total_draft_tokens=8), max_batch, 128),
+        # Planned budgets, and n-gram continuations merged into the head's tree.
+        "eagle3-hybrid": Eagle3Drafter(head, SpeculativeConfig(
+            method="eagle3", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=8,
+            adaptive=True, hybrid_ngram=True), max_batch, 128),
+        "eagle3-adaptive": Eagle3Drafter(head, SpeculativeConfig(method="eagle3", max_draft_len=5, adaptive=True), max_batch, 128),
     }
     return SpecEngine(target, cfg, drafters=drafters)
 
@@ -107,11 +113,21 @@ def test_greedy_eagle3_equals_plain_tiny(tiny):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     engine = eagle_engine(target, head_dir)
     plain = run_all(engine, ps, params, "none", 0, concurrent=1)
-    for method, k in (("eagle3", 5), ("eagle3-tree", 8)):
+    for method, k in (("eagle3", 5), ("eagle3-tree", 8), ("eagle3-hybrid", 8), ("eagle3-adaptive", 5)):
         for concurrent in (1, 8):
             assert run_all(engine, ps, params, method, k, concurrent) == plain, (method, concurrent)
     assert engine.cache.num_free == 8
     assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
+
+
+def test_merged_continuation_shares_prefixes_and_keeps_children_distinct():
+    tree = DraftTree([5, 6, 7], [-1, 0, -1], confidence=[0.9, 0.5, 0.1])
+    merged = tree.merged([5, 8, 9])
+    assert merged.tokens == [5, 6, 7, 8, 9] and merged.parents == [-1, 0, -1, 0, 3]
+    assert merged.confidence[:3] == [0.9, 0.5, 0.1] and all(c != c for c in merged.confidence[3:])
+    assert tree.merged([7]).tokens == tree.tokens  # already there: nothing added
+    kids = merged.children()
+    assert all(len({merged.tokens[c] for c in k}) == len(k) for k in kids)
 
 
 class TableHead(Eagle3Head):
@@ -372,3 +388,22 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     assert speculator.active == 0 and drafts.active == 0
     merged = merge_replies([StepResult([1, 2], 1, hidden=torch.zeros(2, 3)), StepResult([3], 0, hidden=torch.ones(1, 3))])
     assert merged.emitted == [1, 2, 3] and merged.accepted == 1 and merged.hidden.shape == (3, 3)
+
+
+def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
+    """The SHIPPED head (not a random one) on 16 ShareGPT first turns: token ids equal plain
+    decoding's, batched, with every draft position accepted at least once (so the deep
+    acceptance path runs with real drafts)."""
+    from specdec.data import sharegpt_prompts
+    from specdec.runtime import build_drafters, encode_prompt
+
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=1024, max_num_draft_tokens=8)
+    spec = {"eagle3": SpeculativeConfig(method="eagle3", max_draft_len=5)}
+    engine = SpecEngine(smol_model, cfg, tokenizer=smol_tokenizer,
+                        drafters=build_drafters(smol_model.cfg, spec, cfg, embed=smol_model.embed))
+    ps = [encode_prompt(smol_tokenizer, p) for p in sharegpt_prompts(16, tokenizer=smol_tokenizer, max_tokens=256)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = run_all(engine, ps, params, "none", 0, concurrent=4)
+    assert run_all(engine, ps, params, "eagle3", 5, concurrent=4) == plain
+    accepted = engine.stats.accepted_per_position
+    assert len(accepted) == 5 and all(n > 0 for n in accepted), accepted

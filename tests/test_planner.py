@@ -16,24 +16,35 @@ def test_isotonic_pools_violators():
     assert list(_isotonic([5.0, 1.0], [3, 1])) == [4.0, 4.0]
 
 
-def test_verify_cost_is_a_monotone_table_extrapolated_along_its_last_slope():
+def test_verify_cost_is_a_monotone_table_extrapolated_along_its_steepest_slope():
     cost = VerifyCost(refit_every=1)
     for tokens, seconds in [(1, 0.030), (4, 0.029), (8, 0.040), (16, 0.056)]:
         cost.observe(tokens, seconds)
-    assert cost.seconds_for(4) >= cost.seconds_for(1)  # the dip is pooled away
+    assert cost.seconds_for(4) == pytest.approx(cost.seconds_for(1), abs=1e-5)  # the dip is pooled away
     assert cost.seconds_for(12) == pytest.approx(0.048, abs=1e-4)  # interpolated
-    assert cost.seconds_for(24) == pytest.approx(0.072, abs=1e-4)  # last slope: 2 ms a token
+    assert cost.seconds_for(24) == pytest.approx(0.056 + 8 * 0.002625, abs=1e-4)  # steepest: 4 -> 8
     assert cost.marginal(2) < cost.marginal(10)  # flat below the knee, rising above it
+
+
+def test_verify_cost_is_kept_per_batch_size_and_borrowed_for_unseen_ones():
+    cost = VerifyCost(refit_every=1)
+    for tokens, seconds in [(4, 0.030), (8, 0.034), (16, 0.050)]:
+        cost.observe(tokens, seconds, sequences=4)
+    cost.observe(16, 0.150, sequences=16)  # sixteen sequences' attention: dearer at the same tokens
+    assert cost.seconds_for(16, 16) == pytest.approx(0.150, abs=1e-4)
+    assert cost.seconds_for(16, 16) > cost.seconds_for(16, 4)
+    # Batch 8 not measured: batch 4's table moved by four extra sequences' tokens.
+    assert cost.seconds_for(12, 8) == pytest.approx(cost.seconds_for(8, 4) + 4 * cost.slope, abs=1e-4)
 
 
 def chain(n: int, confidence: list[float] | None = None) -> DraftTree:
     return DraftTree.chain(list(range(10, 10 + n)), confidence=confidence)
 
 
-def planner_with(costs: dict[int, float]) -> BudgetPlanner:
+def planner_with(costs: dict[int, float], sequences: int = 1) -> BudgetPlanner:
     planner = BudgetPlanner()
     for tokens, seconds in costs.items():
-        planner.observe_verify(tokens, 1, seconds)
+        planner.observe_verify(tokens, sequences, seconds)
     planner.verify_cost.fit()
     return planner
 
@@ -47,7 +58,7 @@ def test_free_tokens_are_verified_and_expensive_ones_are_not():
 
 
 def test_selection_keeps_whole_paths_by_gain_and_leaves_fixed_items_alone():
-    planner = planner_with({1: 0.03, 4: 0.0301, 5: 0.06, 12: 0.2})
+    planner = planner_with({5: 0.03, 7: 0.0301, 8: 0.06, 15: 0.2}, sequences=2)  # a fixed chain of 3 + a root
     # root -> a (0.9) -> b (0.9); root -> c (0.05): c's path is the least likely.
     tree = DraftTree([1, 2, 3], [ROOT, 0, ROOT], confidence=[0.95, 0.95, 0.02])
     fixed = chain(3)
@@ -94,8 +105,8 @@ def test_draft_cut_stops_when_the_next_pass_does_not_pay():
     planner = planner_with({1: 0.03, 9: 0.0301})
     planner.select([PlanItem("a", "m", chain(1, [0.9]), True)])  # sets the price of a second
     planner.draft_costs["m"] = cost = DraftCost()
-    cost.observe((1.0, 1.0), 0.001)
-    cost.observe((1.0, 2.0), 0.002)
+    cost.observe((1.0, 1.0, 1.0), 0.001)
+    cost.observe((1.0, 2.0, 1.0), 0.002)
     cut = DraftCut(planner, "m", ["a"])
     assert cut(1, [0.9])  # a likely path: draft deeper
     assert not cut(5, [1e-6])  # hopeless: stop
@@ -107,3 +118,13 @@ def test_adaptive_excludes_static_load_controls():
     with pytest.raises(ConfigError, match="adaptive"):
         SpeculativeConfig(adaptive=True, max_concurrency=4)
     assert SpeculativeConfig(adaptive=True).scheduled_draft_tokens(5, 64) == 5
+
+
+def test_exploration_is_per_method_not_per_sequence():
+    """Sixteen sequences of a method that never pays explore one node per EXPLORE_EVERY
+    steps between them, not one each (a full batch would otherwise draft every step)."""
+    planner = planner_with({16: 0.1, 17: 1.0}, sequences=16)
+    items = [PlanItem(f"s{i}", "m", chain(2, [0.5, 0.5]), True) for i in range(16)]
+    verified = sum(len(t) for _ in range(2 * EXPLORE_EVERY) for t in planner.select(items))
+    assert 1 <= verified <= 2
+    assert len(planner.to_draft("m", [i.seq_id for i in items])) <= 1

@@ -2,7 +2,9 @@
 strings, malformed trees sent straight to the verifier (the real Triton server)."""
 from __future__ import annotations
 
+import json
 import queue
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -129,6 +131,43 @@ def test_the_internal_models_refuse_callers_without_the_servers_key(triton_serve
     client.close()
 
 
+def _http_status(url: str, body: bytes | None = None, headers: dict | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers or {}), timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_admin_apis_need_the_servers_admin_key(triton_server):
+    """Logging, repository control, trace, shared memory and statistics are behind the
+    admin key (Triton's restricted-API feature), over HTTP and gRPC; health, metadata and
+    inference stay open."""
+    import tritonclient.grpc as grpcclient
+
+    base = triton_server.endpoints.http_url
+    key = {P.ADMIN_KEY_HEADER: triton_server.admin_key}
+    verbose = json.dumps({"log_verbose_level": 1}).encode()
+    assert _http_status(f"{base}/v2/logging", verbose) >= 400  # nobody switches on verbose logging
+    assert _http_status(f"{base}/v2/repository/index", b"{}") >= 400
+    assert _http_status(f"{base}/v2/models/stats") >= 400
+    assert _http_status(f"{base}/v2/logging") >= 400
+    assert _http_status(f"{base}/v2/logging", headers={P.ADMIN_KEY_HEADER: "guess"}) >= 400
+    assert _http_status(f"{base}/v2/logging", headers=key) == 200
+    assert _http_status(f"{base}/v2/repository/index", b"{}", key) == 200
+    assert _http_status(f"{base}/v2/health/ready") == 200 and _http_status(f"{base}/v2/models/ensemble") == 200
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+    with pytest.raises(Exception):
+        client.get_model_repository_index()
+    with pytest.raises(Exception):
+        client.update_log_settings({"log_verbose_level": 1})
+    assert client.get_model_repository_index(headers={P.ADMIN_KEY_GRPC_HEADER: triton_server.admin_key}).models
+    assert client.is_server_ready()
+    client.close()
+    log = triton_server.log_path.read_text(errors="replace")
+    assert "<admin key>" in log and triton_server.admin_key not in log  # never logged
+
+
 def _active_verifier_sequences(server) -> float:
     text = urllib.request.urlopen(server.endpoints.metrics_url).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -187,3 +226,30 @@ def test_a_full_server_refuses_new_requests_as_busy_after_the_admission_timeout(
             stream.close()  # cancels through speculative_loop: the slots free at once
             holder.close()
         assert client.generate(GenerateRequest("Name a colour.", max_tokens=4)).text  # admitted again
+
+
+def test_shared_slots_are_one_pool_across_processes_and_freed_when_a_holder_dies(tmp_path):
+    """The two served names run in separate processes; their admission permits are one pool."""
+    import asyncio
+    import multiprocessing
+
+    from specdec_triton.slots import SharedSlots
+
+    mine = SharedSlots(2, server_id=4242)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:  # another process takes one slot and keeps it while alive
+        held = pool.apply_async(_hold_a_slot, (4242,))
+        assert held.get(timeout=60) is not None
+        assert mine.try_acquire() is not None  # the other slot
+        assert mine.try_acquire() is None  # the pool is empty in THIS process too
+        assert asyncio.run(mine.acquire(0.05)) is None
+    # The holder's process is gone: the kernel released its lock.
+    assert mine.try_acquire() is not None
+
+
+def _hold_a_slot(server_id):
+    import specdec_triton.slots as slots
+
+    global _KEEP
+    _KEEP = slots.SharedSlots(2, server_id=server_id)
+    return _KEEP.try_acquire()

@@ -92,24 +92,44 @@ def test_loop_model_is_client_facing_too(triton_server, grpc_client):
         assert direct.generate(request(PROMPTS[0], method="ngram")).text == grpc_client.generate(request(PROMPTS[0], method="ngram")).text
 
 
-def test_cancel_mid_stream_frees_state(triton_server):
-    # Called directly: Triton (<= 2.51) does not forward an ensemble client's cancellation
-    # into the running decoupled step, so cancellation needs the loop as the entry point.
-    client = SpecDecClient(triton_server.endpoints.grpc, model="speculative_loop")
+@pytest.mark.parametrize("model", ["ensemble", "speculative_loop"])
+def test_cancel_mid_stream_frees_state(triton_server, model):
+    """A cancelled stream stops at its next step (counted as cancelled, not run to
+    max_tokens) and frees its KV slot, through either entry point."""
+    cancelled = metric(triton_server, "specdec_requests_total", reason="cancelled")
+    client = SpecDecClient(triton_server.endpoints.grpc, model=model)
     gen = client.stream(request(PROMPTS[4], max_tokens=400, ignore_eos=True, method="ngram"))
     for _ in range(3):
         next(gen)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") >= 1
     gen.close()  # stops the stream with cancel_requests=True
-    deadline = time.time() + 20
+    deadline = time.time() + 60  # a poll that fails only when the slot is never freed
     while time.time() < deadline and metric(triton_server, "specdec_active_sequences", model="verifier") > 0:
         time.sleep(0.2)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
     assert metric(triton_server, "specdec_active_sequences", model="drafter") == 0
-    assert metric(triton_server, "specdec_requests_total", reason="cancelled") >= 1
+    assert metric(triton_server, "specdec_requests_total", reason="cancelled") == cancelled + 1
     assert ready(triton_server)
     assert client.generate(request(PROMPTS[3], max_tokens=4)).text
     client.close()
+
+
+def test_eight_drafting_streams_at_once_equal_the_baseline_token_ids(triton_server):
+    """Overlapping streams that really draft (the adaptive methods have no static load
+    controls; the shipped EAGLE-3 head and n-gram): token ids equal the baseline's."""
+    def run(args):
+        prompt, method, k = args
+        with SpecDecClient(triton_server.endpoints.grpc, model="speculative_loop") as client:
+            return client.generate(request(prompt, method=method, num_draft_tokens=k, max_tokens=24))
+
+    with ThreadPoolExecutor(8) as pool:
+        base = list(pool.map(run, [(p, "ngram", 0) for p in PROMPTS]))
+        for method in ("eagle3-adaptive", "ngram-adaptive"):
+            drafted = metric(triton_server, "specdec_draft_tokens_total", method=method)
+            got = list(pool.map(run, [(p, method, None) for p in PROMPTS]))
+            assert [g.token_ids for g in got] == [b.token_ids for b in base], method
+            assert all(len(b.token_ids) > 0 for b in base)
+            assert metric(triton_server, "specdec_draft_tokens_total", method=method) > drafted, method
 
 
 def test_metrics_count_drafts(triton_server, grpc_client):

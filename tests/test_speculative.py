@@ -155,13 +155,13 @@ class PricedTokens:
     """A verify cost that makes nodes expensive enough for the planner to keep some and
     drop others (the toy target's real forward is nearly free): planning is exercised."""
 
-    def seconds_for(self, tokens: int) -> float:
+    def seconds_for(self, tokens: int, sequences: int = 1) -> float:
         return 100.0 + 0.1 * tokens
 
-    def marginal(self, tokens: int) -> float:
+    def marginal(self, tokens: int, sequences: int = 1) -> float:
         return 0.1
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
         pass
 
 
@@ -214,6 +214,7 @@ CASES = {
     # draws, by confidence for deterministic ones).
     "adaptive_chain_with_draft_probs": dict(iid=True, branches=1, depth=4, adaptive=True),
     "adaptive_tree_one_hot": dict(iid=False, branches=3, depth=3, adaptive=True),
+    "adaptive_hybrid_tree_one_hot": dict(iid=False, branches=2, depth=2, adaptive=True, merge=True),
 }
 PARAMS = SamplingParams(max_tokens=8, temperature=0.9, top_k=10, ignore_eos=True)
 CASES["tree_with_draft_probs_top_p"] = dict(CASES["tree_with_draft_probs"], params=SamplingParams(

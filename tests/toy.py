@@ -55,8 +55,11 @@ class BigramDrafter(Drafter):
 
     name = "bigram"
 
-    def __init__(self, table: torch.Tensor, iid: bool, branches: int, depth: int, adaptive: bool = False):
-        self.table, self.iid, self.branches, self.depth = table, iid, branches, depth
+    def __init__(self, table: torch.Tensor, iid: bool, branches: int, depth: int, adaptive: bool = False,
+                 merge: bool = False):
+        """merge: also merge a lookup-style continuation (the prompt's first tokens) into
+        each deterministic tree, as hybrid_ngram does."""
+        self.table, self.iid, self.branches, self.depth, self.merge = table, iid, branches, depth, merge
         self.config = SpeculativeConfig(adaptive=True) if adaptive else None
         self.proposed = 0  # nodes drafted (the planner may verify fewer)
 
@@ -89,6 +92,9 @@ class BigramDrafter(Drafter):
             frontier = nxt
         if not tokens:
             return DraftTree()
-        return DraftTree(
+        tree = DraftTree(
             tokens, parents, torch.stack(probs) if self.iid else None, IID_SAMPLED if self.iid else DETERMINISTIC, confidence
         )
+        if self.merge and not self.iid:
+            tree = tree.merged(list(seq.prompt_ids[: max(1, budget - len(tree))]))
+        return tree

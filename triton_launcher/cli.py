@@ -4,6 +4,7 @@ until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -11,7 +12,9 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .install import DEFAULT_MODEL_REPOSITORY, ServerExitedError, ServerTimeoutError, TritonLaunchError
+from specdec.protocol import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, RESTRICTED_APIS
+
+from .install import DEFAULT_MODEL_REPOSITORY, ServerExitedError, ServerTimeoutError, TritonLaunchError, default_cache_dir
 from .server import TritonServer
 
 
@@ -33,6 +36,19 @@ def _build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     )
     p.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     return p
+
+
+def _admin_key_source(server: TritonServer) -> str:
+    """Where the operator finds the admin key, without printing it: the variable they set,
+    or a file only they can read holding the one generated for this server."""
+    if os.environ.get(ADMIN_KEY_ENV):
+        return f"${ADMIN_KEY_ENV}"
+    path = default_cache_dir() / "admin-key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(server.admin_key or "")
+    return f"the key in {path} (export {ADMIN_KEY_ENV}=$(cat {path}) for specdec-client)"
 
 
 def serve_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -91,6 +107,7 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  HTTP    {ep.http_url}", flush=True)
         print(f"  gRPC    {ep.grpc}", flush=True)
         print(f"  metrics {ep.metrics_url}", flush=True)
+        print(f"  admin APIs ({', '.join(RESTRICTED_APIS)}): header {ADMIN_KEY_HEADER}: {_admin_key_source(server)}", flush=True)
         print("  (Ctrl-C to stop)", flush=True)
         while not stop_event.wait(0.5):
             if not server.is_running():

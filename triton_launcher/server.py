@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from specdec.protocol import INTERNAL_KEY_ENV
+from specdec.protocol import ADMIN_KEY_ENV, INTERNAL_KEY_ENV, restricted_api_args
 
 from .install import DEFAULT_MODEL_REPOSITORY, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
 from .processes import _alive, _proc_cmdline, _tail, descendants, group_members
@@ -101,6 +101,7 @@ class TritonServer:
         self._known_children: Dict[int, str] = {}
         self._lock = threading.RLock()
         self.command: List[str] = []
+        self.admin_key: Optional[str] = None  # set by start()
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -208,13 +209,18 @@ class TritonServer:
                 cmd.append(f"--backend-config=python,shm-default-byte-size={int(shm_default_byte_size)}")
             if shm_growth_byte_size is not None:
                 cmd.append(f"--backend-config=python,shm-growth-byte-size={int(shm_growth_byte_size)}")
-            cmd += [str(a) for a in extra_args]
-
             child_env = server_environment(install)
             if env:
                 child_env.update({str(k): str(v) for k, v in env.items()})
             # The internal models accept only calls that carry this per-server secret.
             child_env.setdefault(INTERNAL_KEY_ENV, secrets.token_hex(32))
+            # The administrative APIs (repository control, logging, trace, shared memory,
+            # statistics) answer only callers that send the admin key: from the caller's
+            # environment when set there, else generated for this server (self.admin_key).
+            self.admin_key = child_env.get(ADMIN_KEY_ENV) or os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(32)
+            child_env[ADMIN_KEY_ENV] = self.admin_key
+            cmd += restricted_api_args(self.admin_key)
+            cmd += [str(a) for a in extra_args]
 
             if self._log_path is None:
                 log_dir = default_cache_dir() if self._cache_dir is None else self._cache_dir
@@ -228,7 +234,8 @@ class TritonServer:
             self._warn_if_small_shm()
 
             self._log_fh = open(self._log_path, "ab", buffering=0)
-            self._log_fh.write(("$ " + " ".join(cmd) + "\n").encode())
+            shown = " ".join(cmd).replace(self.admin_key, "<admin key>")  # secrets are never logged
+            self._log_fh.write(("$ " + shown + "\n").encode())
             self.command = cmd
             try:
                 self._proc = subprocess.Popen(

@@ -8,6 +8,7 @@ client drives either this server or a TensorRT-LLM one.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import time
 import urllib.error
@@ -29,6 +30,7 @@ class Chunk:
     text: str
     time: float  # time.perf_counter() at arrival
     perf: dict[str, float] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)  # from models that return output_ids (speculative_loop)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Generation:
     chunk_times: list[float]
     end_time: float
     perf: dict[str, float]
+    token_ids: list[int] = field(default_factory=list)  # empty unless the model returns output_ids
 
     @property
     def ttft_s(self) -> float:
@@ -48,13 +51,14 @@ class Generation:
     @staticmethod
     def from_chunks(chunks, send_time: float) -> "Generation":
         """Fold streamed chunks (consumed now, or already collected) into a Generation."""
-        texts, times, perf = [], [], {}
+        texts, times, perf, ids = [], [], {}, []
         for chunk in chunks:
             if chunk.text:
                 texts.append(chunk.text)
                 times.append(chunk.time)
             perf.update(chunk.perf)
-        return Generation("".join(texts), send_time, times, time.perf_counter(), perf)
+            ids += chunk.token_ids
+        return Generation("".join(texts), send_time, times, time.perf_counter(), perf, ids)
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,24 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+def _ids_of(result) -> list[int]:
+    try:
+        array = result.as_numpy(P.OUTPUT_IDS)
+    except Exception:  # noqa: BLE001 - a model without the output (ensemble)
+        return []
+    return [] if array is None else [int(t) for t in array.reshape(-1)]
+
+
 def _chunk_of(result, arrived: float) -> tuple[Chunk | None, bool]:
     """(the chunk a gRPC stream response carries, or None for an empty one; is it the last)."""
-    text, perf = _text_of(result), _perf_of(result)
-    return (Chunk(text, arrived, perf) if text or perf else None), _is_final(result)
+    text, perf, ids = _text_of(result), _perf_of(result), _ids_of(result)
+    return (Chunk(text, arrived, perf, ids) if text or perf or ids else None), _is_final(result)
+
+
+def _admin_headers(grpc: bool = False) -> dict[str, str]:
+    """The header Triton's restricted (admin) APIs ask for, when this process knows the key."""
+    key = os.environ.get(P.ADMIN_KEY_ENV)
+    return {P.ADMIN_KEY_GRPC_HEADER if grpc else P.ADMIN_KEY_HEADER: key} if key else {}
 
 
 def _grpc_error(exc: Exception) -> Exception:
@@ -157,16 +175,26 @@ class SpecDecClient:
 
     # ---- health -----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        """{'live': bool, 'ready': bool, 'models': [{'name', 'state'}]}; raises ClientConnectionError."""
+        """{'live': bool, 'ready': bool, 'models': [{'name', 'state'}]}; raises ClientConnectionError.
+        The model list comes from the repository index, an admin API: with the admin key
+        (SPECDEC_ADMIN_KEY) it lists every model; without it, the readiness of this
+        project's models (health API, open to all)."""
         try:
             if self.protocol == "grpc":
                 client = self._grpc_client()
-                index = client.get_model_repository_index(as_json=True).get("models", [])
-                return {"live": client.is_server_live(), "ready": client.is_server_ready(),
-                        "models": [{"name": m["name"], "state": m.get("state", "")} for m in index]}
-            live = self._http_status("/v2/health/live") == 200
-            ready = self._http_status("/v2/health/ready") == 200
-            index = json.loads(self._http_post("/v2/repository/index", {}).read() or b"[]")
+                live, ready = client.is_server_live(), client.is_server_ready()
+                try:
+                    index = client.get_model_repository_index(headers=_admin_headers(grpc=True), as_json=True).get("models", [])
+                except Exception:  # noqa: BLE001 - restricted without the key
+                    index = [{"name": m, "state": "READY" if client.is_model_ready(m) else "UNAVAILABLE"} for m in P.MODELS]
+            else:
+                live = self._http_status("/v2/health/live") == 200
+                ready = self._http_status("/v2/health/ready") == 200
+                try:
+                    index = json.loads(self._http_post("/v2/repository/index", {}, _admin_headers()).read() or b"[]")
+                except ServerError:  # restricted without the key
+                    index = [{"name": m, "state": "READY" if self._http_status(f"/v2/models/{m}/ready") == 200 else "UNAVAILABLE"}
+                             for m in P.MODELS]
             return {"live": live, "ready": ready, "models": [{"name": m["name"], "state": m.get("state", "")} for m in index]}
         except (ClientConnectionError, ServerError):
             raise
@@ -267,9 +295,9 @@ class SpecDecClient:
         except (urllib.error.URLError, OSError) as exc:
             raise ClientConnectionError(f"{self.url}: {exc}") from exc
 
-    def _http_post(self, path: str, body: dict):
+    def _http_post(self, path: str, body: dict, headers: dict[str, str] | None = None):
         data = json.dumps(body).encode()
-        req = urllib.request.Request(f"http://{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"http://{self.url}{path}", data=data, headers={"Content-Type": "application/json", **(headers or {})})
         try:
             return urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
@@ -297,7 +325,8 @@ def _event_chunk(payload: dict) -> Chunk:
     if "error" in payload:
         raise ServerError(payload["error"])
     perf = {k: float(payload[k]) for k in PERF_FIELDS if k in payload}
-    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf)
+    ids = payload.get(P.OUTPUT_IDS, [])
+    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf, [int(t) for t in (ids if isinstance(ids, list) else [ids])])
 
 
 def _sse_events(lines) -> Iterator[Chunk]:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import json
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,8 +22,9 @@ from ..models.eagle3 import Eagle3Config, Eagle3Head, cast_linears, draft_log_pr
 from ..models.llama import ForwardBatch, build_batch
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
-from ..tree import ROOT, DraftTree
+from ..tree import DETERMINISTIC, ROOT, DraftTree
 from .base import Drafter, KeepDrafting
+from .ngram import find_continuations
 from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
 from .tree_search import Expansion, dynamic_trees
 
@@ -80,9 +82,23 @@ class Eagle3Drafter(Drafter):
             draft = self._dynamic_trees
         else:
             draft = self._chains
-        for i, tree in zip(active, draft([seqs[i] for i in active], [states[i] for i in active], [budgets[i] for i in active], keep_drafting)):
-            trees[i] = tree
+        lookups = {i: self._lookup(seqs[i], budgets[i]) for i in active} if self.config.hybrid_ngram else {}
+        head_budgets = [max(1, budgets[i] - len(lookups.get(i, ()))) for i in active]
+        for i, tree in zip(active, draft([seqs[i] for i in active], [states[i] for i in active], head_budgets, keep_drafting)):
+            trees[i] = tree.merged(lookups[i]) if lookups.get(i) and tree.scheme == DETERMINISTIC else tree
         return trees
+
+    def _lookup(self, seq: SequenceState, budget: int) -> list[int]:
+        """hybrid_ngram: the most recent n-gram continuation (at most max_draft_len tokens,
+        leaving the head at least one node of the budget)."""
+        cfg = self.config
+        history = np.asarray(seq.all_ids, dtype=np.int64)
+        length = min(cfg.max_draft_len, budget - 1)
+        for n in range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1):
+            found = find_continuations(history, n, length, max_matches=1) if length > 0 else []
+            if found:
+                return [int(t) for t in found[0]]
+        return []
 
     def _absorb_pending(self, states: list[_HeadState]) -> None:
         """Run every sequence's pending pairs through the head in one ragged pass, commit them."""

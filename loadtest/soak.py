@@ -1,0 +1,268 @@
+"""`make soak`: production-shaped load with normal, cancelled and malformed requests for a
+while, then a crash drill; reports what a reliability review asks for (not part of
+`make test`).
+
+    python -m loadtest.soak --minutes 30 --users 16 --out results/soak
+
+Phase 0 (cancel storms): --cancels streams through `ensemble`, then through
+`speculative_loop`, each cancelled after its first chunk: seconds until every slot is free,
+memory before and after.
+
+Phase 1 (soak): `--users` closed-loop users through `ensemble` over gRPC, each request
+drawn at random: 75% normal (a ShareGPT prompt, a random configured method or the
+baseline, streamed to the end), 15% cancelled after their first chunk, 10% malformed (each
+of the bad-input cases in turn). Every minute: requests, failures among well-formed
+requests, p50/p99 end-to-end latency of the normal ones, and the server's resident memory
+(every process of its group, stubs included). At the end: the verifier's slots must all be
+free again (specdec_active_sequences) and memory after warm-up must not have grown > 5%.
+
+Phase 2 (crash drill): kill the verifier's Python stub mid-stream; streams in flight must
+end with an error (not hang) within --drill-timeout-s; then restart the server and check
+that it serves again.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
+
+MALFORMED = [  # (what, request fields) - each must be answered with an error naming the field
+    ("empty prompt", dict(prompt="")),
+    ("max_tokens 0", dict(max_tokens=0)),
+    ("temperature < 0", dict(temperature=-1.0)),
+    ("top_p > 1", dict(temperature=0.7, top_p=1.5)),
+    ("unknown method", dict(method="no-such-method")),
+    ("draft tokens out of range", dict(num_draft_tokens=10_000)),
+]
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class Soak:
+    def __init__(self, server, prompts: list[str], methods: list[str], args):
+        self.server, self.prompts, self.methods, self.args = server, prompts, methods, args
+        self.rng = random.Random(args.seed)
+        self.minutes: list[dict] = []
+        self._current: dict = {}
+
+    def _new_minute(self) -> None:
+        self._current = {"requests": 0, "normal": 0, "cancelled": 0, "malformed": 0, "failures": 0,
+                         "malformed_not_refused": 0, "latencies_s": [], "errors": []}
+
+    async def user(self, client, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            kind = self.rng.choices(("normal", "cancelled", "malformed"), (75, 15, 10))[0]
+            bucket = self._current
+            bucket["requests"] += 1
+            bucket[kind] += 1
+            prompt = self.rng.choice(self.prompts)
+            method = self.rng.choice(self.methods)
+            base = dict(prompt=prompt, max_tokens=self.args.max_tokens, method=None if method == "baseline" else method,
+                        num_draft_tokens=0 if method == "baseline" else None)
+            try:
+                if kind == "malformed":
+                    what, fields = MALFORMED[bucket["malformed"] % len(MALFORMED)]
+                    try:
+                        await client.generate(GenerateRequest(**{**base, **fields}))
+                        bucket["malformed_not_refused"] += 1
+                        bucket["errors"].append(f"not refused: {what}")
+                    except Exception:  # noqa: BLE001 - the expected answer
+                        pass
+                elif kind == "cancelled":
+                    gen = client.stream(GenerateRequest(**base))
+                    await gen.__anext__()
+                    await gen.aclose()
+                else:
+                    t0 = time.monotonic()
+                    await client.generate(GenerateRequest(**base))
+                    bucket["latencies_s"].append(time.monotonic() - t0)
+            except Exception as exc:  # noqa: BLE001 - counted, reported
+                bucket["failures"] += 1
+                bucket["errors"].append(f"{kind}: {str(exc)[:200]}")
+
+    async def run(self) -> dict:
+        url = self.server.endpoints.grpc
+        end = time.monotonic() + 60 * self.args.minutes
+        clients = [AsyncSpecDecClient(url, "grpc", timeout_s=self.args.request_timeout_s) for _ in range(self.args.users)]
+        for c in clients:
+            await c.__aenter__()
+        try:
+            while time.monotonic() < end:
+                self._new_minute()
+                minute_end = min(end, time.monotonic() + 60)
+                await asyncio.gather(*(self.user(c, minute_end) for c in clients))
+                self.minutes.append(self._summarise(self._current))
+                print(json.dumps(self.minutes[-1]), flush=True)
+        finally:
+            for c in clients:
+                await c.__aexit__(None, None, None)
+        return self._report()
+
+    def _summarise(self, bucket: dict) -> dict:
+        lat = bucket.pop("latencies_s")
+        errors = bucket.pop("errors")
+        return {**bucket, "minute": len(self.minutes) + 1,
+                "e2e_p50_s": float(np.percentile(lat, 50)) if lat else None,
+                "e2e_p99_s": float(np.percentile(lat, 99)) if lat else None,
+                "rss_mib": rss_bytes(self._pids()) / 2**20, "first_errors": errors[:3]}
+
+    def _pids(self) -> list[int]:
+        from triton_launcher.processes import group_members
+
+        return group_members(self.server.pgid)
+
+    def _report(self) -> dict:
+        deadline = time.monotonic() + 30
+        active = self._active()
+        while active and time.monotonic() < deadline:  # cancelled requests end at their next step
+            time.sleep(0.5)
+            active = self._active()
+        rss = [m["rss_mib"] for m in self.minutes]
+        warm = rss[1] if len(rss) > 1 else rss[0]
+        return {
+            "minutes": self.minutes,
+            "well_formed_failures": sum(m["failures"] for m in self.minutes),
+            "malformed_not_refused": sum(m["malformed_not_refused"] for m in self.minutes),
+            "active_sequences_at_end": active,
+            "rss_growth_after_warmup": (rss[-1] - warm) / warm if warm else None,
+        }
+
+    def _active(self) -> float:
+        samples = promtext.scrape(self.server.endpoints.metrics_url)
+        return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
+
+
+async def cancel_storm(server, prompt: str, n: int, model: str) -> dict:
+    """n streams through `model`, each cancelled after its first chunk: how long until every
+    verifier slot is free again, and the server's memory before and after."""
+    from triton_launcher.processes import group_members
+
+    def active() -> float:
+        samples = promtext.scrape(server.endpoints.metrics_url)
+        return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
+
+    rss_before = rss_bytes(group_members(server.pgid))
+
+    async def one(client):
+        gen = client.stream(GenerateRequest(prompt, max_tokens=256, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+
+    async with AsyncSpecDecClient(server.endpoints.grpc, "grpc", model=model) as client:
+        for start in range(0, n, 16):  # 16 at a time: the verifier's slots
+            await asyncio.gather(*(one(client) for _ in range(min(16, n - start))))
+    last_cancel = time.monotonic()
+    while active() and time.monotonic() - last_cancel < 120:
+        await asyncio.sleep(0.2)
+    return {"model": model, "cancelled": n, "seconds_until_all_slots_free": time.monotonic() - last_cancel,
+            "active_after": active(), "rss_before_mib": rss_before / 2**20,
+            "rss_after_mib": rss_bytes(group_members(server.pgid)) / 2**20}
+
+
+async def crash_drill(server, prompt: str, args) -> dict:
+    """Kill the verifier's stub while streams run: every stream must end (with an error)."""
+    from triton_launcher.processes import _proc_cmdline, group_members
+
+    async def stream_once(client):
+        t0 = time.monotonic()
+        try:
+            async for _ in client.stream(GenerateRequest(prompt, max_tokens=400, ignore_eos=True)):
+                pass
+            return {"outcome": "finished", "seconds": time.monotonic() - t0}
+        except Exception as exc:  # noqa: BLE001 - the expected ending
+            return {"outcome": "error", "seconds": time.monotonic() - t0, "error": str(exc)[:200]}
+
+    stubs = [p for p in group_members(server.pgid) if "verifier" in _proc_cmdline(p)]
+    async with AsyncSpecDecClient(server.endpoints.grpc, "grpc", timeout_s=args.drill_timeout_s) as client:
+        tasks = [asyncio.create_task(stream_once(client)) for _ in range(4)]
+        await asyncio.sleep(3.0)
+        for pid in stubs:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), args.drill_timeout_s + 30)
+        except asyncio.TimeoutError:
+            results = [{"outcome": "hung"}]
+    return {"killed_stub_pids": stubs, "streams": results}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=30)
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--request-timeout-s", type=float, default=300)
+    p.add_argument("--drill-timeout-s", type=float, default=60)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--cancels", type=int, default=500, help="streams cancelled after their first chunk, per entry point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("results/soak"))
+    args = p.parse_args(argv)
+
+    from specdec.config import ServingConfig
+    from specdec.data import sharegpt_prompts
+    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    methods = ["baseline", *ServingConfig.from_file(DEFAULT_MODEL_REPOSITORY / "specdec.json").methods]
+    prompts = sharegpt_prompts(args.num_prompts, seed=args.seed, max_tokens=256)
+    report: dict = {"settings": vars(args) | {"out": str(args.out)}, "methods": methods}
+    server = TritonServer(log_path=args.out / "triton.log")
+    try:
+        server.start(DEFAULT_MODEL_REPOSITORY, *free_ports(3))
+        server.wait_ready(600)
+        report["cancel_storms"] = [asyncio.run(cancel_storm(server, prompts[1], args.cancels, model))
+                                   for model in ("ensemble", "speculative_loop")]
+        report["soak"] = asyncio.run(Soak(server, prompts, methods, args).run())
+        report["crash_drill"] = asyncio.run(crash_drill(server, prompts[0], args))
+    finally:
+        server.stop()
+    restarted = TritonServer(log_path=args.out / "triton-restart.log")
+    try:
+        restarted.start(DEFAULT_MODEL_REPOSITORY, *free_ports(3))
+        restarted.wait_ready(600)
+
+        async def one():
+            async with AsyncSpecDecClient(restarted.endpoints.grpc, "grpc") as client:
+                return (await client.generate(GenerateRequest(prompts[0], max_tokens=8))).text
+
+        report["serves_after_restart"] = bool(asyncio.run(one()))
+    finally:
+        restarted.stop()
+    soak = report["soak"]
+    report["verdict"] = {
+        "no_well_formed_failures": soak["well_formed_failures"] == 0,
+        "every_malformed_refused": soak["malformed_not_refused"] == 0,
+        "no_slot_held": soak["active_sequences_at_end"] == 0,
+        "cancel_storms_drain_within_10s": all(c["active_after"] == 0 and c["seconds_until_all_slots_free"] < 10
+                                              for c in report["cancel_storms"]),
+        "rss_growth_below_5pct": soak["rss_growth_after_warmup"] is not None and soak["rss_growth_after_warmup"] < 0.05,
+        "crash_drill_no_hang": all(s["outcome"] != "hung" for s in report["crash_drill"]["streams"]),
+        "serves_after_restart": report["serves_after_restart"],
+    }
+    (args.out / "soak.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["verdict"], indent=2))
+    return 0 if all(report["verdict"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""Admission permits shared by every process of one Triton server that starts sequences on
+the verifier (the `ensemble` and `speculative_loop` models run in separate Python stubs).
+
+One lock file per KV-cache slot, flock'ed while a request holds it: the kernel frees the lock
+when the holder exits, so a crashed stub never strands a permit. No Triton import: plain
+files and fcntl."""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+
+class SharedSlots:
+    def __init__(self, count: int, server_id: int | None = None):
+        """server_id: what the server's processes share (default: the parent pid, which is
+        tritonserver for every Python stub it starts)."""
+        directory = Path(tempfile.gettempdir()) / f"specdec-slots-{server_id or os.getppid()}"
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self._fds = [os.open(directory / f"slot-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(count)]
+        self._held: set[int] = set()  # this process's: flock would let it take its own lock twice
+
+    def try_acquire(self) -> int | None:
+        for i, fd in enumerate(self._fds):
+            if i in self._held:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            self._held.add(i)
+            return i
+        return None
+
+    async def acquire(self, timeout_s: float, poll_s: float = 0.01) -> int | None:
+        """A slot within timeout_s, or None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            slot = self.try_acquire()
+            if slot is not None or loop.time() >= deadline:
+                return slot
+            await asyncio.sleep(poll_s)
+
+    def release(self, slot: int) -> None:
+        self._held.discard(slot)
+        fcntl.flock(self._fds[slot], fcntl.LOCK_UN)
