@@ -8,7 +8,8 @@ Phase 0 (cancel storms): --cancels streams through `ensemble`, then through
 `speculative_loop`, each cancelled after its first chunk: seconds until every slot is free,
 memory before and after.
 
-Phase 1 (soak): `--users` closed-loop users through `ensemble` over gRPC, each request
+Phase 1 (soak): `--users` closed-loop users through `ensemble` (HTTP by default, see
+--protocol), each request
 drawn at random: 75% normal (a ShareGPT prompt, a random configured method or the
 baseline, streamed to the end), 15% cancelled after their first chunk, 10% malformed (each
 of the bad-input cases in turn). Every minute: requests, failures among well-formed
@@ -101,9 +102,9 @@ class Soak:
                 bucket["errors"].append(f"{kind}: {str(exc)[:200]}")
 
     async def run(self) -> dict:
-        url = self.server.endpoints.grpc
+        url = _url(self.server, self.args.protocol)
         end = time.monotonic() + 60 * self.args.minutes
-        clients = [AsyncSpecDecClient(url, "grpc", timeout_s=self.args.request_timeout_s) for _ in range(self.args.users)]
+        clients = [AsyncSpecDecClient(url, self.args.protocol, timeout_s=self.args.request_timeout_s) for _ in range(self.args.users)]
         for c in clients:
             await c.__aenter__()
         try:
@@ -152,7 +153,11 @@ class Soak:
         return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
 
 
-async def cancel_storm(server, prompt: str, n: int, model: str) -> dict:
+def _url(server, protocol: str) -> str:
+    return server.endpoints.grpc if protocol == "grpc" else server.endpoints.http
+
+
+async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str = "grpc") -> dict:
     """n streams through `model`, each cancelled after its first chunk: how long until every
     verifier slot is free again, and the server's memory before and after."""
     from triton_launcher.processes import group_members
@@ -168,7 +173,7 @@ async def cancel_storm(server, prompt: str, n: int, model: str) -> dict:
         await gen.__anext__()
         await gen.aclose()
 
-    async with AsyncSpecDecClient(server.endpoints.grpc, "grpc", model=model) as client:
+    async with AsyncSpecDecClient(_url(server, protocol), protocol, model=model) as client:
         for start in range(0, n, 16):  # 16 at a time: the verifier's slots
             await asyncio.gather(*(one(client) for _ in range(min(16, n - start))))
     last_cancel = time.monotonic()
@@ -193,7 +198,7 @@ async def crash_drill(server, prompt: str, args) -> dict:
             return {"outcome": "error", "seconds": time.monotonic() - t0, "error": str(exc)[:200]}
 
     stubs = [p for p in group_members(server.pgid) if "verifier" in _proc_cmdline(p)]
-    async with AsyncSpecDecClient(server.endpoints.grpc, "grpc", timeout_s=args.drill_timeout_s) as client:
+    async with AsyncSpecDecClient(_url(server, args.protocol), args.protocol, timeout_s=args.drill_timeout_s) as client:
         tasks = [asyncio.create_task(stream_once(client)) for _ in range(4)]
         await asyncio.sleep(3.0)
         for pid in stubs:
@@ -215,6 +220,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--cancels", type=int, default=500, help="streams cancelled after their first chunk, per entry point")
     p.add_argument("--seed", type=int, default=0)
+    # Bundled Triton 2.51's gRPC frontend can abort on concurrent client cancellations
+    # ("ASSERTION FAILED: prior > 0"; triton-inference-server/server#7368, fixed upstream in
+    # a later release): soak the gRPC path on a server that has the fix.
+    p.add_argument("--protocol", choices=("grpc", "http"), default="http")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
 
@@ -230,7 +239,7 @@ def main(argv=None) -> int:
     try:
         server.start(DEFAULT_MODEL_REPOSITORY, *free_ports(3))
         server.wait_ready(600)
-        report["cancel_storms"] = [asyncio.run(cancel_storm(server, prompts[1], args.cancels, model))
+        report["cancel_storms"] = [asyncio.run(cancel_storm(server, prompts[1], args.cancels, model, args.protocol))
                                    for model in ("ensemble", "speculative_loop")]
         report["soak"] = asyncio.run(Soak(server, prompts, methods, args).run())
         report["crash_drill"] = asyncio.run(crash_drill(server, prompts[0], args))
@@ -242,7 +251,7 @@ def main(argv=None) -> int:
         restarted.wait_ready(600)
 
         async def one():
-            async with AsyncSpecDecClient(restarted.endpoints.grpc, "grpc") as client:
+            async with AsyncSpecDecClient(_url(restarted, args.protocol), args.protocol) as client:
                 return (await client.generate(GenerateRequest(prompts[0], max_tokens=8))).text
 
         report["serves_after_restart"] = bool(asyncio.run(one()))
