@@ -157,7 +157,7 @@ def _url(server, protocol: str) -> str:
     return server.endpoints.grpc if protocol == "grpc" else server.endpoints.http
 
 
-async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str = "grpc") -> dict:
+async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -> dict:
     """n streams through `model`, each cancelled after its first chunk: how long until every
     verifier slot is free again, and the server's memory before and after."""
     from triton_launcher.processes import group_members

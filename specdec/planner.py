@@ -1,9 +1,10 @@
 """Speculation that never costs: each step's draft budget chosen from measured costs.
 
-A step's value is the tokens it emits per second of step time. Two measured models price it:
-  * VerifyCost: seconds of one batched verification by the batch's total tokens, a table
-    measured by a start-up microbenchmark and then by every step it serves;
-  * DraftCost: seconds of one drafting call as a function of its draft passes (depths).
+A step's value is the tokens it emits per second of step time. Measured models price it:
+  * VerifyCost: seconds of one batched verification by the batch's sequences and total
+    tokens, tables measured by a start-up microbenchmark and then by every step served;
+  * DraftCost: seconds of one drafting call by its draft passes (depths) and sequences;
+  * the time between consecutive steps that is not verification (the serving loop).
 Acceptance is estimated online, per method, from what verification kept: the chance that a
 node is accepted given that its parent was, looked up by the drafter's own confidence in
 the node (calibrated: EAGLE-2 observed that draft confidence tracks acceptance) or, for
@@ -44,38 +45,6 @@ _MAX_RATE = 0.98  # no node is ever certain: keeps path gains strictly decreasin
 EXPLORE_EVERY = 16
 
 
-class LinearCost:
-    """seconds ~ features . theta, least squares over a sliding window of observations,
-    refitted every `refit_every` observations."""
-
-    def __init__(self, n_features: int, window: int = 512, refit_every: int = 16):
-        self.n = n_features
-        self.window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
-        self.refit_every = refit_every
-        self.theta = np.zeros(n_features)
-        self._since_fit = 0
-
-    def observe(self, features: Sequence[float], seconds: float) -> None:
-        self.window.append((tuple(float(f) for f in features), float(seconds)))
-        self._since_fit += 1
-        if self._since_fit >= self.refit_every or len(self.window) < self.refit_every:
-            self.fit()
-
-    def fit(self) -> None:
-        rows = list(self.window)
-        if not rows:
-            return
-        X = np.array([r[0] for r in rows])
-        y = np.array([r[1] for r in rows])
-        # A whisper of ridge: while every call drafts as deep, the columns are collinear.
-        gram = X.T @ X + 1e-9 * np.eye(self.n)
-        self.theta = np.maximum(np.linalg.solve(gram, X.T @ y), 0.0)  # no cost is negative
-        self._since_fit = 0
-
-    def seconds(self, *features: float) -> float:
-        return float(np.dot(self.theta, features))
-
-
 class VerifyCost:
     """Seconds of one batched verification by the batch's sequences and total tokens (root +
     nodes of every sequence). A small target's forward is weight-bandwidth bound: flat up to
@@ -96,10 +65,6 @@ class VerifyCost:
         self._since_fit = 0
         self._curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.slope = 0.0  # steepest measured seconds per extra token
-
-    @property
-    def calibrated(self) -> bool:
-        return bool(self.means)
 
     def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
         means = self.means.setdefault(sequences, {})
@@ -155,12 +120,34 @@ def _isotonic(values: Sequence[float], weights: Sequence[float]) -> np.ndarray:
     return np.array([m for m, _, n in blocks for _ in range(int(n))])
 
 
-class DraftCost(LinearCost):
-    """seconds of one drafting call = fixed + per_pass * passes + per_sequence * sequences
-    (catching up on each sequence's kept tokens)."""
+class DraftCost:
+    """Seconds of one drafting call = fixed + per_pass * passes + per_sequence * sequences
+    (catching up on each sequence's kept tokens): least squares over a sliding window of
+    calls, refitted every `refit_every` calls."""
 
-    def __init__(self):
-        super().__init__(3)
+    def __init__(self, window: int = 512, refit_every: int = 16):
+        self.window: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.theta = np.zeros(3)
+        self._since_fit = 0
+
+    def observe(self, features: Sequence[float], seconds: float) -> None:
+        """features: (1, passes, sequences)."""
+        self.window.append((tuple(float(f) for f in features), float(seconds)))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or len(self.window) < self.refit_every:
+            self.fit()
+
+    def fit(self) -> None:
+        X = np.array([r[0] for r in self.window])
+        y = np.array([r[1] for r in self.window])
+        # A whisper of ridge: while every call drafts as deep, the columns are collinear.
+        gram = X.T @ X + 1e-9 * np.eye(len(self.theta))
+        self.theta = np.maximum(np.linalg.solve(gram, X.T @ y), 0.0)  # no cost is negative
+        self._since_fit = 0
+
+    def seconds(self, *features: float) -> float:
+        return float(np.dot(self.theta, features))
 
     @property
     def per_pass(self) -> float:

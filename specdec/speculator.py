@@ -189,15 +189,13 @@ class Speculator(KeyedSequences[_Sequence]):
         t0 = time.perf_counter()
         outs = self.verifier.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
         t1 = time.perf_counter()
-        self.planner.observe_verify(sum(1 + len(t) for t in trees), len(items), t1 - t0)
-        if self._last_verify is not None and t0 - self._last_verify[0] < 4 * self._last_verify[1] + 0.05:
-            self.planner.observe_step_extra(t0 - self._last_verify[0] - self._last_verify[1])  # back to back: a busy server
-        self._last_verify = (t0, t1 - t0)
+        if self.adaptive:
+            self._observe_timing(sum(1 + len(t) for t in trees), len(items), t0, t1)
         results = []
         for item, seq, tree, out in zip(items, seqs, trees, outs):
             emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
             seq.generated += len(emitted)
-            if seq.method != METHOD_NONE:
+            if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
             if seq.method != METHOD_NONE:  # every step, drafting or not: the drafter sees every token once
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
@@ -207,6 +205,15 @@ class Speculator(KeyedSequences[_Sequence]):
             ))
         self._draft_next(items, results)
         return results
+
+    def _observe_timing(self, tokens: int, sequences: int, t0: float, t1: float) -> None:
+        """The verification's seconds, and (when steps run back to back: a busy server) the
+        time since the previous one that was not verification."""
+        self.planner.observe_verify(tokens, sequences, t1 - t0)
+        last = self._last_verify
+        if last is not None and t0 - last[0] < 4 * last[1] + 0.05:
+            self.planner.observe_step_extra(t0 - last[0] - last[1])
+        self._last_verify = (t0, t1 - t0)
 
     def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult], first: bool = False) -> None:
         """One batched propose per drafter (one head pass per draft depth for all sequences).

@@ -145,8 +145,11 @@ class Eagle3Drafter(Drafter):
         return self.head(hidden, batch, self.cache)
 
     def _chains(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
-        """Linear drafts: argmax (greedy) or sampled with draft probabilities."""
+        """Linear drafts: argmax (greedy) or sampled with draft probabilities. With
+        keep_drafting (a planned method) each node states the head's probability of it, and
+        the chain stops early when the planner says a further pass does not pay."""
         B = len(seqs)
+        planned = keep_drafting is not None
         tokens: list[list[int]] = [[] for _ in range(B)]
         probs: list[list[Tensor]] = [[] for _ in range(B)]
         confidence: list[list[float]] = [[] for _ in range(B)]
@@ -154,36 +157,34 @@ class Eagle3Drafter(Drafter):
         logits = torch.stack([s.last_logits for s in states])
         hidden = torch.stack([s.last_hidden for s in states])[:, None]
         for depth in range(max(budgets)):
+            top = torch.softmax(logits.float(), -1).amax(-1).tolist() if planned else None  # argmax's probability
             for b, seq in enumerate(seqs):
                 if depth < budgets[b]:
-                    token, q, conf = self._pick(seq, logits[b])
+                    token, q = self._pick(seq, logits[b])
                     tokens[b].append(token)
-                    confidence[b].append(conf)
-                    path[b] *= conf
                     if q is not None:
                         probs[b].append(q)
+                    if planned:
+                        conf = top[b] if q is None else float(q[token])
+                        confidence[b].append(conf)
+                        path[b] *= conf
             if depth + 1 == max(budgets):
                 break
-            if keep_drafting is not None and not keep_drafting(depth + 1, [p if depth < n else 0.0 for p, n in zip(path, budgets)]):
+            if planned and not keep_drafting(depth + 1, [p if depth < n else 0.0 for p, n in zip(path, budgets)]):
                 break
             masks = [torch.ones(1, depth + 1, dtype=torch.bool) for _ in range(B)]
             last = [[t[-1]] for t in tokens]
             out_hidden, out_logits = self._step(states, hidden, last, [depth] * B, [[depth]] * B, masks)
             hidden, logits = out_hidden, out_logits[:, 0]
         return [
-            DraftTree.chain(t, torch.stack(p) if p else None, c) for t, p, c in zip(tokens, probs, confidence)
+            DraftTree.chain(t, torch.stack(p) if p else None, c if planned else None) for t, p, c in zip(tokens, probs, confidence)
         ]
 
-    def _pick(self, seq: SequenceState, draft_logits: Tensor) -> tuple[int, Tensor | None, float]:
-        """The next draft token, the distribution it was sampled from (None: argmax) and
-        the head's probability of it."""
+    def _pick(self, seq: SequenceState, draft_logits: Tensor) -> tuple[int, Tensor | None]:
         if seq.params.greedy:
-            best = int(draft_logits.argmax())
-            conf = float(torch.softmax(draft_logits.float(), -1)[best])
-            return int(self.draft_to_target[best]), None, conf
+            return int(self.draft_to_target[int(draft_logits.argmax())]), None
         q = logits_to_probs(mapped_logits(self.head, draft_logits), seq.params)  # same processing as the target
-        token = int(torch.multinomial(q, 1, generator=seq.generator))
-        return token, q, float(q[token])
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
 
     def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth; each node's
