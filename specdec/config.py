@@ -101,6 +101,15 @@ class ModelConfig:
     def from_file(path: Path) -> "ModelConfig":
         return ModelConfig.from_hf_dict(json.loads(Path(path).read_text()))
 
+    def check_draft_pairing(self, draft: "ModelConfig", source: str) -> None:
+        """What a draft model's config.json must agree on with this target's for the draft to
+        speak its token ids: the vocabulary size and the special tokens."""
+        if draft.vocab_size != self.vocab_size:
+            raise ConfigError("speculative_model", f"{source}: vocabulary size {draft.vocab_size} differs from the target's {self.vocab_size}")
+        for name, mine, theirs in (("bos_token_id", draft.bos_token_id, self.bos_token_id), ("eos_token_id", draft.eos_token_ids, self.eos_token_ids)):
+            if mine and theirs and mine != theirs:
+                raise ConfigError("speculative_model", f"{source}: {name} {mine} differs from the target's {theirs}")
+
     def eagle3_tap_layers(self) -> tuple[int, int, int]:
         """Default EAGLE-3 feature layers {1, L//2-1, L-4} (TensorRT-LLM's default)."""
         n = self.num_layers
@@ -156,7 +165,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     # Draft model / EAGLE-3 head directory (TensorRT-LLM's name); None = the shipped default.
+    # A draft model may also be one .gguf file.
     speculative_model: str | None = None
+    # The draft's weight dtype; None = engine.draft_dtype.
+    draft_dtype: str | None = None
     # Load controls (TensorRT-LLM's names): verifying drafts costs compute that a busy batch
     # no longer has spare, so speculation shrinks or stops as the batch grows.
     # draft_len_schedule {4: 4, 8: 2, 32: 1}: batch 1-4 -> at most 4 draft tokens a step,
@@ -190,6 +202,8 @@ class SpeculativeConfig:
             raise ConfigError("adaptive", f"must be true or false, got {self.adaptive!r}")
         if self.adaptive and (self.max_concurrency is not None or self.draft_len_schedule is not None):
             raise ConfigError("adaptive", "chooses budgets itself: leave max_concurrency and draft_len_schedule unset")
+        if self.draft_dtype not in (None, "float32", "bfloat16"):
+            raise ConfigError("draft_dtype", f"must be float32, bfloat16 or null (= engine.draft_dtype), got {self.draft_dtype!r}")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:
             raise ConfigError("max_draft_len", f"must be an integer >= 1, got {self.max_draft_len!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -17,6 +17,9 @@ TEMPERATURE = "temperature"
 TOP_K = "top_k"
 TOP_P = "top_p"
 RANDOM_SEED = "random_seed"
+# TensorRT-LLM ensembles renamed random_seed to seed in May 2025 (tensorrtllm_backend#749);
+# clients of either era send theirs, so the request accepts both.
+SEED = "seed"
 STOP_WORDS = "stop_words"
 NUM_DRAFT_TOKENS = "num_draft_tokens"
 RETURN_PERF_METRICS = "return_perf_metrics"
@@ -97,6 +100,7 @@ REQUEST_INPUTS = (
     (MAX_TOKENS, "TYPE_INT32", (1,)),
     (STREAM, "TYPE_BOOL", (1,), True),
     *SAMPLING_INPUTS,
+    (SEED, "TYPE_UINT64", (1,), True),
     (STOP_WORDS, "TYPE_STRING", (-1,), True),
     (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
     (RETURN_PERF_METRICS, "TYPE_BOOL", (1,), True),

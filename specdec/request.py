@@ -150,7 +150,7 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequ
         temperature=_scalar(inputs, P.TEMPERATURE, 0.0, float),
         top_k=_scalar(inputs, P.TOP_K, 0, int),
         top_p=_scalar(inputs, P.TOP_P, 1.0, float),
-        seed=_scalar(inputs, P.RANDOM_SEED, None, int),
+        seed=request_seed(inputs),
         stop=tuple(_values(inputs, P.STOP_WORDS) or ()),
         ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
     ).validate(offer.max_tokens_limit)
@@ -160,6 +160,14 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequ
         apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
         stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),
     )
+
+
+def request_seed(inputs: Mapping[str, Any]) -> int | None:
+    """random_seed, or seed (its newer TensorRT-LLM name); both only when they agree."""
+    old, new = _scalar(inputs, P.RANDOM_SEED, None, int), _scalar(inputs, P.SEED, None, int)
+    if old is not None and new is not None and old != new:
+        raise InvalidRequestError(P.SEED, f"and {P.RANDOM_SEED} are the same setting under two names; got {new} and {old}")
+    return new if old is None else old
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int | None = None) -> None:

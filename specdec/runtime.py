@@ -52,7 +52,8 @@ def build_drafters(
     """One drafter per configured method name (e.g. "ngram", "eagle3", "eagle3-tree"), each
     built by its registered kind. Heads that share the target's embedding get `embed`, or
     read it from model_dir once."""
-    ctx = BuildContext(target_cfg, engine or EngineConfig(), lambda: load_embedding(resolve_model_dir(model_dir)), embed)
+    target_dir = resolve_model_dir(model_dir)
+    ctx = BuildContext(target_cfg, engine or EngineConfig(), lambda: load_embedding(target_dir), embed, target_dir)
     return {name: kind_of(spec.check_target(target_cfg)).build(spec, ctx) for name, spec in speculative.items()}
 
 
@@ -85,7 +86,7 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     the target's embedding (EAGLE-3) and its threads."""
     model_dir = resolve_model_dir(settings.model_dir)
     target = load_target(model_dir, settings.engine)
-    drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, embed=target.embed)
+    drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, model_dir, embed=target.embed)
     # Drafters served apart may need hidden taps too (returned on request).
     return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)))
 
@@ -98,7 +99,7 @@ def build_engine(
     config = config or EngineConfig()
     model_dir = Path(model_dir or default_model_dir())
     target = load_target(model_dir, config)
-    drafters = build_drafters(target.cfg, served_methods() if speculative is None else speculative, config, embed=target.embed)
+    drafters = build_drafters(target.cfg, served_methods() if speculative is None else speculative, config, model_dir, embed=target.embed)
     return SpecEngine(target, config, tokenizer=load_tokenizer(model_dir), drafters=drafters)
 
 

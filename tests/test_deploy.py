@@ -564,7 +564,7 @@ def test_trtllm_files_are_what_the_generator_writes(tmp_path):
     assert trtllm.main(["--out", str(tmp_path)]) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert [str(p) for p in generated] == [
-        "ensemble/1/baseline.yaml", "ensemble/1/eagle3-tree.yaml", "ensemble/1/eagle3.yaml", "ensemble/config.pbtxt",
+        "ensemble/1/baseline.yaml", "ensemble/1/draft-target.yaml", "ensemble/1/eagle3.yaml", "ensemble/config.pbtxt",
     ]
     for rel in generated:
         assert (tmp_path / rel).read_bytes() == (TRTLLM_REPO / rel).read_bytes(), rel
@@ -572,12 +572,20 @@ def test_trtllm_files_are_what_the_generator_writes(tmp_path):
     assert committed == set(generated) | {Path("ensemble/1/model.py")}
 
 
-def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched():
+def _tree_release_configs(tmp_path) -> dict[str, dict]:
+    """The files for a TensorRT-LLM release that honours dynamic trees."""
+    assert trtllm.main(["--trtllm-version", trtllm.DYNAMIC_TREE_SINCE, "--out", str(tmp_path)]) == 0
+    return {p.stem: yaml.safe_load(p.read_text()) for p in sorted((tmp_path / "ensemble" / "1").glob("*.yaml"))}
+
+
+def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched(tmp_path):
     configs = _trtllm_configs()
-    assert set(configs) == {"baseline", METHOD_EAGLE3, METHOD_EAGLE3_TREE}
+    assert set(configs) == {"baseline", trtllm.DRAFT_TARGET, METHOD_EAGLE3}  # no tree for the pinned release
     pbtxt = (TRTLLM_REPO / "ensemble" / "config.pbtxt").read_text()
     pbtxt_batch = int(re.search(r"^max_batch_size:\s*(\d+)", pbtxt, re.M).group(1))
-    for name, config in configs.items():
+    tree_release = _tree_release_configs(tmp_path)
+    assert set(tree_release) == set(configs) | {METHOD_EAGLE3_TREE}
+    for name, config in {**configs, "tree": tree_release[METHOD_EAGLE3_TREE]}.items():
         served = trtllm.served_variant(config)  # the model's own load-time validation
         assert served.max_batch_size == config["triton_config"]["max_batch_size"] == pbtxt_batch
         assert config["backend"] == "pytorch" and config["model"] == trtllm.DEFAULT_TARGET
@@ -589,11 +597,52 @@ def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched():
     linear = configs[METHOD_EAGLE3]["speculative_config"]
     assert linear["decoding_type"] == "Eagle3" and linear["speculative_model"] == trtllm.DEFAULT_DRAFT
     assert "use_dynamic_tree" not in linear and linear["max_draft_len"] >= 1
-    tree = configs[METHOD_EAGLE3_TREE]["speculative_config"]
+    draft = configs[trtllm.DRAFT_TARGET]["speculative_config"]
+    assert draft == {"decoding_type": "Draft_Target", "speculative_model": trtllm.DEFAULT_DRAFT_TARGET, "max_draft_len": 4}
+    served = trtllm.served_variant(configs[trtllm.DRAFT_TARGET], trtllm.PINNED_TRTLLM)
+    assert (served.method, served.num_draft_tokens) == ("draft_model", 4)
+    tree = tree_release[METHOD_EAGLE3_TREE]["speculative_config"]
     assert tree["use_dynamic_tree"] is True and tree["speculative_model"] == trtllm.DEFAULT_DRAFT
     assert tree["max_draft_len"] <= tree["max_total_draft_tokens"] <= tree["dynamic_tree_max_topK"] * tree["max_draft_len"]
-    served = trtllm.served_variant(configs[METHOD_EAGLE3_TREE])
+    served = trtllm.served_variant(tree_release[METHOD_EAGLE3_TREE], trtllm.DYNAMIC_TREE_SINCE)
     assert (served.method, served.num_draft_tokens) == (METHOD_EAGLE3_TREE, tree["max_total_draft_tokens"])
+
+
+def test_trtllm_tree_is_refused_below_the_release_that_honours_it(tmp_path):
+    """1.2.x's one-model EAGLE-3 ignores use_dynamic_tree and drafts a chain: a tree file
+    would report 60 draft tokens a step that the server never runs."""
+    tree = _tree_release_configs(tmp_path)[METHOD_EAGLE3_TREE]
+    for version in (trtllm.PINNED_TRTLLM, "1.3.0rc12"):
+        with pytest.raises(ConfigError) as err:
+            trtllm.served_variant(tree, version)
+        assert err.value.field == "speculative_config.use_dynamic_tree"
+    for version in ("1.3.0rc13", "1.3.0", "1.4.0rc4"):
+        assert trtllm.served_variant(tree, version).method == METHOD_EAGLE3_TREE
+
+
+def test_trtllm_image_pins_the_release_the_files_are_written_for():
+    gpu = (DEPLOY / "docker" / "Dockerfile.gpu").read_text()
+    assert re.search(r"^ARG TRTLLM_VERSION=(\S+)$", gpu, re.M).group(1) == trtllm.PINNED_TRTLLM
+    assert "is not the pinned ${TRTLLM_VERSION}" in gpu  # the build fails on another release
+    # NGC's compatibility matrix: tritonserver 26.07 carries TensorRT-LLM 1.2.1.
+    assert re.search(r"^ARG TRITON_VERSION=(\S+)$", gpu, re.M).group(1) == "26.07" and trtllm.PINNED_TRTLLM == "1.2.1"
+    readme = (DEPLOY / "README.md").read_text()
+    assert trtllm.PINNED_TRTLLM in readme and trtllm.DYNAMIC_TREE_SINCE in readme
+
+
+def test_trtllm_draft_target_pairing_is_checked_offline(tmp_path, capsys):
+    """Llama-3.2-1B-Instruct drafts for Llama-3.1-8B-Instruct (same vocabulary and special
+    tokens); a draft with another vocabulary is refused before any GPU is involved."""
+    target = trtllm.ModelConfig.from_hf_dict(trtllm.LLAMA_3_1_8B_INSTRUCT)
+    target.check_draft_pairing(trtllm.ModelConfig.from_hf_dict(trtllm.LLAMA_3_2_1B_INSTRUCT), "llama-3.2-1b")
+    other = {**trtllm.LLAMA_3_2_1B_INSTRUCT, "vocab_size": 32000}
+    (tmp_path / "draft.json").write_text(json.dumps(other))
+    argv = ["--draft-target-model", "some/draft", "--draft-target-config", str(tmp_path / "draft.json"), "--out", str(tmp_path / "repo")]
+    assert trtllm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: speculative_model:" in err and "vocabulary size 32000" in err
+    assert trtllm.main(["--draft-target-model", "some/draft", "--out", str(tmp_path / "repo2")]) == 2  # no config.json for it
+    assert "error: draft_target_config:" in capsys.readouterr().err
 
 
 def _pbtxt_tensors(text: str, section: str) -> dict[str, tuple]:
@@ -633,12 +682,13 @@ MLA_TARGET = {**trtllm.LLAMA_3_1_8B_INSTRUCT, "kv_lora_rank": 512}
 
 
 @pytest.mark.parametrize("argv, target, field", [
-    ([], SLIDING_WINDOW_TARGET, "use_dynamic_tree"),
-    ([], MLA_TARGET, "use_dynamic_tree"),
-    (["--tree-max-total-draft-tokens", "61"], None, "max_total_draft_tokens"),
-    (["--tree-max-total-draft-tokens", "5"], None, "max_total_draft_tokens"),
+    (["--trtllm-version", "1.3.0"], SLIDING_WINDOW_TARGET, "use_dynamic_tree"),
+    (["--trtllm-version", "1.3.0"], MLA_TARGET, "use_dynamic_tree"),
+    (["--trtllm-version", "1.3.0", "--tree-max-total-draft-tokens", "61"], None, "max_total_draft_tokens"),
+    (["--trtllm-version", "1.3.0", "--tree-max-total-draft-tokens", "5"], None, "max_total_draft_tokens"),
     (["--max-draft-len", "0"], None, "max_draft_len"),
-    (["--tree-topk", "0"], None, "dynamic_tree_max_topK"),
+    (["--trtllm-version", "1.3.0", "--tree-topk", "0"], None, "dynamic_tree_max_topK"),
+    (["--trtllm-version", "next"], None, "trtllm_version"),
     (["--max-seq-len", "200000"], None, "max_seq_len"),
     (["--max-batch-size", "0"], None, "max_batch_size"),
     (["--target", "some-org/other-model"], None, "target_config"),
@@ -657,10 +707,16 @@ def test_trtllm_generator_accepts_the_linear_variant_for_a_sliding_window_target
     """Only the dynamic tree is refused for sliding-window targets, not EAGLE-3 itself."""
     deployment = trtllm.TrtllmDeployment(
         target=trtllm.ModelConfig.from_hf_dict(SLIDING_WINDOW_TARGET),
-        variants={k: v for k, v in trtllm.default_variants().items() if k != METHOD_EAGLE3_TREE},
+        variants={k: v for k, v in trtllm.default_variants(trtllm_version="1.3.0").items() if k != METHOD_EAGLE3_TREE},
         model="mistralai/Mistral-7B-Instruct-v0.1",
     )
-    assert set(deployment.files()) == {"ensemble/config.pbtxt", "ensemble/1/baseline.yaml", "ensemble/1/eagle3.yaml"}
+    assert set(deployment.files()) == {"ensemble/config.pbtxt", "ensemble/1/baseline.yaml", "ensemble/1/eagle3.yaml",
+                                       "ensemble/1/draft-target.yaml"}
+    # From the CLI, the default Llama draft is left out for another target (it would not pair).
+    (tmp_path / "config.json").write_text(json.dumps(SLIDING_WINDOW_TARGET))
+    assert trtllm.main(["--target", "mistralai/Mistral-7B-Instruct-v0.1", "--target-config", str(tmp_path / "config.json"),
+                        "--out", str(tmp_path / "repo")]) == 0
+    assert not (tmp_path / "repo" / "ensemble" / "1" / "draft-target.yaml").exists()
 
 
 @pytest.mark.parametrize("edit, field", [
@@ -670,8 +726,8 @@ def test_trtllm_generator_accepts_the_linear_variant_for_a_sliding_window_target
     (lambda c: c["speculative_config"].pop("dynamic_tree_max_topK"), "speculative_config.dynamic_tree_max_topK"),
     (lambda c: c["speculative_config"].update(decoding_type="MTP"), "speculative_config.decoding_type"),
 ])
-def test_trtllm_model_load_refuses_hand_edits_naming_the_field(edit, field):
-    config = _trtllm_configs()[METHOD_EAGLE3_TREE]
+def test_trtllm_model_load_refuses_hand_edits_naming_the_field(tmp_path, edit, field):
+    config = _tree_release_configs(tmp_path)[METHOD_EAGLE3_TREE]
     edit(config)
     with pytest.raises(ConfigError) as err:
         trtllm.served_variant(config)

@@ -233,6 +233,29 @@ def test_sampling_is_lossless(toy_pair, case):
     assert p > 1e-3, f"{case}: chi-square p={p:.2e}"
 
 
+@pytest.fixture(scope="module")
+def toy_draft_dir(tmp_path_factory):
+    """An independent one-layer draft LM with the toy target's vocabulary."""
+    return save_tiny_hf(tmp_path_factory.mktemp("toy_draft"), vocab_size=TOY_VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, initializer_range=0.15, seed=12, eos_token_id=0, bos_token_id=0)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain_with_draft_probs", "tree_one_hot"])
+def test_sampling_with_a_draft_model_is_lossless(toy_pair, toy_draft_dir, tree):
+    """method draft_model: sampled chains carry the draft LM's processed distribution q
+    (min(1, p/q)); trees are its top-k children (one-hot rule)."""
+    from specdec.runtime import build_drafters
+
+    target, _ = toy_pair
+    spec = SpeculativeConfig(method="draft_model", speculative_model=str(toy_draft_dir), max_draft_len=3,
+                             use_dynamic_tree=tree, dynamic_tree_max_topK=2 if tree else 4)
+    cfg = EngineConfig(max_batch_size=500, max_seq_len=32, max_num_draft_tokens=8, draft_dtype="float32")
+    drafter = build_drafters(target.cfg, {"toy": spec}, cfg)["toy"]
+    counts = sample_first3(target, drafter, PARAMS, seed0=1000)
+    p = chi_square_p(counts, exact_first3(target, PARAMS))
+    assert p > 1e-3, f"chi-square p={p:.2e}"
+
+
 def test_chi_square_detects_a_wrong_rule(toy_pair, monkeypatch):
     """Accepting a sampled draft whenever it equals the target argmax is not lossless;
     the same test must reject it."""

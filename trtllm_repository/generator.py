@@ -6,7 +6,10 @@ specdec.protocol, so specdec-client and the Locust scenarios drive it unchanged)
 
   baseline.yaml     the matched baseline: no speculative_config, everything else identical
   eagle3.yaml       EAGLE-3, linear draft of max_draft_len tokens
-  eagle3-tree.yaml  EAGLE-3 with a dynamic (EAGLE-2 style) draft tree
+  eagle3-tree.yaml  EAGLE-3 with a dynamic (EAGLE-2 style) draft tree, only for a
+                    TensorRT-LLM release that honours it (DYNAMIC_TREE_SINCE; not the pinned one)
+  draft-target.yaml an independent draft model (Draft_Target: Llama-3.2-1B-Instruct drafting
+                    for Llama-3.1-8B-Instruct by default), linear
 
 Keys other than `triton_config` go to `tensorrt_llm.LLM(...)` (as in TensorRT-LLM's own
 `llmapi` model); the container picks one file with LLM_CONFIG_PATH. The budget rules and
@@ -27,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from packaging.version import InvalidVersion, Version
+
 from specdec import protocol as P
 from specdec.config import (
+    METHOD_DRAFT_MODEL,
     METHOD_EAGLE3,
     METHOD_EAGLE3_TREE,
     METHOD_NONE,
@@ -44,6 +50,19 @@ DEFAULT_OUT = REPO_ROOT / "deploy" / "trtllm" / "model_repository"
 MODEL_NAME = "ensemble"  # the client-facing name of our own repository
 DEFAULT_TARGET = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+DEFAULT_DRAFT_TARGET = "meta-llama/Llama-3.2-1B-Instruct"  # an independent draft sharing the target's tokenizer
+DRAFT_TARGET = "draft-target"
+# TensorRT-LLM's decoding_type per method of ours.
+DECODING_TYPES = {METHOD_EAGLE3: "Eagle3", METHOD_EAGLE3_TREE: "Eagle3", METHOD_DRAFT_MODEL: "Draft_Target"}
+# The TensorRT-LLM release the GPU image serves: NGC tritonserver 26.07-trtllm-python-py3
+# ships 1.2.1 (triton-inference-server/server docs/introduction/compatibility.md);
+# deploy/docker/Dockerfile.gpu asserts it at build time.
+PINNED_TRTLLM = "1.2.1"
+# The PyTorch backend's one-model EAGLE-3 path reads use_dynamic_tree / dynamic_tree_max_topK
+# from 1.3.0rc13 on (NVIDIA/TensorRT-LLM#13081). Before it, Eagle3DecodingConfig sets
+# max_total_draft_tokens = max_draft_len and drafts a chain: a tree file would claim a
+# budget the server does not run.
+DYNAMIC_TREE_SINCE = "1.3.0rc13"
 DEFAULT_CONFIG_FILE = "eagle3.yaml"  # what the model serves when LLM_CONFIG_PATH is unset
 BASELINE = "baseline"
 
@@ -73,6 +92,20 @@ LLAMA_3_1_8B_INSTRUCT: dict[str, Any] = {
     "eos_token_id": [128001, 128008, 128009],
 }
 
+# Llama-3.2-1B-Instruct's config.json: the independent draft paired with it (same tokenizer,
+# vocabulary and special tokens; ModelConfig.check_draft_pairing checks that offline).
+LLAMA_3_2_1B_INSTRUCT: dict[str, Any] = {
+    **LLAMA_3_1_8B_INSTRUCT,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rope_scaling": {**LLAMA_3_1_8B_INSTRUCT["rope_scaling"], "factor": 32.0},
+    "tie_word_embeddings": True,
+}
+
 
 # ---- generation --------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -84,6 +117,8 @@ class TrtllmDeployment:
     variants: Mapping[str, SpeculativeConfig | None]  # file stem -> config (None = baseline)
     model: str = DEFAULT_TARGET
     draft_model: str = DEFAULT_DRAFT
+    draft_target_model: str = DEFAULT_DRAFT_TARGET
+    draft_target: ModelConfig | None = None  # its config.json, checked against the target when given
     # TensorRT-LLM preallocates its runtime buffers (KV-cache blocks, CUDA graphs, draft
     # buffers) from these, so they are stated, not left to defaults.
     max_batch_size: int = 64
@@ -113,20 +148,30 @@ class TrtllmDeployment:
         for name, spec in self.variants.items():
             if spec is None:
                 continue
-            expected = METHOD_EAGLE3_TREE if spec.use_dynamic_tree else METHOD_EAGLE3
-            if spec.method != expected:
-                raise ConfigError(
-                    f"{name}.method",
-                    f"TensorRT-LLM's Eagle3 decoding serves {expected!r} for use_dynamic_tree={spec.use_dynamic_tree}, "
-                    f"got {spec.method!r}",
-                )
+            if spec.method == METHOD_DRAFT_MODEL:
+                if spec.use_dynamic_tree:
+                    raise ConfigError(f"{name}.use_dynamic_tree", "TensorRT-LLM's Draft_Target decoding drafts a chain only")
+            else:
+                expected = METHOD_EAGLE3_TREE if spec.use_dynamic_tree else METHOD_EAGLE3
+                if spec.method != expected:
+                    raise ConfigError(
+                        f"{name}.method",
+                        f"TensorRT-LLM's Eagle3 decoding serves {expected!r} for use_dynamic_tree={spec.use_dynamic_tree}, "
+                        f"got {spec.method!r}",
+                    )
             spec.check_target(self.target)
+        drafts_apart = any(spec is not None and spec.method == METHOD_DRAFT_MODEL for spec in self.variants.values())
+        if drafts_apart and self.draft_target is not None:  # after the variants' own rules, which name their fields
+            self.target.check_draft_pairing(self.draft_target, self.draft_target_model)
+            if self.draft_target.max_position_embeddings < self.max_seq_len:
+                raise ConfigError("max_seq_len", f"{self.max_seq_len} exceeds the draft's context ({self.draft_target.max_position_embeddings})")
 
     def speculative_config(self, spec: SpeculativeConfig) -> dict[str, Any]:
-        """The `speculative_config` block, in TensorRT-LLM's field names (Eagle3DecodingConfig)."""
+        """The `speculative_config` block, in TensorRT-LLM's field names (Eagle3DecodingConfig,
+        DraftTargetDecodingConfig)."""
         out: dict[str, Any] = {
-            "decoding_type": "Eagle3",
-            "speculative_model": self.draft_model,
+            "decoding_type": DECODING_TYPES[spec.method],
+            "speculative_model": self.draft_target_model if spec.method == METHOD_DRAFT_MODEL else self.draft_model,
             "max_draft_len": spec.max_draft_len,
         }
         if spec.use_dynamic_tree:
@@ -172,25 +217,39 @@ class TrtllmDeployment:
         return out
 
 
+def supports_dynamic_tree(trtllm_version: str) -> bool:
+    try:
+        return Version(trtllm_version) >= Version(DYNAMIC_TREE_SINCE)
+    except InvalidVersion as exc:
+        raise ConfigError("trtllm_version", f"not a version: {trtllm_version!r}") from exc
+
+
 def default_variants(
-    max_draft_len: int = 3, tree_max_draft_len: int = 6, tree_topk: int = 10, tree_max_total_draft_tokens: int | None = 60
+    max_draft_len: int = 3, tree_max_draft_len: int = 6, tree_topk: int = 10, tree_max_total_draft_tokens: int | None = 60,
+    draft_target_len: int = 4, trtllm_version: str = PINNED_TRTLLM,
 ) -> dict[str, SpeculativeConfig | None]:
-    return {
+    """The served files for one TensorRT-LLM release: the tree only where it is honoured."""
+    variants: dict[str, SpeculativeConfig | None] = {
         BASELINE: None,
+        DRAFT_TARGET: SpeculativeConfig(method=METHOD_DRAFT_MODEL, max_draft_len=draft_target_len),
         METHOD_EAGLE3: SpeculativeConfig(method=METHOD_EAGLE3, max_draft_len=max_draft_len),
-        METHOD_EAGLE3_TREE: SpeculativeConfig(
+    }
+    if supports_dynamic_tree(trtllm_version):
+        variants[METHOD_EAGLE3_TREE] = SpeculativeConfig(
             method=METHOD_EAGLE3_TREE,
             max_draft_len=tree_max_draft_len,
             use_dynamic_tree=True,
             dynamic_tree_max_topK=tree_topk,
             max_total_draft_tokens=tree_max_total_draft_tokens,
-        ),
-    }
+        )
+    return variants
 
 
 def _yaml_header(name: str, spec: SpeculativeConfig | None) -> str:
     if spec is None:
         what = "the matched baseline: no speculative_config, every other key as in the speculative variants"
+    elif spec.method == METHOD_DRAFT_MODEL:
+        what = f"an independent draft model (Draft_Target) proposing max_draft_len={spec.max_draft_len} tokens"
     elif spec.use_dynamic_tree:
         what = (
             f"EAGLE-3 dynamic tree (depth max_draft_len={spec.max_draft_len}, top-K {spec.dynamic_tree_max_topK}, "
@@ -256,20 +315,24 @@ def render_config_pbtxt(max_batch_size: int) -> str:
     )
 
 
-def target_model_config(target: str, target_config: Path | None) -> ModelConfig:
-    """The target's ModelConfig: --target-config, else <target>/config.json for a local
-    directory, else the built-in values of the default Llama-3.1-8B-Instruct."""
+BUILT_IN_CONFIGS = {DEFAULT_TARGET: LLAMA_3_1_8B_INSTRUCT, DEFAULT_DRAFT_TARGET: LLAMA_3_2_1B_INSTRUCT}
+
+
+def target_model_config(target: str, target_config: Path | None, field: str = "target_config") -> ModelConfig:
+    """A model's ModelConfig: --target-config (--draft-target-config), else <model>/config.json
+    for a local directory, else the built-in values of the default pair."""
     if target_config is not None:
         return ModelConfig.from_file(Path(target_config))
     local = Path(target) / "config.json"
     if local.is_file():
         return ModelConfig.from_file(local)
-    if target != DEFAULT_TARGET:
+    if target not in BUILT_IN_CONFIGS:
         raise ConfigError(
-            "target_config",
-            f"needed for {target!r}: pass --target-config path/to/config.json (built-in values exist only for {DEFAULT_TARGET})",
+            field,
+            f"needed for {target!r}: pass --{field.replace('_', '-')} path/to/config.json "
+            f"(built-in values exist only for {', '.join(BUILT_IN_CONFIGS)})",
         )
-    return ModelConfig.from_hf_dict(LLAMA_3_1_8B_INSTRUCT)
+    return ModelConfig.from_hf_dict(BUILT_IN_CONFIGS[target])
 
 
 def write_files(files: Mapping[str, str], out: Path) -> list[Path]:
@@ -292,7 +355,7 @@ def stale_files(files: Mapping[str, str], out: Path) -> list[str]:
 class ServedVariant:
     """What one model.yaml serves, as the request path needs it."""
 
-    method: str  # none | eagle3 | eagle3-tree
+    method: str  # none | eagle3 | eagle3-tree | draft_model
     num_draft_tokens: int  # draft tokens per verification step (0 for the baseline)
     max_batch_size: int
     max_tokens_limit: int
@@ -303,9 +366,10 @@ class ServedVariant:
         return ServedOffer(methods, self.method, self.num_draft_tokens, self.max_tokens_limit, self.apply_chat_template, fixed=True)
 
 
-def served_variant(config: Mapping[str, Any]) -> ServedVariant:
+def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None) -> ServedVariant:
     """Validate a loaded model.yaml with the same rules as the generator (a hand edit that
-    breaks the tree budget fails at model load, naming the field)."""
+    breaks the tree budget fails at model load, naming the field). trtllm_version: the
+    installed tensorrt_llm.__version__; a dynamic tree below DYNAMIC_TREE_SINCE is refused."""
     triton = dict(config.get("triton_config") or {})
     for key in ("max_batch_size", "max_seq_len"):
         if not isinstance(config.get(key), int):
@@ -321,9 +385,21 @@ def served_variant(config: Mapping[str, Any]) -> ServedVariant:
     if spec_raw is None:
         method, budget = METHOD_NONE, 0
     else:
-        if spec_raw.get("decoding_type") != "Eagle3":
-            raise ConfigError("speculative_config.decoding_type", f"must be 'Eagle3', got {spec_raw.get('decoding_type')!r}")
+        decoding = spec_raw.get("decoding_type")
+        if decoding not in set(DECODING_TYPES.values()):
+            raise ConfigError("speculative_config.decoding_type", f"must be one of {sorted(set(DECODING_TYPES.values()))}, got {decoding!r}")
+        if decoding == "Draft_Target":
+            if not spec_raw.get("speculative_model"):
+                raise ConfigError("speculative_config.speculative_model", "Draft_Target needs the draft model")
+            spec = SpeculativeConfig(method=METHOD_DRAFT_MODEL, max_draft_len=spec_raw.get("max_draft_len"),
+                                     max_concurrency=spec_raw.get("max_concurrency"), draft_len_schedule=spec_raw.get("draft_len_schedule"))
+            return ServedVariant(METHOD_DRAFT_MODEL, spec.max_draft_len, config["max_batch_size"], config["max_seq_len"],
+                                 bool(triton.get("apply_chat_template", True)))
         tree = bool(spec_raw.get("use_dynamic_tree", False))
+        if tree and trtllm_version is not None and not supports_dynamic_tree(trtllm_version):
+            raise ConfigError("speculative_config.use_dynamic_tree",
+                              f"TensorRT-LLM {trtllm_version} ignores it (one-model EAGLE-3 drafts a chain of max_draft_len); "
+                              f"dynamic trees need >= {DYNAMIC_TREE_SINCE}")
         if tree and "dynamic_tree_max_topK" not in spec_raw:
             raise ConfigError("speculative_config.dynamic_tree_max_topK", "is required with use_dynamic_tree")
         spec = SpeculativeConfig(
@@ -410,19 +486,23 @@ def perf_counts(output_tokens: int, accepted: int, drafted: int) -> dict[str, fl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specdec trtllm-config",
-        description="Write the TensorRT-LLM (LLM API) model repository: baseline, EAGLE-3 linear and dynamic tree.",
+        description="Write the TensorRT-LLM (LLM API) model repository: baseline, EAGLE-3 (linear; dynamic tree where the release honours it) and Draft_Target.",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model repository to write (default: %(default)s)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files there differ")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model (HF id or local directory)")
     p.add_argument("--target-config", type=Path, default=None, help="the target's config.json (required for other targets)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE-3 head (HF id or local directory)")
+    p.add_argument("--draft-target-model", default=DEFAULT_DRAFT_TARGET, help="independent draft model for draft-target.yaml")
+    p.add_argument("--draft-target-config", type=Path, default=None, help="its config.json (required for other draft models)")
+    p.add_argument("--draft-target-len", type=int, default=4, help="draft-target.yaml's max_draft_len")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--free-gpu-memory-fraction", type=float, default=0.85)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--trtllm-version", default=PINNED_TRTLLM, help="the TensorRT-LLM release served (default: the pinned %(default)s)")
     p.add_argument("--max-draft-len", type=int, default=3, help="linear EAGLE-3 draft length")
     p.add_argument("--tree-max-draft-len", type=int, default=6, help="dynamic tree depth")
     p.add_argument("--tree-topk", type=int, default=10, help="dynamic_tree_max_topK")
@@ -434,11 +514,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
+    variants = default_variants(args.max_draft_len, args.tree_max_draft_len, args.tree_topk, args.tree_max_total_draft_tokens,
+                                args.draft_target_len, args.trtllm_version)
+    pairs = args.target == DEFAULT_TARGET or args.draft_target_model != DEFAULT_DRAFT_TARGET
+    if not pairs:  # the default draft pairs with the default target only; others name theirs
+        del variants[DRAFT_TARGET]
     return TrtllmDeployment(
         target=target_model_config(args.target, args.target_config),
-        variants=default_variants(args.max_draft_len, args.tree_max_draft_len, args.tree_topk, args.tree_max_total_draft_tokens),
+        variants=variants,
         model=args.target,
         draft_model=args.draft,
+        draft_target_model=args.draft_target_model,
+        draft_target=target_model_config(args.draft_target_model, args.draft_target_config, "draft_target_config") if pairs else None,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,

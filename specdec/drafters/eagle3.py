@@ -19,14 +19,14 @@ from torch import Tensor
 
 from ..config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, ModelConfig, SpeculativeConfig
 from ..models.eagle3 import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
-from ..models.llama import ForwardBatch, build_batch
+from ..models.llama import build_batch
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
 from ..tree import DETERMINISTIC, ROOT, DraftTree
 from .base import Drafter, KeepDrafting
 from .ngram import find_continuations
 from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
-from .tree_search import Expansion, dynamic_trees
+from .tree_search import Expansion, draft_pass_batch, dynamic_trees
 
 
 @dataclass
@@ -120,28 +120,8 @@ class Eagle3Drafter(Drafter):
 
     def _step(self, states: list[_HeadState], hidden: Tensor, tokens: list[list[int]], offsets: list[int],
               depths: list[list[int]], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """One head pass over uncommitted draft nodes. Node j of row b is written at cache
-        column committed + offsets[b] + j, at RoPE position committed + depth, and attends
-        to the committed prefix plus the columns masks[b][j] marks among the drafted ones."""
-        B, N = len(states), max(len(t) for t in tokens)
-        prefix = torch.tensor([self.cache.lengths[s.slot] for s in states])
-        C = int(prefix.max()) + max(o for o in offsets) + N
-        tok = torch.zeros(B, N, dtype=torch.long)
-        pos = torch.zeros(B, N, dtype=torch.long)
-        write = torch.zeros(B, N, dtype=torch.long)
-        allow = torch.zeros(B, N, C, dtype=torch.bool)
-        for b in range(B):
-            n, p, o = len(tokens[b]), int(prefix[b]), offsets[b]
-            tok[b, :n] = torch.tensor(tokens[b])
-            pos[b, :n] = p + torch.tensor(depths[b])
-            write[b] = p + o + torch.arange(N)
-            allow[b, :, :p] = True
-            allow[b, :n, p : p + o + n] = masks[b]
-            allow[b, n:, p + o + n : p + o + N] = torch.eye(N - n, dtype=torch.bool)  # padding: itself
-        slots = [s.slot for s in states]
-        contiguous = all(x == slots[0] + i for i, x in enumerate(slots))
-        batch = ForwardBatch(tok, pos, torch.tensor(slots), write, allow[:, None], [len(t) for t in tokens],
-                             slots[0] if contiguous else None)
+        """One head pass over uncommitted draft nodes (tree_search.draft_pass_batch)."""
+        batch = draft_pass_batch([self.cache.lengths[s.slot] for s in states], [s.slot for s in states], tokens, offsets, depths, masks)
         return self.head(hidden, batch, self.cache)
 
     def _chains(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:

@@ -18,13 +18,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass
 class BuildContext:
-    """What a drafter may need to be built: the target's shape, the engine's sizes, and the
-    target's embedding (loaded once, on first use, when the target itself is not at hand)."""
+    """What a drafter may need to be built: the target's shape, the engine's sizes, the
+    target's embedding (loaded once, on first use, when the target itself is not at hand)
+    and its directory (tokenizer files, for a draft model's compatibility check)."""
 
     target_cfg: ModelConfig
     engine: EngineConfig
     load_embedding: Callable[[], torch.nn.Embedding]
     _embedding: torch.nn.Embedding | None = None
+    target_dir: Path | None = None
 
     def embedding(self) -> torch.nn.Embedding:
         if self._embedding is None:
@@ -66,4 +68,4 @@ def resolve_path(path: str | None, default: Path) -> Path:
 
 def _load_builtin_drafters() -> None:
     # Importing a drafter module registers it.
-    from . import eagle3, ngram  # noqa: F401
+    from . import draft_model, eagle3, ngram  # noqa: F401

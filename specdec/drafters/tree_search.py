@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..models.llama import ForwardBatch
 from ..tree import DETERMINISTIC, ROOT, DraftTree
 
 
@@ -109,3 +110,30 @@ def rerank(cands: list[Candidate], budget: int) -> DraftTree:
     parents = [ROOT if cands[c].parent == ROOT else index[cands[c].parent] for c in keep]
     confidence = [math.exp(cands[c].score - (0.0 if cands[c].parent == ROOT else cands[cands[c].parent].score)) for c in keep]
     return DraftTree(tokens, parents, None, DETERMINISTIC, confidence)
+
+
+def draft_pass_batch(prefix_lens: Sequence[int], slots: Sequence[int], tokens: list[list[int]], offsets: list[int],
+                     depths: list[list[int]], masks: list[Tensor]) -> ForwardBatch:
+    """One draft pass over uncommitted draft nodes of a slot cache. Node j of row b is
+    written at cache column prefix + offsets[b] + j, at RoPE position prefix + depth, and
+    attends to the committed prefix plus the columns masks[b][j] marks among the drafted
+    ones (earlier passes' columns, then this pass's)."""
+    B, N = len(tokens), max(len(t) for t in tokens)
+    prefix = torch.tensor(list(prefix_lens))
+    C = int(prefix.max()) + max(offsets) + N
+    tok = torch.zeros(B, N, dtype=torch.long)
+    pos = torch.zeros(B, N, dtype=torch.long)
+    write = torch.zeros(B, N, dtype=torch.long)
+    allow = torch.zeros(B, N, C, dtype=torch.bool)
+    for b in range(B):
+        n, p, o = len(tokens[b]), int(prefix[b]), offsets[b]
+        tok[b, :n] = torch.tensor(tokens[b])
+        pos[b, :n] = p + torch.tensor(depths[b])
+        write[b] = p + o + torch.arange(N)
+        allow[b, :, :p] = True
+        allow[b, :n, p : p + o + n] = masks[b]
+        allow[b, n:, p + o + n : p + o + N] = torch.eye(N - n, dtype=torch.bool)  # padding: itself
+    slots = list(slots)
+    contiguous = all(x == slots[0] + i for i, x in enumerate(slots))
+    return ForwardBatch(tok, pos, torch.tensor(slots), write, allow[:, None], [len(t) for t in tokens],
+                        slots[0] if contiguous else None)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelLoadError
-from .llama import Transformer
+from .llama import Linear, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +82,26 @@ def load_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_transformer(model_dir: Path, dtype: str = "float32", device: str = "cpu") -> Transformer:
     """Build our decoder from an HF-style directory (config.json + safetensors)."""
-    cfg = read_model_config(model_dir)
-    torch_dtype = DTYPES[dtype]
+    return transformer_from_state(read_model_config(model_dir), load_safetensors_dir(model_dir), dtype, device, model_dir)
+
+
+def transformer_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: str, device: str, source: Path,
+                           output_rows: int | None = None) -> Transformer:
+    """Our decoder from an HF-named state dict. output_rows: a reduced output vocabulary
+    (a draft model's lm_head over that many rows instead of the whole vocabulary)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
+        if output_rows is not None:
+            model.lm_head = Linear(cfg.hidden_size, output_rows, bias=False)
+    model = model.to_empty(device=device).to(DTYPES[dtype])
     model.inv_freq = _inv_freq(model)
     try:
-        model.load_hf_state_dict(load_safetensors_dir(model_dir))
+        model.load_hf_state_dict(state)
     except KeyError as exc:
-        raise ModelLoadError(f"{model_dir}: {exc.args[0]}") from exc
-    if cfg.tie_word_embeddings:
+        raise ModelLoadError(f"{source}: {exc.args[0]}") from exc
+    except RuntimeError as exc:  # shapes that disagree with config.json
+        raise ModelLoadError(f"{source}: weights do not match config.json: {exc}") from exc
+    if cfg.tie_word_embeddings and output_rows is None:
         model.lm_head.weight = model.embed.weight  # one copy of the tied matrix
     return model.eval()
 
@@ -176,7 +185,21 @@ def prepare_default_model(model_dir: Path | None = None, gguf_path: Path | None 
     if not force and cache_is_valid(model_dir):
         log.info("model cache is valid: %s", model_dir)
         return model_dir
-    gguf_path = Path(gguf_path or default_gguf_path())
+    return convert_gguf(Path(gguf_path or default_gguf_path()), model_dir)
+
+
+def prepare_gguf(gguf_path: Path) -> Path:
+    """Any GGUF file (e.g. a draft model's) as a cached HF-style directory, keyed by its name
+    and size; converted on first use."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file missing: {gguf_path}")
+    model_dir = cache_root() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    return model_dir if cache_is_valid(model_dir) else convert_gguf(gguf_path, model_dir)
+
+
+def convert_gguf(gguf_path: Path, model_dir: Path) -> Path:
+    """Dequantise a GGUF file into an HF-style directory (written to a staging directory, then renamed)."""
     log.info("converting %s -> %s", gguf_path.name, model_dir)
     model, tokenizer = load_gguf_as_hf(gguf_path)  # transformers shows its own progress bar
     _fix_chatml_tokenizer(tokenizer)

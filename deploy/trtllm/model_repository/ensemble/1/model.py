@@ -55,7 +55,9 @@ class TritonPythonModel:
         path = os.path.join(args["model_repository"], args["model_version"], name)
         with open(path) as fh:
             config = yaml.safe_load(fh)
-        self.served = served_variant(config)
+        import tensorrt_llm
+
+        self.served = served_variant(config, tensorrt_llm.__version__)
         if model_config["max_batch_size"] != self.served.max_batch_size:
             raise ConfigError(
                 "max_batch_size",
