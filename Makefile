@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix soak compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft soak compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,13 @@ ADAPTIVE_MATRIX = --start-server --num-prompts 64 --max-tokens 96 --concurrency 
 bench-matrix: prepare
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --out results/bench/matrix-greedy
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --temperature 0.7 --out results/bench/matrix-t07
+
+# Does an independent draft model pay here? Three depths of the train-draft recipe (trained once into tmp/drafts,
+# ~3 min each) and the shipped draft: draft cost vs a target step, acceptance, tok/s vs the baseline, in process.
+DRAFT_SIZES := 1 2 4
+bench-draft: prepare
+	for n in $(DRAFT_SIZES); do test -f tmp/drafts/L$$n/config.json || $(BIN)/specdec train-draft --layers $$n --out tmp/drafts/L$$n; done
+	$(BIN)/specdec bench-draft $(foreach n,$(DRAFT_SIZES),tmp/drafts/L$(n)) models/draft-smollm2-135m --out results/draft
 
 # Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
 soak: prepare

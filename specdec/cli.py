@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("train-draft", help="train an independent draft model for the target (see: specdec train-draft --help)")
+    sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of the Triton server (see: specdec openai --help)")
+    sub.add_parser("bench-draft", help="draft models' cost, acceptance and tok/s vs the baseline, in process -> results/draft/")
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
     sub.add_parser("demo", help="start the server, stream a prompt with and without speculation, stop (make run)")
@@ -159,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         from .train_draft import main as train_draft_main
 
         return train_draft_main(argv[1:])
+    if argv[:1] == ["openai"]:
+        from .openai_server import main as openai_main
+
+        return openai_main(argv[1:])
+    if argv[:1] == ["bench-draft"]:
+        from .bench_draft import main as bench_draft_main
+
+        return bench_draft_main(argv[1:])
     if argv[:1] == ["bench-serving"]:
         from .bench_serving import main as bench_serving_main
 

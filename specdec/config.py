@@ -202,6 +202,8 @@ class SpeculativeConfig:
             raise ConfigError("adaptive", f"must be true or false, got {self.adaptive!r}")
         if self.adaptive and (self.max_concurrency is not None or self.draft_len_schedule is not None):
             raise ConfigError("adaptive", "chooses budgets itself: leave max_concurrency and draft_len_schedule unset")
+        if self.adaptive and not self.colocated:
+            raise ConfigError("adaptive", "plans each step beside the target (in the verifier): needs colocated: true")
         if self.draft_dtype not in (None, "float32", "bfloat16"):
             raise ConfigError("draft_dtype", f"must be float32, bfloat16 or null (= engine.draft_dtype), got {self.draft_dtype!r}")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:

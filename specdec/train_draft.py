@@ -36,11 +36,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .models.loading import cache_root, default_model_dir, load_safetensors_dir, load_transformer
+from .models.loading import default_model_dir, load_safetensors_dir, load_transformer
 from .runtime import load_tokenizer
-from .train_eagle3 import (
-    build_features, draft_vocabulary, length_bucketed, select_conversations, self_distilled_features, user_openings,
-)
+from .train_eagle3 import add_data_arguments, draft_vocabulary, length_bucketed, training_data, user_openings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -255,43 +253,18 @@ Trained on this repository's CPU by:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec train-draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="models/draft-smollm2-135m")
-    p.add_argument("--model-dir", default=None)
+    add_data_arguments(p, conversations=480, max_len=256, self_distill_tokens=192, eval_prompts=12, eval_tokens=96)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--conversations", type=int, default=480)
-    p.add_argument("--holdout", type=float, default=0.05)
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
-    p.add_argument("--self-distill-tokens", type=int, default=192)
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
-    p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-prompts", type=int, default=12)
-    p.add_argument("--eval-tokens", type=int, default=96)
-    p.add_argument("--features-dir", default=None, help="feature cache (default: train-eagle3's, shared)")
-    p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
     args = p.parse_args(argv)
-    if args.quick:
-        args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or default_model_dir())
     tokenizer = load_tokenizer(model_dir)
     target = load_transformer(model_dir)
-    seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
-    n_held = max(1, int(len(seqs) * args.holdout))
-    feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
-    features = build_features(target, seqs, target.cfg.eagle3_tap_layers(), feature_dir)
-    train_set, held = features[:-n_held], features[-n_held:]
-    if args.self_distill:
-        distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
-        held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
-        train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
-                                                        held_openings, distill_dir, batch=args.gen_batch)
+    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     vocab = target.cfg.vocab_size
     del target
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -397,32 +397,55 @@ Trained on this repository's CPU by:
 """)
 
 
+def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: int, self_distill_tokens: int,
+                       eval_prompts: int, eval_tokens: int) -> None:
+    """The data and run options train-eagle3 and train-draft share (one feature cache)."""
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--conversations", type=int, default=conversations)
+    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--max-len", type=int, default=max_len)
+    p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
+    p.add_argument("--self-distill-tokens", type=int, default=self_distill_tokens)
+    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=eval_prompts)
+    p.add_argument("--eval-tokens", type=int, default=eval_tokens)
+    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/eagle3-features/<settings>)")
+    p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
+
+
+def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]], int, list[dict], list[dict]]:
+    """(conversations, held-out count, training features, held-out features): ShareGPT
+    conversations with the target's features and labels (cached), plus the self-distilled
+    answers when asked for."""
+    if args.quick:
+        args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
+    seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
+    n_held = max(1, int(len(seqs) * args.holdout))
+    feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    features = build_features(target, seqs, target.cfg.eagle3_tap_layers(), feature_dir)
+    train_set, held = features[:-n_held], features[-n_held:]
+    if args.self_distill:
+        distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
+        held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
+        train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
+                                                        held_openings, distill_dir, batch=args.gen_batch)
+    return seqs, n_held, train_set, held
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec train-eagle3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="models/eagle3-smollm2-135m")
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--conversations", type=int, default=800)
-    p.add_argument("--holdout", type=float, default=0.05)
-    p.add_argument("--max-len", type=int, default=320)
-    p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
-    p.add_argument("--self-distill-tokens", type=int, default=160)
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
+    add_data_arguments(p, conversations=800, max_len=320, self_distill_tokens=160, eval_prompts=8, eval_tokens=64)
     p.add_argument("--init-from", default=None, help="continue from this head (published layout) instead of a fresh one")
-    p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--eval-tokens", type=int, default=64)
-    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/eagle3-features/<settings>)")
-    p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
     args = p.parse_args(argv)
-    if args.quick:
-        args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -430,16 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_dir)
     target = load_transformer(model_dir, dtype="float32")
     taps = target.cfg.eagle3_tap_layers()
-    seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
-    n_held = max(1, int(len(seqs) * args.holdout))
-    feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
-    features = build_features(target, seqs, taps, feature_dir)
-    train_set, held = features[:-n_held], features[-n_held:]
-    if args.self_distill:
-        distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
-        held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
-        train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
-                                                        held_openings, distill_dir, batch=args.gen_batch)
+    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     t_features = time.perf_counter() - t_start
     if args.init_from:  # continue training a head (its draft vocabulary and tap layers stay)
         head = load_eagle3(Path(args.init_from), frozen_embedding(target), target.cfg)

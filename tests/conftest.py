@@ -77,6 +77,12 @@ def triton_server(tmp_path_factory, smol_dir):
     settings["methods"]["eagle3-busy"] = {"method": "eagle3", "max_draft_len": 5, "draft_len_schedule": {"2": 5, "4": 1}}
     # The two-model path: the head in the `drafter` model, a draft call and a verify call per step.
     settings["methods"]["eagle3-apart"] = {"method": "eagle3", "max_draft_len": 5, "colocated": False}
+    # An independent draft model from an HF checkpoint on disk: a tiny random-init Llama with
+    # the target's vocabulary and special tokens, served by the `drafter` model.
+    tiny_draft = save_tiny_hf(tmp_path_factory.mktemp("tiny_draft"), vocab_size=49152, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, max_position_embeddings=2048)
+    settings["methods"]["draft-tiny"] = {"method": "draft_model", "speculative_model": str(tiny_draft), "max_draft_len": 3,
+                                         "colocated": False}
     path = tmp_path_factory.mktemp("settings") / "specdec.json"
     path.write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)

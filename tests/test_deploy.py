@@ -26,7 +26,7 @@ import yaml
 
 from specdec import protocol as P
 from trtllm_repository import generator as trtllm
-from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ServingConfig
+from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ModelConfig, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
 from triton_launcher.cli import _build_parser
 
@@ -174,6 +174,20 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         for exposed in re.findall(r"^EXPOSE (.+)$", (DEPLOY / "docker" / dockerfile).read_text(), re.M):
             assert sorted(int(p) for p in exposed.split()) == sorted(ports.values())
+
+
+def test_compose_openai_front_end_targets_the_servers_http_port():
+    """`specdec openai` forwards over Triton's HTTP port (safe cancellation) and publishes its
+    own default port; the images install its extra."""
+    from specdec import openai_server
+
+    service = compose()["services"]["openai"]
+    args = service["command"]
+    assert args[0] == "openai" and args[args.index("--triton") + 1] == f"triton:{launcher_ports()['http']}"
+    default_port = openai_server.build_parser().get_default("port")
+    assert args[args.index("--port") + 1] == str(default_port) and service["ports"] == [f"{default_port}:{default_port}"]
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        assert re.search(r'pip install "/opt/specdec\[[^\]]*openai', (DEPLOY / "docker" / dockerfile).read_text()), dockerfile
 
 
 def test_locust_ports_and_target_agree():
@@ -419,6 +433,24 @@ def test_settings_files_differ_from_the_repository_settings_only_in_device_and_d
     assert ours == reference, f"{path} drifted from model_repository/specdec.json: copy the change there"
 
 
+def test_gpu_llama3_settings_pair_the_draft_with_the_target_on_paper():
+    """deploy/settings/gpu-llama3.json: Llama-3.2-1B-Instruct drafting for Llama-3.1-8B-Instruct
+    with our engine (the same pair as TensorRT-LLM's draft-target.yaml), checked offline with the
+    rules the drafter applies at load."""
+    settings = ServingConfig.from_file(DEPLOY / "settings" / "gpu-llama3.json")
+    assert settings.engine.device == "cuda" and settings.engine.max_batch_size == _verifier_max_batch_size()
+    target = ModelConfig.from_hf_dict(trtllm.LLAMA_3_1_8B_INSTRUCT)
+    draft = ModelConfig.from_hf_dict(trtllm.LLAMA_3_2_1B_INSTRUCT)
+    for name, spec in settings.methods.items():
+        spec.check_target(target)
+        if spec.method == "draft_model":
+            assert spec.speculative_model.endswith("Llama-3.2-1B-Instruct"), name
+            target.check_draft_pairing(draft, spec.speculative_model)
+            assert draft.max_position_embeddings >= settings.engine.max_seq_len
+    trtllm_draft = trtllm.default_variants()[trtllm.DRAFT_TARGET]
+    assert settings.methods["draft_model"].max_draft_len == trtllm_draft.max_draft_len  # both deployments draft 4
+
+
 # ---- Dockerfiles and packaging --------------------------------------------------------------
 def test_dockerfiles_install_the_project_as_documented():
     cpu = (DEPLOY / "docker" / "Dockerfile").read_text()
@@ -427,7 +459,7 @@ def test_dockerfiles_install_the_project_as_documented():
     (torch_pin,) = re.findall(r'"(torch==[^"]+)"', pyproject)
     assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "cpu"), ("cpu", "locust")]
     assert f"--index-url https://download.pytorch.org/whl/cpu {torch_pin}" in cpu
-    assert 'pip install "/opt/specdec[serve]"' in cpu
+    assert 'pip install "/opt/specdec[serve,openai]"' in cpu
     assert 'ENTRYPOINT ["specdec"]' in cpu
     assert 'CMD ["serve", "--address", "0.0.0.0", "--model-repository", "/models/model_repository"]' in cpu
     assert re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+", gpu)
@@ -469,11 +501,12 @@ def test_compose_file_matches_the_compose_specification():
 
 def test_compose_services_and_profiles():
     services = compose()["services"]
-    assert set(services) == {"prepare", *SERVER_SERVICES, "locust-master", "locust-worker", "prometheus"}
+    assert set(services) == {"prepare", *SERVER_SERVICES, "openai", "locust-master", "locust-worker", "prometheus"}
     for name, profile in SERVER_SERVICES.items():
         assert services[name]["profiles"] == [profile]
-    for name in set(services) - set(SERVER_SERVICES):
+    for name in set(services) - set(SERVER_SERVICES) - {"openai"}:
         assert "profiles" not in services[name], f"{name} runs with every server profile"
+    assert services["openai"]["profiles"] == ["cpu", "gpu"]  # TensorRT-LLM's profile has no speculative_loop
     # Load generator and Prometheus address the server as `triton` whichever profile runs.
     for name in ("triton-cpu", "triton-trtllm"):
         assert services[name]["networks"]["default"]["aliases"] == ["triton"]

@@ -107,3 +107,40 @@ def test_bad_drafts_fail_at_load_naming_the_field(tmp_path, target_dir):
         build(_variant(tmp_path, target_dir, eos_token_id=5))
     with pytest.raises(ConfigError, match="draft_dtype"):
         SpeculativeConfig(method="draft_model", draft_dtype="int8")
+
+
+def test_train_draft_quick_mode_writes_a_loadable_draft(tmp_path, smol_dir, smol_model):
+    """specdec train-draft end to end on a tiny budget: the written draft (bf16, reduced
+    output vocabulary, the target's embedding shared) loads through the same path as any
+    draft and leaves greedy output unchanged."""
+    from specdec.train_draft import main as train_main
+
+    out = tmp_path / "draft"
+    assert train_main(["--quick", "--layers", "1", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 1 and raw["specdec"]["shares_target_embedding"] is True
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["command"].startswith("specdec train-draft") and log["curve"]
+    cfg = EngineConfig(max_batch_size=2, max_seq_len=512)
+    methods = {"draft": SpeculativeConfig(method="draft_model", speculative_model=str(out), max_draft_len=3)}
+    drafters = build_drafters(smol_model.cfg, methods, cfg, smol_dir, embed=smol_model.embed)
+    assert drafters["draft"].draft_to_target is not None and len(drafters["draft"].draft_to_target) == 2048
+    engine = SpecEngine(smol_model, cfg, drafters=drafters)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 31, 2, 198]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert run_all(engine, [prompt], params, "draft", 3, 1) == run_all(engine, [prompt], params, "none", 0, 1)
+
+
+def test_a_gguf_file_drafts_through_the_same_path(smol_dir, smol_model):
+    """speculative_model may be a .gguf file (converted once into the cache). The embedded
+    target's own GGUF as its draft: same weights, so nearly every draft token is accepted,
+    and the output still equals plain decoding."""
+    from specdec.models.loading import default_gguf_path
+
+    cfg = EngineConfig(max_batch_size=2, max_seq_len=512, draft_dtype="float32")
+    methods = {"self": SpeculativeConfig(method="draft_model", speculative_model=str(default_gguf_path()), max_draft_len=4)}
+    engine = SpecEngine(smol_model, cfg, drafters=build_drafters(smol_model.cfg, methods, cfg, smol_dir, embed=smol_model.embed))
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 31, 2, 198]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert run_all(engine, [prompt], params, "self", 4, 1) == run_all(engine, [prompt], params, "none", 0, 1)
+    assert engine.stats.accepted_tokens > 0.9 * engine.stats.draft_tokens

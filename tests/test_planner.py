@@ -117,6 +117,8 @@ def test_draft_cut_stops_when_the_next_pass_does_not_pay():
 def test_adaptive_excludes_static_load_controls():
     with pytest.raises(ConfigError, match="adaptive"):
         SpeculativeConfig(adaptive=True, max_concurrency=4)
+    with pytest.raises(ConfigError, match="adaptive.*colocated"):  # the planner lives beside the target
+        SpeculativeConfig(method="draft_model", adaptive=True, colocated=False)
     assert SpeculativeConfig(adaptive=True).scheduled_draft_tokens(5, 64) == 5
 
 

@@ -54,12 +54,19 @@ def test_defaults_method_budget_and_baseline():
     (dict(text_input="Hi", speculative_method="medusa"), P.SPECULATIVE_METHOD),
     (dict(text_input="Hi", num_draft_tokens=17), P.NUM_DRAFT_TOKENS),
     (dict(text_input="Hi", num_draft_tokens=-1), P.NUM_DRAFT_TOKENS),
+    (dict(text_input="Hi", random_seed=1, seed=2), P.SEED),
 ])
 def test_bad_requests_name_the_field(values, field):
     values = {"max_tokens": 8, **values}
     with pytest.raises(InvalidRequestError) as err:
         parse_request(inputs(**{k: v for k, v in values.items() if v is not None}), OFFER)
     assert err.value.field == field
+
+
+def test_the_seed_arrives_under_either_tensorrt_llm_name():
+    for names in (dict(seed=7), dict(random_seed=7), dict(seed=7, random_seed=7)):
+        assert parse_request(inputs(text_input="Hi", max_tokens=8, **names), OFFER).params.seed == 7
+    assert parse_request(inputs(text_input="Hi", max_tokens=8), OFFER).params.seed is None
 
 
 def test_a_fixed_offer_refuses_other_methods_and_budgets():

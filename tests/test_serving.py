@@ -46,7 +46,8 @@ def ready(server) -> bool:
     return urllib.request.urlopen(server.endpoints.http_url + "/v2/health/ready").status == 200
 
 
-SPEC_MODES = [("ngram", 4), ("ngram-tree", 6), ("eagle3", 5), ("eagle3-tree", 12), ("eagle3-apart", 5)]
+SPEC_MODES = [("ngram", 4), ("ngram-tree", 6), ("eagle3", 5), ("eagle3-tree", 12), ("eagle3-apart", 5), ("draft_model", 4),
+              ("draft-tiny", 3)]
 
 
 def test_grpc_stream_speculative_equals_baseline(triton_server, grpc_client):
@@ -92,13 +93,14 @@ def test_loop_model_is_client_facing_too(triton_server, grpc_client):
         assert direct.generate(request(PROMPTS[0], method="ngram")).text == grpc_client.generate(request(PROMPTS[0], method="ngram")).text
 
 
-@pytest.mark.parametrize("model", ["ensemble", "speculative_loop"])
-def test_cancel_mid_stream_frees_state(triton_server, model):
+@pytest.mark.parametrize("model, method", [("ensemble", "ngram"), ("speculative_loop", "ngram"), ("ensemble", "draft_model")])
+def test_cancel_mid_stream_frees_state(triton_server, model, method):
     """A cancelled stream stops at its next step (counted as cancelled, not run to
-    max_tokens) and frees its KV slot, through either entry point."""
+    max_tokens) and frees its KV slots (the verifier's, and the drafter's for a draft model
+    served apart), through either entry point."""
     cancelled = metric(triton_server, "specdec_requests_total", reason="cancelled")
     client = SpecDecClient(triton_server.endpoints.grpc, model=model)
-    gen = client.stream(request(PROMPTS[4], max_tokens=400, ignore_eos=True, method="ngram"))
+    gen = client.stream(request(PROMPTS[4], max_tokens=400, ignore_eos=True, method=method))
     for _ in range(3):
         next(gen)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") >= 1
@@ -124,7 +126,7 @@ def test_eight_drafting_streams_at_once_equal_the_baseline_token_ids(triton_serv
 
     with ThreadPoolExecutor(8) as pool:
         base = list(pool.map(run, [(p, "ngram", 0) for p in PROMPTS]))
-        for method in ("eagle3-adaptive", "ngram-adaptive"):
+        for method in ("eagle3-adaptive", "ngram-adaptive", "draft_model"):
             drafted = metric(triton_server, "specdec_draft_tokens_total", method=method)
             got = list(pool.map(run, [(p, method, None) for p in PROMPTS]))
             assert [g.token_ids for g in got] == [b.token_ids for b in base], method

@@ -1,0 +1,137 @@
+"""`specdec openai` against the real Triton server, driven with the official OpenAI SDK:
+greedy output identical to the same request through the ensemble, SSE streaming with usage,
+speculation per model id or extra body field, OpenAI-shaped errors, and a client that goes
+away stops the Triton stream."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from specdec.config import ServingConfig
+from specdec.openai_server import Frontend, Served, create_app
+from specdec.runtime import load_tokenizer
+from specdec_client import GenerateRequest
+
+from test_serving import metric
+
+pytestmark = pytest.mark.server
+BASE = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def api(triton_server, smol_dir):
+    """The front end on a free port, in this process (uvicorn in a thread)."""
+    import uvicorn
+
+    from specdec.runtime import SERVED_SETTINGS
+    from triton_launcher import free_ports
+
+    settings = ServingConfig.from_file(SERVED_SETTINGS)
+    frontend = Frontend(triton_server.endpoints.http, Served.from_settings(settings, BASE), load_tokenizer(smol_dir))
+    (port,) = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(create_app(frontend), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture()
+def sdk(api):
+    with openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+PROMPT = "Name three primary colors."
+
+
+def test_chat_greedy_equals_the_ensemble_and_streams_with_usage(sdk, grpc_client):
+    ref = grpc_client.generate(GenerateRequest(PROMPT, max_tokens=24, temperature=0.0, method="eagle3")).text
+    out = sdk.chat.completions.create(model=BASE, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0)
+    assert out.choices[0].message.content == ref and out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 5
+    assert out.choices[0].finish_reason in ("stop", "length")
+    chunks = list(sdk.chat.completions.create(model=BASE, messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref and sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # streamed, not one blob
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [out.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens  # the usage chunk comes last
+    # max_tokens reached -> "length"
+    short = sdk.chat.completions.create(model=BASE, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+
+
+def test_multi_turn_with_system_prompt_and_raw_completions(sdk, grpc_client, smol_dir):
+    messages = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky color?"},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Grass color?"}]
+    rendered = load_tokenizer(smol_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ref = grpc_client.generate(GenerateRequest(rendered, max_tokens=16, temperature=0.0, apply_chat_template=False)).text
+    chat = sdk.chat.completions.create(model=BASE, messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == ref
+    raw = sdk.completions.create(model=BASE, prompt=rendered, max_tokens=16, temperature=0)
+    assert raw.choices[0].text == ref and raw.object == "text_completion"
+
+
+def test_speculation_per_model_id_and_extra_body(sdk, api):
+    ids = {m.id for m in sdk.models.list()}
+    assert {BASE, f"{BASE}:none", f"{BASE}:ngram", f"{BASE}:eagle3"} <= ids
+    messages = [{"role": "user", "content": "Repeat after me: speculative decoding is lossless. Repeat it again."}]
+    base = sdk.chat.completions.create(model=f"{BASE}:none", messages=messages, max_tokens=32, temperature=0)
+    assert base.model_extra["specdec"]["draft_tokens"] == 0
+    for kwargs in (dict(model=f"{BASE}:ngram"), dict(model=BASE, extra_body={"speculative_method": "ngram", "num_draft_tokens": 4})):
+        spec = sdk.chat.completions.create(messages=messages, max_tokens=32, temperature=0, **kwargs)
+        assert spec.choices[0].message.content == base.choices[0].message.content
+        assert spec.model_extra["specdec"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("kwargs, status, param", [
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(top_p=1.5), 400, "top_p"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(n=2), 400, "n"),
+    (dict(extra_body={"speculative_method": "medusa"}), 400, "speculative_method"),
+    (dict(model="gpt-4o"), 404, "model"),
+    (dict(messages=[]), 400, "messages"),
+])
+def test_errors_have_openais_shape(sdk, kwargs, status, param):
+    args = dict(model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(openai.APIStatusError) as err:
+        sdk.chat.completions.create(**args)
+    assert err.value.status_code == status
+    assert err.value.body["param"] == param, err.value.body
+
+
+def test_health_and_unreachable_triton(api, smol_dir):
+    assert httpx.get(api + "/health").status_code == 200
+    import asyncio
+
+    frontend = Frontend("127.0.0.1:9", Served(BASE, {BASE: ""}), load_tokenizer(smol_dir))
+    assert asyncio.run(frontend.ready()) is False
+
+
+def test_a_client_that_goes_away_stops_the_stream(api, triton_server):
+    """Closing the SSE stream cancels the Triton request: the verifier's slot is freed long
+    before max_tokens would have been reached."""
+    body = {"model": f"{BASE}:ngram", "messages": [{"role": "user", "content": "Count from one to a thousand in words."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    cancelled = metric(triton_server, "specdec_requests_total", reason="cancelled")
+    with httpx.stream("POST", api + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        for _ in range(4):
+            next(lines)
+    deadline = time.time() + 60  # a poll that fails only when the slot is never freed
+    while time.time() < deadline and metric(triton_server, "specdec_active_sequences", model="verifier") > 0:
+        time.sleep(0.2)
+    assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
+    assert metric(triton_server, "specdec_requests_total", reason="cancelled") == cancelled + 1
