@@ -15,7 +15,6 @@ the server's default method), or the extra body fields `speculative_method` and
 Errors use OpenAI's shape: 400 naming the parameter, 404 for an unknown model, 503 when
 Triton is not reachable or ready.
 """
-from __future__ import annotations
 
 import argparse
 import json

@@ -457,7 +457,8 @@ def test_dockerfiles_install_the_project_as_documented():
     gpu = (DEPLOY / "docker" / "Dockerfile.gpu").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
     (torch_pin,) = re.findall(r'"(torch==[^"]+)"', pyproject)
-    assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "cpu"), ("cpu", "locust")]
+    assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "cpu"), ("python:3.11-slim", "locust")]
+    assert "RUN pip install /opt/specdec/client" in cpu  # the load generator: the client alone, no torch
     assert f"--index-url https://download.pytorch.org/whl/cpu {torch_pin}" in cpu
     assert 'pip install "/opt/specdec[serve,openai]"' in cpu
     assert 'ENTRYPOINT ["specdec"]' in cpu
@@ -473,6 +474,39 @@ def test_dockerfiles_install_the_project_as_documented():
         allowed = (DEPLOY / "docker" / f"{name}.dockerignore").read_text().split()
         for path in ("pyproject.toml", "specdec", "specdec_triton", "client", *needed):
             assert f"!{path}" in allowed, f"{name}.dockerignore drops {path}"
+
+
+def test_the_client_installs_on_its_own_without_the_engine(tmp_path):
+    """client/pyproject.toml: the client, its benchmark and Locust, not torch or transformers;
+    its modules import nothing of the engine (the wire contract lives in the client)."""
+    import subprocess
+    import sys
+    import tomllib
+    import zipfile
+
+    project = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
+    deps = " ".join(project["dependencies"]).lower()
+    assert "tritonclient" in deps and "locust" in deps and "matplotlib" in deps
+    assert not any(heavy in deps for heavy in ("torch", "transformers", "specdec"))
+    modules = sorted(p.stem for p in (ROOT / "client" / "specdec_client").glob("*.py") if p.stem != "__main__")
+    # As if only the client were installed: the engine's packages cannot be imported at all.
+    code = ("import sys\n"
+            "class Absent:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'transformers', 'specdec', 'triton_launcher'):\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, Absent())\n" + "".join(f"import specdec_client.{m}\n" for m in modules) +
+            "from specdec_client import protocol as P\n"
+            "assert P.MODELS['ensemble'][0]['text_input'].dtype == 'TYPE_STRING'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+                            str(ROOT / "client")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("specdec_client-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "specdec_client/protocol.py" in names and "specdec_client/summary.schema.json" in names
+    assert {n.split("/")[0] for n in names if not n.startswith("specdec_client-")} == {"specdec_client"}
 
 
 def test_trtllm_extra_is_declared_but_never_installed_by_setup_or_ci():

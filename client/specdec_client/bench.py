@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from specdec import protocol as P
+from . import protocol as P
 
 from . import promtext
 from .client import AsyncSpecDecClient, GenerateRequest

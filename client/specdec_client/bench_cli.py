@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from specdec.errors import SpecDecError
-
 from . import datasets as D
 from .bench import BenchConfig, BenchConfigError, BenchResult, LoadPoint, parse_modes, run_bench, schedule
 from .cli_args import add_connection_arguments, add_sampling_arguments
@@ -20,6 +18,11 @@ from .envinfo import environment
 from .errors import SpecDecClientError
 from .local_server import local_server, settings_in_use
 from .summary import build_summary, validate, write_json, write_requests
+
+try:  # with the full install, --start-server's launcher reports its failures as SpecDecError
+    from specdec.errors import SpecDecError as _LaunchError
+except ImportError:  # the client installed on its own (pip install ./client): no launcher
+    _LaunchError = SpecDecClientError
 
 DEFAULT_OUT = Path("results/bench/latest")
 DEFAULT_CONCURRENCY = "1,16"
@@ -177,7 +180,7 @@ def cmd_bench(args) -> int:
             config = load_config(args, target)
             env = environment(server_metadata(config), target.settings_path)
             result = run_with_progress(config, prompts.prompts, show=not args.no_progress)
-    except (SpecDecClientError, SpecDecError) as exc:  # bad option, data set, server or launch
+    except (SpecDecClientError, _LaunchError) as exc:  # bad option, data set, server or launch
         print(f"specdec-client bench: {exc}", file=sys.stderr)
         return 2
     summary = write_outputs(result, env, prompts.info, args.out)

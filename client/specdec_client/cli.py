@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Sequence
 
-from specdec import protocol as P
+from . import protocol as P
 
 from . import metrics as M
 from .bench_cli import add_bench_arguments, cmd_bench

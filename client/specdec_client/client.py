@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
-from specdec import protocol as P
+from . import protocol as P
 
 from .errors import ClientConnectionError, RequestTimeoutError, ServerError
 

@@ -94,8 +94,10 @@ def default_settings_path() -> Path:
     env = os.environ.get("SPECDEC_SETTINGS")
     if env:
         return Path(env)
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY
-
+    try:
+        from triton_launcher import DEFAULT_MODEL_REPOSITORY
+    except ImportError:  # the client installed on its own: a checkout's settings, if run from one
+        return Path("model_repository") / "specdec.json"
     return DEFAULT_MODEL_REPOSITORY / "specdec.json"
 
 

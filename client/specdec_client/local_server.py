@@ -6,12 +6,18 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
+from .errors import SpecDecClientError
+
 
 @contextlib.contextmanager
 def local_server(log_path: Path, settings_path: Path | None = None, model_repository: Path | None = None,
                  ready_timeout_s: float = 600.0) -> Iterator:
     """Yields the running server's triton_launcher.Endpoints."""
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    try:
+        from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    except ImportError as exc:  # the client installed on its own (pip install ./client)
+        raise SpecDecClientError("--start-server needs the full project (pip install -e '.[serve]'), "
+                                 "not the client alone") from exc
 
     http, grpc, metrics = free_ports(3)
     env = {"SPECDEC_SETTINGS": str(Path(settings_path).resolve())} if settings_path else None

@@ -9,8 +9,8 @@ from typing import Mapping
 
 from .errors import ClientConnectionError
 
-from specdec.protocol import ACCEPTED_PER_POSITION_TOTAL as ACCEPTED_PER_POSITION
-from specdec.protocol import DRAFTED_PER_POSITION_TOTAL as DRAFTED_PER_POSITION
+from .protocol import ACCEPTED_PER_POSITION_TOTAL as ACCEPTED_PER_POSITION
+from .protocol import DRAFTED_PER_POSITION_TOTAL as DRAFTED_PER_POSITION
 
 # name{label="value",...} value [timestamp]
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
