@@ -115,11 +115,9 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     method = body.get("speculative_method", served.methods[model] or None)
     if method is not None and not isinstance(method, str):
         raise OpenAIError(400, "speculative_method must be a string", "speculative_method")
-    k = body.get("num_draft_tokens")
+    k = _number(body, "num_draft_tokens", None, int)
     if k is None and method == METHOD_NONE:
         k = 0
-    if k is not None:
-        k = _number(body, "num_draft_tokens", None, int)
     seed = body.get("seed")
     if seed is not None:
         seed = _number(body, "seed", None, int)

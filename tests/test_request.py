@@ -113,3 +113,40 @@ def test_the_in_process_cli_reads_requests_through_the_same_parser():
     with pytest.raises(InvalidRequestError) as err:
         parse_request(request_inputs(args), offer)
     assert err.value.field == P.TOP_P
+
+
+def test_openai_bodies_are_validated_naming_the_parameter():
+    """specdec openai's request parsing (no server needed): OpenAI's parameter names in every
+    refusal, model ids per method, and Triton's field names mapped back to them."""
+    from specdec.openai_server import OpenAIError, Served, parse_job, triton_error
+
+    class Tokenizer:  # the chat template and token counts are the target's; a stand-in here
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+        def __call__(self, text, add_special_tokens):
+            return type("Encoding", (), {"input_ids": text.split()})()
+
+    served = Served("m", {"m": "", "m:none": "none", "m:ngram": "ngram"})
+    chat = dict(model="m", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    job = parse_job({**chat, "max_completion_tokens": 7, "max_tokens": 99, "stop": "\n", "seed": 3}, served, Tokenizer(), chat=True)
+    assert (job.prompt, job.max_tokens, job.stop, job.seed, job.temperature, job.method) == (
+        "<system>Be brief.<user>Hi<assistant>", 7, ("\n",), 3, 1.0, None)
+    assert parse_job({**chat, "model": "m:none"}, served, Tokenizer(), chat=True).num_draft_tokens == 0
+    assert parse_job({**chat, "model": "m:ngram"}, served, Tokenizer(), chat=True).method == "ngram"
+    assert parse_job(dict(model="m", prompt=["raw text"]), served, Tokenizer(), chat=False).prompt == "raw text"
+    for body, status, param in [
+        ({**chat, "model": "other"}, 404, "model"),
+        ({**chat, "n": 2}, 400, "n"),
+        ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({**chat, "max_tokens": 1.5}, 400, "max_tokens"),
+        ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        (dict(model="m", prompt=["a", "b"]), 400, "prompt"),
+    ]:
+        with pytest.raises(OpenAIError) as err:
+            parse_job(body, served, Tokenizer(), chat="messages" in body)
+        assert (err.value.status, err.value.param) == (status, param), body
+    assert triton_error("in speculative_loop: random_seed: must be in [0, 2**64)").param == "seed"
+    assert triton_error("speculative_method: unknown method 'x'; known: none, max_tokens: ...").param == "speculative_method"
+    assert triton_error("server busy: every sequence slot is taken").status == 503
