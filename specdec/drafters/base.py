@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 from torch import Tensor
 
 from ..config import SpeculativeConfig
+from ..kv_cache import KVCache
 from ..sequence import SequenceState
 from ..tree import DraftTree
 
@@ -44,3 +45,15 @@ class Drafter(ABC):
 
     def on_finish(self, seq: SequenceState) -> None:
         """Free per-sequence resources (finished, cancelled or failed)."""
+
+
+class SlotCacheDrafter(Drafter):
+    """A model-based drafter with its own slot KV cache: each sequence's state (in
+    seq.drafter_state[name]) holds one slot, freed when the sequence ends."""
+
+    cache: KVCache
+
+    def on_finish(self, seq: SequenceState) -> None:
+        state = seq.drafter_state.pop(self.name, None)
+        if state is not None:
+            self.cache.release(state.slot)

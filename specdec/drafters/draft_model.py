@@ -32,7 +32,7 @@ from ..models.loading import load_safetensors_dir, prepare_gguf, transformer_fro
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
 from ..tree import DraftTree
-from .base import Drafter, KeepDrafting
+from .base import KeepDrafting, SlotCacheDrafter
 from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
 from .tree_search import Expansion, draft_pass_batch, dynamic_trees
 
@@ -53,7 +53,7 @@ class _DraftState:
     last_logits: Tensor | None = None  # [Vd] after the last committed token
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(SlotCacheDrafter):
     name = "draft_model"
 
     def __init__(self, model: Transformer, draft_to_target: Tensor | None, target_vocab: int, config: SpeculativeConfig,
@@ -80,11 +80,6 @@ class DraftModelDrafter(Drafter):
         self.cache.commit(state.slot, kept)
         state.written = {}
         state.pending += emitted[len(kept):]
-
-    def on_finish(self, seq: SequenceState) -> None:
-        state = seq.drafter_state.pop(self.name, None)
-        if state is not None:
-            self.cache.release(state.slot)
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:

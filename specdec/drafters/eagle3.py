@@ -23,7 +23,7 @@ from ..models.llama import build_batch
 from ..sampling import logits_to_probs
 from ..sequence import SequenceState
 from ..tree import DETERMINISTIC, ROOT, DraftTree
-from .base import Drafter, KeepDrafting
+from .base import KeepDrafting, SlotCacheDrafter
 from .ngram import find_continuations
 from .registry import REPO_ROOT, BuildContext, DrafterKind, register, resolve_path
 from .tree_search import Expansion, draft_pass_batch, dynamic_trees
@@ -38,7 +38,7 @@ class _HeadState:
     last_logits: Tensor | None = None  # [Vd]
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(SlotCacheDrafter):
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, config: SpeculativeConfig, max_batch_size: int, max_seq_len: int):
@@ -64,11 +64,6 @@ class Eagle3Drafter(Drafter):
         state: _HeadState = seq.drafter_state[self.name]
         state.pending_hidden.append(hidden.float())  # [1 + accepted, 3H]: root + accepted tokens
         state.pending_tokens += emitted  # accepted tokens + bonus/recovered token
-
-    def on_finish(self, seq: SequenceState) -> None:
-        state = seq.drafter_state.pop(self.name, None)
-        if state is not None:
-            self.cache.release(state.slot)
 
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
