@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft soak compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft bench-openai soak compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,10 @@ DRAFT_SIZES := 1 2 4
 bench-draft: prepare
 	for n in $(DRAFT_SIZES); do test -f tmp/drafts/L$$n/config.json || $(BIN)/specdec train-draft --layers $$n --out tmp/drafts/L$$n; done
 	$(BIN)/specdec bench-draft $(foreach n,$(DRAFT_SIZES),tmp/drafts/L$(n)) models/draft-smollm2-135m --out results/draft
+
+# What the OpenAI front end adds to end-to-end latency at c=1 (paired with gRPC to the ensemble) -> results/openai/
+bench-openai: prepare
+	$(BIN)/specdec bench-openai --prompts 12 --max-tokens 64
 
 # Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
 soak: prepare

@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("train-draft", help="train an independent draft model for the target (see: specdec train-draft --help)")
     sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of the Triton server (see: specdec openai --help)")
+    sub.add_parser("bench-openai", help="what the OpenAI front end adds to end-to-end latency at c=1 -> results/openai/")
     sub.add_parser("bench-draft", help="draft models' cost, acceptance and tok/s vs the baseline, in process -> results/draft/")
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         from .openai_server import main as openai_main
 
         return openai_main(argv[1:])
+    if argv[:1] == ["bench-openai"]:
+        from .bench_openai import main as bench_openai_main
+
+        return bench_openai_main(argv[1:])
     if argv[:1] == ["bench-draft"]:
         from .bench_draft import main as bench_draft_main
 
