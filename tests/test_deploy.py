@@ -155,6 +155,8 @@ def test_expected_objects_in_each_overlay():
 
 # ---- one source of truth: ports, images, the NGC release ----------------------------------
 def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
+    from specdec import openai_server
+
     ports = launcher_ports()
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert {name: int(VALUES[f"{name.upper()}_PORT"]) for name in ports} == ports
@@ -163,7 +165,14 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
         server = container(one(objects, "Deployment", "specdec-triton"), "triton")
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == ports
         service = one(objects, "Service", "specdec-triton")
-        assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {n: (v, n) for n, v in ports.items()}
+        openai_port = openai_server.build_parser().get_default("port")
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+            **{n: (v, n) for n, v in ports.items()}, "openai": (openai_port, "openai")}
+        # The OpenAI front end beside the server: Triton's HTTP port on localhost, its own default port.
+        sidecar = container(one(objects, "Deployment", "specdec-triton"), "openai")
+        assert sidecar["command"] == ["specdec"] and sidecar["args"][0] == "openai"
+        assert "--triton=127.0.0.1:$(HTTP_PORT)" in sidecar["args"] and f"--port={openai_port}" in sidecar["args"]
+        assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {"openai": openai_port}
     published = {f"{v}:{v}" for v in ports.values()}
     for name in SERVER_SERVICES:
         assert set(compose()["services"][name]["ports"]) == published, name
@@ -282,8 +291,9 @@ def test_service_monitor_network_policy_pdb_and_service_select_the_server(rel):
     assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     admitted = [port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]]
-    assert sorted(admitted) == ["grpc", "http", "metrics"]
-    assert set(admitted) <= {p["name"] for p in container(deployment, "triton")["ports"]}
+    assert sorted(admitted) == ["grpc", "http", "metrics", "openai"]
+    pod_ports = {p["name"] for name in ("triton", "openai") for p in container(deployment, name)["ports"]}
+    assert set(admitted) <= pod_ports
     pdb = one(objects, "PodDisruptionBudget")
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
     # The load generator's pods are not behind the server's Service.
