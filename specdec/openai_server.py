@@ -77,6 +77,7 @@ class Job:
     num_draft_tokens: int | None
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _number(body: Mapping[str, Any], name: str, default, kind=float):
@@ -124,7 +125,8 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     return Job(model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
-               include_usage=bool(stream_options.get("include_usage", False)))
+               include_usage=bool(stream_options.get("include_usage", False)),
+               ignore_eos=bool(body.get("ignore_eos", False)))  # vLLM's extension, which benchmark tools send
 
 
 def render_messages(messages: Any, tokenizer) -> str:
@@ -187,7 +189,8 @@ class Frontend:
         from specdec_client import GenerateRequest
 
         return GenerateRequest(job.prompt, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed,
-                               stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False)
+                               stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False,
+                               ignore_eos=job.ignore_eos or None)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError

@@ -133,6 +133,7 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert (job.prompt, job.max_tokens, job.stop, job.seed, job.temperature, job.method) == (
         "<system>Be brief.<user>Hi<assistant>", 7, ("\n",), 3, 1.0, None)
     assert parse_job({**chat, "model": "m:none"}, served, Tokenizer(), chat=True).num_draft_tokens == 0
+    assert parse_job({**chat, "ignore_eos": True}, served, Tokenizer(), chat=True).ignore_eos  # benchmark tools send it
     assert parse_job({**chat, "model": "m:ngram"}, served, Tokenizer(), chat=True).method == "ngram"
     assert parse_job(dict(model="m", prompt=["raw text"]), served, Tokenizer(), chat=False).prompt == "raw text"
     for body, status, param in [
