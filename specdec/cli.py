@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -148,44 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that own their flags: name -> (module, function taking the remaining argv).
+OWN_FLAGS = {
+    "serve": ("triton_launcher", "serve_main"),  # the launcher passes extras to tritonserver
+    "train-eagle3": ("specdec.train_eagle3", "main"),
+    "train-draft": ("specdec.train_draft", "main"),
+    "openai": ("specdec.openai_server", "main"),
+    "bench-openai": ("specdec.bench_openai", "main"),
+    "bench-draft": ("specdec.bench_draft", "main"),
+    "bench-serving": ("specdec.bench_serving", "main"),
+    "trtllm-config": ("trtllm_repository", "main"),
+    "demo": ("specdec.demo", "main"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # the launcher owns its flags (and passes extras to tritonserver)
-        from triton_launcher import serve_main
-
-        return serve_main(argv[1:])
-    if argv[:1] == ["train-eagle3"]:
-        from .train_eagle3 import main as train_main
-
-        return train_main(argv[1:])
-    if argv[:1] == ["train-draft"]:
-        from .train_draft import main as train_draft_main
-
-        return train_draft_main(argv[1:])
-    if argv[:1] == ["openai"]:
-        from .openai_server import main as openai_main
-
-        return openai_main(argv[1:])
-    if argv[:1] == ["bench-openai"]:
-        from .bench_openai import main as bench_openai_main
-
-        return bench_openai_main(argv[1:])
-    if argv[:1] == ["bench-draft"]:
-        from .bench_draft import main as bench_draft_main
-
-        return bench_draft_main(argv[1:])
-    if argv[:1] == ["bench-serving"]:
-        from .bench_serving import main as bench_serving_main
-
-        return bench_serving_main(argv[1:])
-    if argv[:1] == ["trtllm-config"]:
-        from trtllm_repository import main as trtllm_main
-
-        return trtllm_main(argv[1:])
-    if argv[:1] == ["demo"]:
-        from .demo import main as demo_main
-
-        return demo_main(argv[1:])
+    if argv[:1] and argv[0] in OWN_FLAGS:  # these parse their own flags (imported only when asked for)
+        module, function = OWN_FLAGS[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

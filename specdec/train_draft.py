@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from .models.loading import default_model_dir, load_safetensors_dir, load_transformer
 from .runtime import load_tokenizer
-from .train_eagle3 import add_data_arguments, draft_vocabulary, length_bucketed, training_data, user_openings
+from .train_eagle3 import add_data_arguments, draft_vocabulary, length_bucketed, plot_curve, training_data, user_openings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -188,26 +188,10 @@ def heldout_decoding(target_dir: Path, draft_dir: Path, tokenizer, prompts: list
 
 
 def write_model_card(out: Path, record: dict) -> None:
+    """README.md and the training curve (train_curve.png) next to the weights."""
     curve = record["curve"]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label="loss")
-        ax2 = ax.twinx()
-        ax2.plot([c["step"] for c in curve], [c["train_top1"] for c in curve], "--", color="C1", label="train top-1")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("cross-entropy vs target argmax")
-        ax2.set_ylabel("top-1 agreement")
-        fig.legend(loc="upper center", ncol=2, fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "train_curve.png", dpi=100)
-        plt.close(fig)
-    except ImportError:
-        pass
+    plot_curve(out / "train_curve.png", curve, "cross-entropy vs target argmax", {"train top-1": [c["train_top1"] for c in curve]},
+               "top-1 agreement")
     d, b, acc = record["data"], record["budget"], record["heldout_decoding"]
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {c['train_top1']:.3f} |" for c in curve)
     mb = (out / "model.safetensors").stat().st_size / 2**20

@@ -330,29 +330,38 @@ def head_lineage(init_dir: Path) -> list[dict]:
     return list(prev.get("lineage", [])) + [step]
 
 
-def write_model_card(out: Path, record: dict) -> None:
-    """README.md and the training curve (train_curve.png) next to the weights."""
-    curve = record["curve"]
+def plot_curve(path: Path, curve: list[dict], loss_label: str, accuracy: dict[str, list[float]], accuracy_label: str) -> None:
+    """The training curve of a model card: loss, and top-1 agreement series on a twin axis
+    (skipped without matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label="weighted TTT loss")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss")
-        ax2 = ax.twinx()
-        for k in range(len(curve[0]["train_top1_by_position"]) if curve else 0):
-            ax2.plot([c["step"] for c in curve], [c["train_top1_by_position"][k] for c in curve], "--", label=f"top-1 pos {k}")
-        ax2.set_ylabel("train top-1 vs target")
-        fig.legend(loc="upper center", ncol=2, fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "train_curve.png", dpi=100)
-        plt.close(fig)
     except ImportError:
-        pass
+        return
+    steps = [c["step"] for c in curve]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [c["loss"] for c in curve], label=loss_label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax2 = ax.twinx()
+    for label, values in accuracy.items():
+        ax2.plot(steps, values, "--", label=label)
+    ax2.set_ylabel(accuracy_label)
+    fig.legend(loc="upper center", ncol=2, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_model_card(out: Path, record: dict) -> None:
+    """README.md and the training curve (train_curve.png) next to the weights."""
+    curve = record["curve"]
+    positions = len(curve[0]["train_top1_by_position"]) if curve else 0
+    plot_curve(out / "train_curve.png", curve, "weighted TTT loss",
+               {f"top-1 pos {k}": [c["train_top1_by_position"][k] for c in curve] for k in range(positions)},
+               "train top-1 vs target")
     b, d, acc = record["budget"], record["data"], record["heldout_acceptance"]
     lineage = record.get("lineage") or []
     earlier = "".join(
