@@ -127,10 +127,33 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # TensorRT-LLM's logits rules, applied to the target's logits at every tree node before
+    # temperature (specdec/logits_processing.py); what the drafters propose is unchanged.
+    min_length: int = 0  # no end token before this many output tokens
+    end_id: int | None = None  # the token that ends a sequence (default: the model's EOS ids)
+    pad_id: int | None = None  # accepted for TensorRT-LLM clients: one beam, never padded
+    bad_words: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0  # CTRL's: logits of tokens already in prompt or output / by it
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    return_log_probs: bool = False
+    # The same rules at token level, resolved by request.resolve_token_rules (the verifier
+    # has no tokenizer): the ids that end a sequence, and each bad word as token ids.
+    end_ids: tuple[int, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether any rule changes the target's logits (else they are used as they come)."""
+        return self.min_length > 0 or bool(self.bad_word_ids) or self.penalized
 
     def validate(self, max_tokens_limit: int) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_tokens_limit:
@@ -145,6 +168,15 @@ class SamplingParams:
             raise InvalidRequestError("random_seed", f"must be in [0, 2**64), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop_words", "stop strings must be non-empty")
+        if any(not s for s in self.bad_words):
+            raise InvalidRequestError("bad_words", "bad words must be non-empty")
+        if isinstance(self.min_length, bool) or not isinstance(self.min_length, int) or self.min_length < 0:
+            raise InvalidRequestError("min_length", f"must be an integer >= 0, got {self.min_length!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(name, f"must be a finite number (0 = off), got {getattr(self, name)!r}")
         return self
 
 

@@ -20,7 +20,7 @@ from .detok import IncrementalDetokenizer
 from .drafters.base import Drafter
 from .errors import CapacityError, InvalidRequestError, UnknownSequenceError
 from .metrics import SpecStats
-from .request import ServedOffer, resolve_method
+from .request import ServedOffer, resolve_method, resolve_token_rules
 from .models.llama import Transformer
 from .sequence import FINISH_CANCELLED, RequestState
 from .speculator import Speculator, StartItem, StepItem
@@ -96,13 +96,15 @@ class SpecEngine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.verifier.check_prompt(prompt_ids)
         params.validate(self.config.max_tokens_limit)
+        tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
+        params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.verifier.target.cfg.vocab_size, tokenize)
         method, budget = resolve_method(method, num_draft_tokens, self.offer)
         if len(self.sequences) >= self.config.max_batch_size:
             raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
         req = RequestState(
             request_id=request_id, prompt_ids=prompt_ids, params=params,
             method=method, num_draft_tokens=budget,
-            max_seq_len=self.config.max_seq_len, eos_token_ids=self.eos_token_ids,
+            max_seq_len=self.config.max_seq_len, eos_token_ids=end_ids,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
         self.sequences[request_id] = req

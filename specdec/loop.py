@@ -36,6 +36,11 @@ class LoopUpdate:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0  # wall time of the step as the loop saw it (calls included)
+    log_probs: list[float] | None = None  # of token_ids, when the request asked for them
+
+
+def _kept(log_probs: list[float] | None, tokens: list[int]) -> list[float] | None:
+    return None if log_probs is None else log_probs[: len(tokens)]
 
 
 def merge_replies(replies: Sequence[StepResult]) -> StepResult:
@@ -131,8 +136,8 @@ async def run_loop(
         method = req.method if separate is None else METHOD_NONE
         reply = await backend.start_target(req.prompt_ids, req.params, method, wanted, want_hidden and separate is not None)
         target_started = True
-        tokens, text = req.accept(reply.emitted)
-        yield LoopUpdate(tokens, text, req.finished, req.finish_reason)
+        tokens, text = req.accept(reply.emitted, reply.log_probs)
+        yield LoopUpdate(tokens, text, req.finished, req.finish_reason, log_probs=_kept(reply.log_probs, tokens))
         while not req.finished:
             if is_cancelled():
                 req.finish(FINISH_CANCELLED)
@@ -152,10 +157,10 @@ async def run_loop(
             req.stats.draft_seconds += draft_s
             req.stats.verify_seconds += reply.verify_seconds
             req.stats.record_step(reply.draft_depth, reply.draft_tokens, reply.accepted, len(reply.emitted))
-            tokens, text = req.accept(reply.emitted)
+            tokens, text = req.accept(reply.emitted, reply.log_probs)
             yield LoopUpdate(
                 tokens, text, req.finished, req.finish_reason, True, reply.draft_depth, reply.draft_tokens,
-                reply.accepted, draft_s, reply.verify_seconds, step_s,
+                reply.accepted, draft_s, reply.verify_seconds, step_s, _kept(reply.log_probs, tokens),
             )
     finally:
         await backend.release(target_started, separate is not None and separate.started)

@@ -2,6 +2,7 @@
 the request parser (one for every entry point) below."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,14 +24,28 @@ def draft_budget(wanted: int, max_tokens: int, max_seq_len: int, prompt_len: int
 
 
 # ---- sampling settings on the wire between the models: encoded once, decoded once ----------
-def encode_sampling(params: SamplingParams) -> dict[str, np.ndarray]:
-    """What the verifier needs of a request's sampling settings (max_tokens bounds drafting)."""
+def encode_sampling(params: SamplingParams, rules: bool = False) -> dict[str, np.ndarray]:
+    """What the models need of a request's sampling settings (max_tokens bounds drafting);
+    `rules`: also the logits rules and log-prob flag, which only the verifier takes (sent
+    only when set, so a plain request's wire stays as small as it was)."""
     out = {
         P.MAX_TOKENS: np.int32([params.max_tokens]), P.TEMPERATURE: np.float32([params.temperature]),
         P.TOP_K: np.int32([params.top_k]), P.TOP_P: np.float32([params.top_p]),
     }
     if params.seed is not None:
         out[P.RANDOM_SEED] = np.uint64([params.seed])
+    if not rules:
+        return out
+    if params.min_length:
+        out[P.MIN_LENGTH] = np.int32([params.min_length])
+        out[P.END_IDS] = np.int32(params.end_ids)
+    if params.bad_word_ids:
+        out[P.BAD_WORDS_IDS] = np.int32([t for word in params.bad_word_ids for t in (*word, P.BAD_WORDS_SEPARATOR)])
+    for name, neutral in ((P.REPETITION_PENALTY, 1.0), (P.PRESENCE_PENALTY, 0.0), (P.FREQUENCY_PENALTY, 0.0)):
+        if getattr(params, name) != neutral:
+            out[name] = np.float32([getattr(params, name)])
+    if params.return_log_probs:
+        out[P.RETURN_LOG_PROBS] = np.bool_([True])
     return out
 
 
@@ -40,10 +55,55 @@ def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
         value = read(name)
         return default if value is None else cast(value.reshape(-1)[0])
 
+    def ids(name: str) -> list[int]:
+        value = read(name)
+        return [] if value is None else [int(t) for t in value.reshape(-1)]
+
+    words, word = [], []
+    for token in ids(P.BAD_WORDS_IDS):
+        if token == P.BAD_WORDS_SEPARATOR:
+            words.append(tuple(word))
+            word = []
+        else:
+            word.append(token)
+    if word:
+        raise InvalidRequestError(P.BAD_WORDS_IDS, f"must end with the separator {P.BAD_WORDS_SEPARATOR}")
     return SamplingParams(
         max_tokens=one(P.MAX_TOKENS, 1, int), temperature=one(P.TEMPERATURE, 0.0, float), top_k=one(P.TOP_K, 0, int),
         top_p=one(P.TOP_P, 1.0, float), seed=one(P.RANDOM_SEED, None, int),
+        min_length=one(P.MIN_LENGTH, 0, int), end_ids=tuple(ids(P.END_IDS)), bad_word_ids=tuple(w for w in words if w),
+        repetition_penalty=one(P.REPETITION_PENALTY, 1.0, float), presence_penalty=one(P.PRESENCE_PENALTY, 0.0, float),
+        frequency_penalty=one(P.FREQUENCY_PENALTY, 0.0, float), return_log_probs=one(P.RETURN_LOG_PROBS, False, bool),
     )
+
+
+def check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size}), got {sorted(set(ids))[:8]}")
+
+
+def resolve_token_rules(
+    params: SamplingParams, eos_ids: frozenset[int], vocab_size: int, tokenize: Callable[[str], list[int]] | None,
+) -> tuple[SamplingParams, frozenset[int]]:
+    """The request's rules at token level (the verifier has no tokenizer): the ids that end
+    the sequence (end_id, else the model's EOS ids) and each bad word's token ids (as
+    TensorRT-LLM's preprocessing encodes them: the word alone, no special tokens).
+    Returns (params with end_ids / bad_word_ids set, the ids that end the sequence)."""
+    for name in (P.END_ID, P.PAD_ID):
+        value = getattr(params, name)
+        if value is not None:
+            check_token_ids(name, [value], vocab_size)
+    # Token-level rules given directly (in-process callers) stand; text ones are resolved.
+    end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or eos_ids
+    words = list(params.bad_word_ids)
+    if params.bad_words:
+        if tokenize is None:
+            raise InvalidRequestError(P.BAD_WORDS, "needs a tokenizer, and this engine was built without one")
+        words += [tuple(tokenize(word)) for word in params.bad_words]
+        if not all(words):
+            raise InvalidRequestError(P.BAD_WORDS, "a bad word encodes to no tokens")
+    params = dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words))
+    return params, end_ids
 
 
 # ---- the request parser: every entry point (the Triton loop, the in-process CLI, the
@@ -71,6 +131,9 @@ class GenerateRequest:
     num_draft_tokens: int
     stream: bool = False
     return_perf_metrics: bool = False
+    # TensorRT-LLM's: False puts the prompt before the generated text (and ids) of a
+    # non-streamed response; absent or True (our default) returns only what was generated.
+    exclude_input_in_output: bool = True
 
 
 def served_offer(settings: ServingConfig) -> ServedOffer:
@@ -103,6 +166,11 @@ def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast: Callable =
         return cast(values[0])
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(name, f"cannot read {values[0]!r}: {exc}") from exc
+
+
+def _words(inputs: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    """stop_words / bad_words: TensorRT-LLM clients send [""] for none, so empty ones are dropped."""
+    return tuple(w for w in _values(inputs, name) or () if w)
 
 
 def resolve_method(method: str | None, num_draft_tokens: int | None, offer: ServedOffer) -> tuple[str, int]:
@@ -151,14 +219,23 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequ
         top_k=_scalar(inputs, P.TOP_K, 0, int),
         top_p=_scalar(inputs, P.TOP_P, 1.0, float),
         seed=request_seed(inputs),
-        stop=tuple(_values(inputs, P.STOP_WORDS) or ()),
+        stop=_words(inputs, P.STOP_WORDS),
         ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
+        min_length=_scalar(inputs, P.MIN_LENGTH, 0, int),
+        end_id=_scalar(inputs, P.END_ID, None, int),
+        pad_id=_scalar(inputs, P.PAD_ID, None, int),
+        bad_words=_words(inputs, P.BAD_WORDS),
+        repetition_penalty=_scalar(inputs, P.REPETITION_PENALTY, 1.0, float),
+        presence_penalty=_scalar(inputs, P.PRESENCE_PENALTY, 0.0, float),
+        frequency_penalty=_scalar(inputs, P.FREQUENCY_PENALTY, 0.0, float),
+        return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
     ).validate(offer.max_tokens_limit)
     method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
     return GenerateRequest(
         prompt=prompt, prompt_ids=prompt_ids,
         apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
         stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),
+        exclude_input_in_output=_scalar(inputs, P.EXCLUDE_INPUT_IN_OUTPUT, True, bool),
     )
 
 

@@ -60,6 +60,7 @@ class RequestState:
     eos_token_ids: frozenset[int]
     detok: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)  # of output_ids, with return_log_probs
     stats: SpecStats = field(default_factory=SpecStats)
     finished: bool = False
     finish_reason: str | None = None
@@ -78,9 +79,10 @@ class RequestState:
         wanted = self.num_draft_tokens if requested is None else requested
         return draft_budget(wanted, self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
-    def accept(self, tokens: list[int]) -> tuple[list[int], str]:
-        """Apply EOS / max_tokens / context / stop strings to newly emitted tokens.
-        Returns (tokens kept, final text delta); sets finished/finish_reason."""
+    def accept(self, tokens: list[int], log_probs: list[float] | None = None) -> tuple[list[int], str]:
+        """Apply EOS / max_tokens / context / stop strings to newly emitted tokens (and
+        keep the log probs of those kept). Returns (tokens kept, final text delta); sets
+        finished/finish_reason."""
         reason = None
         if not self.params.ignore_eos:
             for i, tok in enumerate(tokens):
@@ -91,6 +93,8 @@ class RequestState:
         if len(tokens) >= room and reason is None:
             tokens, reason = tokens[:room], FINISH_LENGTH
         self.output_ids.extend(tokens)
+        if log_probs is not None:
+            self.log_probs.extend(log_probs[: len(tokens)])
         text = ""
         if self.detok is not None:
             text = self.detok.add(tokens)

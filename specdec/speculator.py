@@ -62,6 +62,7 @@ class StepResult:
     hidden: Tensor | None = None  # taps of the committed positions, when asked for
     verify_seconds: float = 0.0  # the batch's, shared by its sequences
     draft_seconds: float = 0.0
+    log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Speculator(KeyedSequences[_Sequence]):
                 if item.method != METHOD_NONE:
                     self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
                 results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
-                                          verify_seconds=t1 - t0))
+                                          verify_seconds=t1 - t0, log_probs=out.log_probs))
             self._draft_next(items, results, first=True)
         except Exception:
             for item in items:  # all or nothing: a failed start holds no slot anywhere
@@ -201,7 +202,7 @@ class Speculator(KeyedSequences[_Sequence]):
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
             results.append(StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
-                hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0,
+                hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
             ))
         self._draft_next(items, results)
         return results

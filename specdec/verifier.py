@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .config import EngineConfig, SamplingParams
 from .errors import CapacityError, InvalidRequestError
+from .logits_processing import apply_rules, token_log_probs
 from .models.llama import Transformer, build_batch
 from .request import check_prompt_ids
 from .sampling import logits_to_probs, make_generator, sample
@@ -28,20 +29,36 @@ class _TargetSequence:
     slot: int
     params: SamplingParams
     generator: torch.Generator
+    prompt_len: int = 0
     root_token: int = -1
     last_used: float = 0.0
+    # prompt + every emitted token (the root last), kept only when the request's logits
+    # rules need the context (specdec/logits_processing.py)
+    context: list[int] | None = None
+
+    def processed(self, logits: Tensor, tree: DraftTree | None = None) -> Tensor:
+        if self.context is None:
+            return logits
+        return apply_rules(logits, self.params, self.prompt_len, self.context, tree)
+
+    def emitted(self, tokens: list[int]) -> None:
+        self.root_token = tokens[-1]
+        if self.context is not None:
+            self.context.extend(tokens)
 
 
 @dataclass
 class PrefillOutput:
     first_token: int
     hidden: Tensor | None  # [prompt_len, taps * H] when taps were asked for
+    log_probs: list[float] | None = None  # of first_token, with return_log_probs
 
 
 @dataclass
 class VerifyOutput:
     result: VerifyResult
     hidden: Tensor | None  # [1 + accepted, taps * H]: root + accepted path, when asked for
+    log_probs: list[float] | None = None  # of result.emitted, with return_log_probs
 
 
 class TargetVerifier(KeyedSequences[_TargetSequence]):
@@ -74,8 +91,9 @@ class TargetVerifier(KeyedSequences[_TargetSequence]):
             raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
         now = time.monotonic()
         started = []
-        for seq_id, _, params in items:
-            seq = _TargetSequence(self.cache.allocate(), params, make_generator(params.seed), last_used=now)
+        for seq_id, prompt, params in items:
+            seq = _TargetSequence(self.cache.allocate(), params, make_generator(params.seed), len(prompt), last_used=now,
+                                  context=list(prompt) if params.shapes_logits else None)
             self._seqs[seq_id] = seq
             started.append(seq)
         prompts = [list(p) for _, p, _ in items]
@@ -88,10 +106,12 @@ class TargetVerifier(KeyedSequences[_TargetSequence]):
         results = []
         for b, (seq, prompt) in enumerate(zip(started, prompts)):
             self.cache.commit(seq.slot, range(len(prompt)))
-            logits = out.logits[b, 0]
-            seq.root_token = int(logits.argmax()) if seq.params.greedy else sample(logits_to_probs(logits, seq.params), seq.generator)
+            logits = seq.processed(out.logits[b, :1])[0]
+            first = int(logits.argmax()) if seq.params.greedy else sample(logits_to_probs(logits, seq.params), seq.generator)
+            seq.emitted([first])
             hidden = out.hidden_taps[b, : len(prompt)] if out.hidden_taps is not None else None
-            results.append(PrefillOutput(seq.root_token, hidden))
+            log_probs = token_log_probs(logits[None], seq.params, [0], [first]) if seq.params.return_log_probs else None
+            results.append(PrefillOutput(first, hidden, log_probs))
         return results
 
     def verify(self, items: Sequence[tuple[Hashable, DraftTree]], want_hidden: bool = False) -> list[VerifyOutput]:
@@ -113,17 +133,18 @@ class TargetVerifier(KeyedSequences[_TargetSequence]):
         results: list[VerifyOutput | None] = [None] * len(seqs)
         for b, i in enumerate(order):
             seq, tree = seqs[i], trees[i]
-            logits = out.logits[b, : len(tree) + 1]  # [n+1, V]: row 0 = root, row j+1 = node j
+            logits = seq.processed(out.logits[b, : len(tree) + 1], tree)  # [n+1, V]: row 0 = root, row j+1 = node j
             if seq.params.greedy:
                 result = verify_greedy(tree, logits)
             else:
                 result = verify_sampled(tree, logits_to_probs(logits, seq.params), seq.generator)
             kept = [0] + [node + 1 for node in result.accepted_nodes]
             self.cache.commit(seq.slot, kept)
-            seq.root_token = result.next_token
+            seq.emitted(result.emitted)
             seq.last_used = now
             hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
-            results[i] = VerifyOutput(result, hidden)
+            log_probs = token_log_probs(logits, seq.params, kept, result.emitted) if seq.params.return_log_probs else None
+            results[i] = VerifyOutput(result, hidden, log_probs)
         return results  # type: ignore[return-value]
 
     def release(self, seq_id: Hashable) -> None:

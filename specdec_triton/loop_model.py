@@ -26,7 +26,7 @@ from specdec.detok import IncrementalDetokenizer
 from specdec.engine import eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
 from specdec.loop import LoopBackend, run_loop
-from specdec.request import check_prompt_ids, encode_sampling, parse_request, served_offer
+from specdec.request import check_prompt_ids, encode_sampling, parse_request, resolve_token_rules, served_offer
 from specdec.speculator import StepResult
 from specdec.models.loading import read_model_config
 from specdec.runtime import encode_prompt, load_tokenizer, resolve_model_dir, tap_layers_of
@@ -39,6 +39,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 TARGET_OUT = [P.OUTPUT_IDS, P.STEP_STATS]
 DRAFT_OUT = [P.DRAFT_TOKENS, P.DRAFT_PARENTS, P.DRAFT_PROBS]
+LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
 
 
 def send(sender, response, flags) -> bool:
@@ -54,8 +55,9 @@ class BLSBackend(LoopBackend):
     """The loop's hooks as BLS calls: one verifier call per step for co-located drafters;
     a drafter call before it for a drafter served apart."""
 
-    def __init__(self, cid, key):
+    def __init__(self, cid, key, log_probs=False):
         self.cid = cid
+        self.target_out = TARGET_OUT + [P.OUTPUT_LOG_PROBS] if log_probs else TARGET_OUT
         # The per-server secret the internal models ask for (None when none was set).
         self.key = None if key is None else np.array([key], dtype=np.object_)
 
@@ -81,6 +83,7 @@ class BLSBackend(LoopBackend):
             out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
             self._hidden(out[P.HIDDEN_STATES]) if P.HIDDEN_STATES in out else None,
             stats["verify_seconds"], stats["draft_seconds"],
+            out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None,
         )
 
     @staticmethod
@@ -89,7 +92,7 @@ class BLSBackend(LoopBackend):
         return DraftTree.from_arrays(out[P.DRAFT_TOKENS], out[P.DRAFT_PARENTS], torch.from_numpy(probs.copy()) if probs.size else None)
 
     async def start_target(self, prompt_ids, params, method, num_draft_tokens, want_hidden):
-        inputs = {P.INPUT_IDS: np.int32(prompt_ids), **encode_sampling(params)}
+        inputs = {P.INPUT_IDS: np.int32(prompt_ids), **encode_sampling(params, rules=True)}
         if method != METHOD_NONE:
             inputs.update({P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), P.DRAFT_BUDGET: np.int32([num_draft_tokens])})
         return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden), START))
@@ -110,9 +113,8 @@ class BLSBackend(LoopBackend):
             inputs[P.RETURN_HIDDEN] = np.bool_([True])
         return inputs
 
-    @staticmethod
-    def _outputs(want_hidden):
-        return TARGET_OUT + [P.HIDDEN_STATES] if want_hidden else TARGET_OUT
+    def _outputs(self, want_hidden):
+        return self.target_out + [P.HIDDEN_STATES] if want_hidden else self.target_out
 
     async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
         inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), P.DRAFT_BUDGET: np.int32([budget]),
@@ -168,12 +170,16 @@ class TritonPythonModel:
             self.tokenizer, req.prompt, chat=req.apply_chat_template)
         limit = self.settings.engine.max_seq_len
         check_prompt_ids(prompt, limit, self.vocab_size)
+        params, end_ids = resolve_token_rules(req.params, self.eos_ids, self.vocab_size, self._tokenize_word)
         state = RequestState(
-            request_id=str(self._new_cid()), prompt_ids=prompt, params=req.params, method=req.method,
-            num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=self.eos_ids,
-            detok=IncrementalDetokenizer(self.tokenizer, req.params.stop),
+            request_id=str(self._new_cid()), prompt_ids=prompt, params=params, method=req.method,
+            num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=end_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
         )
         return req, state
+
+    def _tokenize_word(self, word):
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     async def _serve(self, request):
         sender = request.get_response_sender()
@@ -221,7 +227,7 @@ class TritonPythonModel:
         spec = self.settings.methods.get(req.method)
         self._decoding += 1
         try:
-            backend = BLSBackend(int(req.request_id), self.key)
+            backend = BLSBackend(int(req.request_id), self.key, req.params.return_log_probs)
             scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
             updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled,
                                drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)
@@ -233,12 +239,15 @@ class TritonPythonModel:
                         self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
                         self.metrics.flush()
                     if stream and (update.text or update.finished):
-                        response = self._response(request, req, update.text, update.token_ids)
+                        response = self._response(request, req, update.text, update.token_ids, update.log_probs)
                         if not send(sender, response, FINAL if update.finished else 0):
                             self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
                             return  # nobody is listening any more: stop generating
             if not stream:
-                send(sender, self._response(request, req, "".join(pieces), req.output_ids), FINAL)
+                text, ids = "".join(pieces), req.output_ids
+                if not parsed.exclude_input_in_output:  # TensorRT-LLM's default: the prompt, then the answer
+                    text, ids = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=True) + text, req.prompt_ids + ids
+                send(sender, self._response(request, req, text, ids, req.log_probs), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
         finally:
@@ -246,10 +255,14 @@ class TritonPythonModel:
             self.metrics.flush()
 
     @staticmethod
-    def _response(request, req, text, token_ids):
-        """Only the outputs the caller asked for (the ensemble asks for its own six)."""
+    def _response(request, req, text, token_ids, log_probs):
+        """Only the outputs the caller asked for (the ensemble asks for its own six); the
+        log-prob outputs, when nothing in particular was asked for, only with return_log_probs
+        (asked for without it they are zeros, as TensorRT-LLM's are)."""
         stats = req.stats
         wanted = set(request.requested_output_names())
+        with_log_probs = req.params.return_log_probs
+        log_probs = log_probs if with_log_probs and log_probs is not None else [0.0] * (len(token_ids) if with_log_probs else 0)
         values = {
             P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
             P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
@@ -258,8 +271,13 @@ class TritonPythonModel:
             P.TOTAL_DRAFT_TOKENS: lambda: batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
             P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
             P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+            P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
+            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),
         }
-        return pb_utils.InferenceResponse([make() for name, make in values.items() if name in wanted or not wanted])
+        return pb_utils.InferenceResponse([
+            make() for name, make in values.items()
+            if name in wanted or (not wanted and (with_log_probs or name not in LOG_PROB_OUTPUTS))
+        ])
 
     def _record(self, method, update):
         if not update.verified:

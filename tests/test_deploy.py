@@ -843,6 +843,11 @@ def test_trtllm_requests_map_to_llm_api_sampling_params():
     assert not sampled.apply_chat_template and not sampled.stream
     baseline = trtllm.parse_request(_inputs(text_input="Hi", max_tokens=4, speculative_method="none", num_draft_tokens=0), BASELINE)
     assert baseline.sampling["max_tokens"] == 4
+    ruled = trtllm.parse_request(_inputs(
+        text_input="Hi", max_tokens=8, min_length=3, end_id=2, pad_id=2, bad_words=["no", ""], repetition_penalty=1.2,
+        presence_penalty=0.5, frequency_penalty=0.25), EAGLE3)
+    assert ruled.sampling == {"max_tokens": 8, "temperature": 0.0, "min_tokens": 3, "end_id": 2, "pad_id": 2, "bad": ["no"],
+                              "repetition_penalty": pytest.approx(1.2), "presence_penalty": 0.5, "frequency_penalty": 0.25}
 
 
 @pytest.mark.parametrize("values, served, field", [
@@ -857,6 +862,10 @@ def test_trtllm_requests_map_to_llm_api_sampling_params():
     ({"top_p": 0.0}, EAGLE3, P.TOP_P),
     ({"text_input": ""}, EAGLE3, P.TEXT_INPUT),
     ({"text_input": ["a", "b"]}, EAGLE3, P.TEXT_INPUT),
+    ({"min_length": -1}, EAGLE3, P.MIN_LENGTH),
+    ({"repetition_penalty": 0.0}, EAGLE3, P.REPETITION_PENALTY),
+    ({"return_log_probs": True}, EAGLE3, P.RETURN_LOG_PROBS),
+    ({"exclude_input_in_output": False}, EAGLE3, P.EXCLUDE_INPUT_IN_OUTPUT),
 ])
 def test_trtllm_invalid_requests_are_refused_naming_the_field(values, served, field):
     request = {"text_input": "Hi", "max_tokens": 16, **values}

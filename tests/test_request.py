@@ -8,6 +8,7 @@ from specdec import protocol as P
 from specdec.config import METHOD_NONE, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.request import (
+    resolve_token_rules,
     ServedOffer, check_prompt_ids, decode_sampling, draft_budget, encode_sampling, parse_request, resolve_method,
 )
 
@@ -95,6 +96,32 @@ def test_sampling_round_trips_the_wire():
     assert (back.max_tokens, back.top_k, back.seed) == (33, 20, 2**63 + 5)
     assert back.temperature == pytest.approx(0.7) and back.top_p == pytest.approx(0.9)
     assert decode_sampling(encode_sampling(SamplingParams(max_tokens=4)).get).seed is None
+
+
+def test_logits_rules_travel_to_the_verifier_only():
+    params = SamplingParams(max_tokens=9, min_length=4, end_ids=(2, 7), bad_word_ids=((5,), (8, 9, 10)),
+                            repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75, return_log_probs=True)
+    assert set(encode_sampling(params)) == {P.MAX_TOKENS, P.TEMPERATURE, P.TOP_K, P.TOP_P}  # the drafter's
+    back = decode_sampling(encode_sampling(params, rules=True).get)
+    assert back == params
+    plain = encode_sampling(SamplingParams(max_tokens=4), rules=True)  # nothing extra when no rule is set
+    assert set(plain) == {P.MAX_TOKENS, P.TEMPERATURE, P.TOP_K, P.TOP_P}
+    with pytest.raises(InvalidRequestError) as err:
+        decode_sampling({P.BAD_WORDS_IDS: np.int32([5, 6])}.get)  # no closing separator
+    assert err.value.field == P.BAD_WORDS_IDS
+
+
+def test_token_rules_resolve_end_ids_and_bad_words():
+    tokenize = {"bad": [11, 12], " bad": [13]}.get
+    params, end = resolve_token_rules(SamplingParams(bad_words=("bad", " bad")), frozenset({2, 3}), 50, tokenize)
+    assert end == {2, 3} and params.end_ids == (2, 3) and params.bad_word_ids == ((11, 12), (13,))
+    params, end = resolve_token_rules(SamplingParams(end_id=9, pad_id=0), frozenset({2}), 50, tokenize)
+    assert end == {9} and params.end_ids == (9,)
+    for bad, field in ((SamplingParams(end_id=50), P.END_ID), (SamplingParams(pad_id=-1), P.PAD_ID),
+                       (SamplingParams(bad_words=("x",)), P.BAD_WORDS)):
+        with pytest.raises(InvalidRequestError) as err:
+            resolve_token_rules(bad, frozenset({2}), 50, lambda word: [])
+        assert err.value.field == field
 
 
 def test_the_in_process_cli_reads_requests_through_the_same_parser():

@@ -1,6 +1,7 @@
 """Speculative decoding is lossless: greedy token-for-token, sampling in distribution."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -136,6 +137,25 @@ def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
+def reference_rules(logits: np.ndarray, params: SamplingParams, prefix: tuple[int, ...]) -> np.ndarray:
+    """The logits rules for the row after TOY_PROMPT + prefix, written out per token (not
+    the engine's vectorised per-tree code): CTRL repetition over prompt and output,
+    presence / frequency over the output, end ids banned before min_length, bad words."""
+    z = logits.astype(np.float64).copy()
+    context = TOY_PROMPT + list(prefix)
+    for token in range(len(z)):
+        count = list(prefix).count(token)
+        if token in context and params.repetition_penalty != 1.0:
+            z[token] = z[token] / params.repetition_penalty if z[token] > 0 else z[token] * params.repetition_penalty
+        z[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
+    if len(prefix) < params.min_length:
+        z[list(params.end_ids)] = -np.inf
+    for word in params.bad_word_ids:
+        if len(word) == 1 or tuple(context[-(len(word) - 1):]) == tuple(word[:-1]):
+            z[word[-1]] = -np.inf
+    return z
+
+
 def exact_first3(target, params: SamplingParams) -> np.ndarray:
     """P(t1, t2, t3 | prompt) under the target, from an independent implementation of the
     logits processing."""
@@ -144,7 +164,7 @@ def exact_first3(target, params: SamplingParams) -> np.ndarray:
     slots = [cache.allocate() for _ in prefixes]
     rows = [TOY_PROMPT + list(p) for p in prefixes]
     logits = target(build_batch(slots, [0] * len(rows), rows), cache, last_only=True).logits[:, 0]
-    probs = {p: reference_probs(logits[i].double().numpy(), params) for i, p in enumerate(prefixes)}
+    probs = {p: reference_probs(reference_rules(logits[i].double().numpy(), params, p), params) for i, p in enumerate(prefixes)}
     joint = np.zeros((TOY_VOCAB,) * 3)
     for a, b in itertools.product(range(TOY_VOCAB), repeat=2):
         joint[a, b] = probs[()][a] * probs[(a,)][b] * probs[(a, b)]
@@ -221,6 +241,14 @@ CASES["tree_with_draft_probs_top_p"] = dict(CASES["tree_with_draft_probs"], para
     max_tokens=8, temperature=0.8, top_p=0.8, ignore_eos=True))
 CASES["adaptive_chain_one_hot_top_p"] = dict(iid=False, branches=1, depth=4, adaptive=True, params=SamplingParams(
     max_tokens=8, temperature=1.1, top_k=8, top_p=0.9, ignore_eos=True))
+
+# TensorRT-LLM's logits rules, applied per tree node (specdec/logits_processing.py): every
+# penalty, min_length on the toy's EOS (0; ignore_eos keeps going after it), a one-token and
+# a two-token bad word ("2 after 7": the second token of the prompt, and reachable after t1 = 7).
+RULES = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True, repetition_penalty=1.4, presence_penalty=0.5,
+                       frequency_penalty=0.3, min_length=2, end_ids=(0,), bad_word_ids=((5,), (7, 2)))
+CASES["tree_with_draft_probs_logits_rules"] = dict(CASES["tree_with_draft_probs"], params=RULES)
+CASES["chain_one_hot_logits_rules"] = dict(CASES["chain_one_hot"], params=dataclasses.replace(RULES, top_p=0.9))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -457,6 +457,19 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmReques
         sampling["ignore_eos"] = True
     if req.return_perf_metrics:
         sampling["return_perf_metrics"] = True
+    # TensorRT-LLM's own logits rules, under the LLM API's names.
+    for ours, theirs, neutral in (
+        ("min_length", "min_tokens", 0), ("end_id", "end_id", None), ("pad_id", "pad_id", None),
+        ("repetition_penalty", "repetition_penalty", 1.0), ("presence_penalty", "presence_penalty", 0.0),
+        ("frequency_penalty", "frequency_penalty", 0.0),
+    ):
+        if getattr(params, ours) != neutral:
+            sampling[theirs] = getattr(params, ours)
+    if params.bad_words:
+        sampling["bad"] = list(params.bad_words)
+    if params.return_log_probs or not req.exclude_input_in_output:
+        name = P.RETURN_LOG_PROBS if params.return_log_probs else P.EXCLUDE_INPUT_IN_OUTPUT
+        raise InvalidRequestError(name, "is not served by the TensorRT-LLM variant of this ensemble yet")
     return LlmRequest(
         prompt=req.prompt, apply_chat_template=req.apply_chat_template, stream=req.stream,
         return_perf_metrics=req.return_perf_metrics, sampling=sampling,

@@ -28,6 +28,17 @@ SPECULATIVE_METHOD = "speculative_method"
 # Ours (optional): apply the chat template to text_input (default from the server config).
 APPLY_CHAT_TEMPLATE = "apply_chat_template"
 IGNORE_EOS = "ignore_eos"
+# TensorRT-LLM ensemble inputs that shape the target's distribution or the output
+# (specdec/logits_processing.py applies them to every tree node, so verification stays lossless).
+MIN_LENGTH = "min_length"
+BAD_WORDS = "bad_words"
+END_ID = "end_id"
+PAD_ID = "pad_id"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+RETURN_LOG_PROBS = "return_log_probs"
+REPETITION_PENALTY = "repetition_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 
 TEXT_OUTPUT = "text_output"
 ACCEPTANCE_RATE = "acceptance_rate"
@@ -36,6 +47,9 @@ TOTAL_DRAFT_TOKENS = "total_draft_tokens"
 # Ours: verification steps so far (mean acceptance length = output tokens / steps).
 VERIFICATION_STEPS = "verification_steps"
 OUTPUT_TOKENS = "output_tokens"
+# TensorRT-LLM's log-prob outputs (with return_log_probs): per emitted token, and their sum.
+OUTPUT_LOG_PROBS = "output_log_probs"
+CUM_LOG_PROBS = "cum_log_probs"
 
 # ---- internal (between models) -------------------------------------------------------
 INPUT_IDS = "input_ids"
@@ -46,6 +60,12 @@ DRAFT_TOKENS = "draft_tokens"
 DRAFT_PARENTS = "draft_parents"
 DRAFT_PROBS = "draft_probs"
 HIDDEN_STATES = "hidden_states"
+# The request's logits rules at token level, for the verifier only (the loop resolves them):
+# the ids that end a sequence (banned before min_length) and the bad words as token ids,
+# flattened with BAD_WORDS_SEPARATOR after each word.
+END_IDS = "end_ids"
+BAD_WORDS_IDS = "bad_words_ids"
+BAD_WORDS_SEPARATOR = -1
 RETURN_HIDDEN = "return_hidden"
 # The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
 STEP_STATS = "step_stats"
@@ -94,8 +114,21 @@ SAMPLING_INPUTS = (
     (TOP_P, "TYPE_FP32", (1,), True),
     (RANDOM_SEED, "TYPE_UINT64", (1,), True),
 )
+PENALTY_INPUTS = (
+    (REPETITION_PENALTY, "TYPE_FP32", (1,), True),
+    (PRESENCE_PENALTY, "TYPE_FP32", (1,), True),
+    (FREQUENCY_PENALTY, "TYPE_FP32", (1,), True),
+)
 # Sampling settings as the loop sends them to the verifier and the drafter (request.encode_sampling).
 WIRE_SAMPLING_INPUTS = ((MAX_TOKENS, "TYPE_INT32", (1,), True), *SAMPLING_INPUTS)
+# ... and what only the verifier needs: the logits rules, and whether to return log probs.
+WIRE_RULES_INPUTS = (
+    (MIN_LENGTH, "TYPE_INT32", (1,), True),
+    (END_IDS, "TYPE_INT32", (-1,), True),
+    (BAD_WORDS_IDS, "TYPE_INT32", (-1,), True),
+    *PENALTY_INPUTS,
+    (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
+)
 REQUEST_INPUTS = (
     (MAX_TOKENS, "TYPE_INT32", (1,)),
     (STREAM, "TYPE_BOOL", (1,), True),
@@ -106,6 +139,13 @@ REQUEST_INPUTS = (
     (RETURN_PERF_METRICS, "TYPE_BOOL", (1,), True),
     (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
     (IGNORE_EOS, "TYPE_BOOL", (1,), True),
+    (MIN_LENGTH, "TYPE_INT32", (1,), True),
+    (BAD_WORDS, "TYPE_STRING", (-1,), True),
+    (END_ID, "TYPE_INT32", (1,), True),
+    (PAD_ID, "TYPE_INT32", (1,), True),
+    (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", (1,), True),
+    (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
+    *PENALTY_INPUTS,
 )
 # Running totals the loop reports with every response (and the rate derived from them).
 PERF_COUNTS = (
@@ -115,12 +155,14 @@ PERF_COUNTS = (
     (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
 )
 PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS)
+# With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).
+LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)))
 
 # model name -> (inputs, outputs); the tests compare each config.pbtxt with these.
 MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
     "ensemble": (
         _specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
-        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
     ),
     # The ensemble's contract plus token ids (like TensorRT-LLM's tensorrt_llm_bls); the
     # same loop serves both names (specdec_triton/loop_model.py).
@@ -129,7 +171,7 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),
             (INPUT_IDS, "TYPE_INT32", (-1,), True), *REQUEST_INPUTS,
         ),
-        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS),
+        _specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
     ),
     # One speculation step per call: verify the tree (drafted beside the target last step,
     # or handed in by a drafter served apart), then draft the next with the co-located drafter.
@@ -144,9 +186,10 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
             (INTERNAL_KEY, "TYPE_STRING", (1,), True),
             *WIRE_SAMPLING_INPUTS,
+            *WIRE_RULES_INPUTS,
         ),
         _specs((OUTPUT_IDS, "TYPE_INT32", (-1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
-               (HIDDEN_STATES, "TYPE_FP32", (-1, -1))),
+               (HIDDEN_STATES, "TYPE_FP32", (-1, -1)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
     ),
     "drafter": (
         _specs(

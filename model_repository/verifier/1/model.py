@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 from specdec import protocol as P
 from specdec.config import METHOD_NONE
 from specdec.errors import CapacityError, InvalidRequestError, SpecDecError
-from specdec.request import decode_sampling
+from specdec.request import check_token_ids, decode_sampling
 from specdec.runtime import build_colocated_speculator
 from specdec.speculator import StartItem, StepItem
 from specdec.tree import DraftTree
@@ -88,6 +88,9 @@ class TritonPythonModel:
         method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
         self.speculator.check_method(method)
         params = decode_sampling(lambda name: array(request, name)).validate(self.settings.engine.max_tokens_limit)
+        vocab = self.speculator.verifier.target.cfg.vocab_size
+        check_token_ids(P.END_IDS, params.end_ids, vocab)  # before they index a batch's logits
+        check_token_ids(P.BAD_WORDS_IDS, [t for word in params.bad_word_ids for t in word], vocab)
         return StartItem(seq_id, prompt, params, method, budget, want_hidden)
 
     @staticmethod
@@ -104,6 +107,8 @@ class TritonPythonModel:
             outputs = [batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)), batched(P.STEP_STATS, stats)]
             if res.hidden is not None:  # only for a drafter served apart: most steps send two small tensors
                 outputs.append(batched(P.HIDDEN_STATES, res.hidden.float().numpy()))
+            if res.log_probs is not None:
+                outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(res.log_probs)))
             responses[i] = pb_utils.InferenceResponse(outputs)
 
     def _tree(self, request):

@@ -1,0 +1,131 @@
+"""TensorRT-LLM ensemble inputs beyond text / max_tokens / sampling, sent the way its
+clients send them (JSON to /v2/models/ensemble/generate, TensorRT-LLM's names): each one
+changes the output as TensorRT-LLM's does, and speculation keeps greedy output identical
+to the matched baseline with the same settings (the rules shape the target's logits at
+every tree node; specdec/logits_processing.py)."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from specdec import protocol as P
+
+pytestmark = pytest.mark.server
+
+PROMPT = "What is the capital of Italy?"
+COLORS = "Name three colors."
+REPETITIVE = "Repeat after me: speculative decoding is lossless. Repeat it again."
+# Co-located chain and tree, n-gram lookup, and a tree handed in by the drafter model.
+METHODS = [("eagle3", 5), ("eagle3-tree", 12), ("ngram", 4), ("eagle3-apart", 5)]
+
+
+def generate(server, model: str = "ensemble", **body) -> dict:
+    body.setdefault("text_input", PROMPT)
+    body.setdefault("max_tokens", 32)
+    body.setdefault("return_perf_metrics", True)
+    req = urllib.request.Request(server.endpoints.http_url + f"/v2/models/{model}/generate", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{exc.code}: {exc.read().decode()}") from None
+
+
+def same_everywhere(server, **settings) -> dict:
+    """The baseline's response, after checking every method gives the same text."""
+    base = generate(server, num_draft_tokens=0, **settings)
+    for method, k in METHODS:
+        spec = generate(server, speculative_method=method, num_draft_tokens=k, **settings)
+        assert spec[P.TEXT_OUTPUT] == base[P.TEXT_OUTPUT], (method, settings)
+        assert spec[P.OUTPUT_TOKENS] == base[P.OUTPUT_TOKENS], (method, settings)
+    return base
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol_dir))
+
+
+def test_min_length_holds_back_the_end(triton_server):
+    free = generate(triton_server, num_draft_tokens=0, max_tokens=64)
+    assert free[P.OUTPUT_TOKENS] < 30  # the answer ends by itself, well before 30 tokens
+    held = same_everywhere(triton_server, min_length=40, max_tokens=64)
+    assert held[P.OUTPUT_TOKENS] >= 40
+    assert held[P.TEXT_OUTPUT].startswith(free[P.TEXT_OUTPUT])
+
+
+def test_bad_words_never_appear(triton_server):
+    free = generate(triton_server, text_input=COLORS, num_draft_tokens=0)
+    assert "Red" in free[P.TEXT_OUTPUT]
+    banned = same_everywhere(triton_server, text_input=COLORS, bad_words=["Red", " Red"])
+    assert "Red" not in banned[P.TEXT_OUTPUT] and banned[P.TEXT_OUTPUT]
+    # TensorRT-LLM clients send [""] for "none": accepted, and changes nothing.
+    none = generate(triton_server, text_input=COLORS, num_draft_tokens=0, bad_words=[""], stop_words=[""])
+    assert none[P.TEXT_OUTPUT] == free[P.TEXT_OUTPUT]
+
+
+def test_end_id_ends_the_sequence(triton_server, tokenizer):
+    free = generate(triton_server, num_draft_tokens=0)
+    (period,) = tokenizer.encode(".", add_special_tokens=False)
+    assert "." in free[P.TEXT_OUTPUT]
+    ended = same_everywhere(triton_server, end_id=period, pad_id=period)
+    assert ended[P.TEXT_OUTPUT] == free[P.TEXT_OUTPUT][: free[P.TEXT_OUTPUT].index(".")]
+    # min_length holds back end_id too (not the model's EOS).
+    later = same_everywhere(triton_server, end_id=period, min_length=ended[P.OUTPUT_TOKENS] + 3)
+    assert len(later[P.TEXT_OUTPUT]) > len(ended[P.TEXT_OUTPUT])
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.3}, {"presence_penalty": 1.0}, {"frequency_penalty": 0.7}])
+def test_penalties_change_the_output_and_stay_lossless(triton_server, penalty):
+    free = generate(triton_server, text_input=REPETITIVE, num_draft_tokens=0, max_tokens=48)
+    penalized = same_everywhere(triton_server, text_input=REPETITIVE, max_tokens=48, **penalty)
+    assert penalized[P.TEXT_OUTPUT] != free[P.TEXT_OUTPUT]
+
+
+def test_out_of_range_rules_are_named(triton_server):
+    for body, name in (({"end_id": 10**6}, "end_id"), ({"pad_id": -1}, "pad_id"), ({"min_length": -2}, "min_length"),
+                       ({"repetition_penalty": 0.0}, "repetition_penalty")):
+        with pytest.raises(AssertionError, match=name):
+            generate(triton_server, **body)
+
+
+def test_exclude_input_in_output_false_puts_the_prompt_first(triton_server):
+    answer = generate(triton_server, num_draft_tokens=0)[P.TEXT_OUTPUT]
+    whole = generate(triton_server, num_draft_tokens=0, exclude_input_in_output=False)[P.TEXT_OUTPUT]
+    assert whole.endswith(answer) and PROMPT in whole[: -len(answer)]
+    assert generate(triton_server, num_draft_tokens=0, exclude_input_in_output=True)[P.TEXT_OUTPUT] == answer
+
+
+def test_log_probs_are_the_targets(triton_server, smol_dir, tokenizer):
+    """output_log_probs: log p(token) under the target, per emitted token; checked against
+    transformers' forward over prompt + answer, and equal for speculative and baseline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.runtime import encode_prompt
+
+    base = generate(triton_server, "speculative_loop", num_draft_tokens=0, return_log_probs=True)
+    log_probs = np.asarray(base[P.OUTPUT_LOG_PROBS], dtype=np.float64).reshape(-1)
+    assert len(log_probs) == base[P.OUTPUT_TOKENS] and (log_probs <= 0).all()
+    assert np.isclose(np.asarray(base[P.CUM_LOG_PROBS]).reshape(-1)[0], log_probs.sum(), atol=1e-3)
+    for method, k in METHODS:
+        spec = generate(triton_server, speculative_method=method, num_draft_tokens=k, return_log_probs=True)
+        assert np.allclose(np.asarray(spec[P.OUTPUT_LOG_PROBS]).reshape(-1), log_probs, atol=2e-3), method
+    prompt = encode_prompt(tokenizer, PROMPT)
+    answer = [int(t) for t in np.asarray(base[P.OUTPUT_IDS]).reshape(-1)]
+    hf = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(answer)), torch.tensor(answer)].numpy()
+    assert len(answer) == len(log_probs)
+    assert np.allclose(log_probs, expected, atol=2e-3), np.abs(log_probs - expected).max()
+    # Without return_log_probs the generate endpoint (which asks for every output) gets
+    # zeros, as TensorRT-LLM's ensemble answers.
+    plain = generate(triton_server, num_draft_tokens=0)
+    assert not np.asarray(plain.get(P.OUTPUT_LOG_PROBS, [])).any() and not np.asarray(plain[P.CUM_LOG_PROBS]).any()
