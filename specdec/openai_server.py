@@ -31,9 +31,11 @@ DEFAULT_MAX_TOKENS = 256
 # Our tensor names -> the OpenAI parameter a client sent them as (for 400 errors).
 PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TOP_P: "top_p", P.TOP_K: "top_k",
                   P.RANDOM_SEED: "seed", P.SEED: "seed", P.STOP_WORDS: "stop", P.SPECULATIVE_METHOD: "speculative_method",
-                  P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages"}
+                  P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages",
+                  P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
+                  P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens"}
 # Accepted only at their neutral value (anything else would be silently different output).
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": None, "logit_bias": None,
+NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None,
            "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
 
 
@@ -78,6 +80,10 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension (TensorRT-LLM's min_length)
 
 
 def _number(body: Mapping[str, Any], name: str, default, kind=float):
@@ -126,7 +132,9 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
                include_usage=bool(stream_options.get("include_usage", False)),
-               ignore_eos=bool(body.get("ignore_eos", False)))  # vLLM's extension, which benchmark tools send
+               ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, which benchmark tools send
+               presence_penalty=_number(body, "presence_penalty", 0.0), frequency_penalty=_number(body, "frequency_penalty", 0.0),
+               repetition_penalty=_number(body, "repetition_penalty", 1.0), min_tokens=_number(body, "min_tokens", 0, int))
 
 
 def render_messages(messages: Any, tokenizer) -> str:
@@ -190,7 +198,9 @@ class Frontend:
 
         return GenerateRequest(job.prompt, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed,
                                stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False,
-                               ignore_eos=job.ignore_eos or None)
+                               ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
+                               presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
+                               repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError

@@ -92,6 +92,13 @@ def test_speculation_per_model_id_and_extra_body(sdk, api):
         spec = sdk.chat.completions.create(messages=messages, max_tokens=32, temperature=0, **kwargs)
         assert spec.choices[0].message.content == base.choices[0].message.content
         assert spec.model_extra["specdec"]["draft_tokens"] > 0
+    # OpenAI's penalties (and vLLM's repetition_penalty / min_tokens) reach the target: the
+    # output changes, and speculation still equals the baseline under them.
+    rules = dict(presence_penalty=1.0, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_tokens": 8})
+    base_ruled = sdk.chat.completions.create(model=f"{BASE}:none", messages=messages, max_tokens=32, temperature=0, **rules)
+    spec_ruled = sdk.chat.completions.create(model=f"{BASE}:eagle3", messages=messages, max_tokens=32, temperature=0, **rules)
+    assert base_ruled.choices[0].message.content == spec_ruled.choices[0].message.content
+    assert base_ruled.choices[0].message.content != base.choices[0].message.content
 
 
 @pytest.mark.parametrize("kwargs, status, param", [

@@ -162,11 +162,16 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert parse_job({**chat, "model": "m:none"}, served, Tokenizer(), chat=True).num_draft_tokens == 0
     assert parse_job({**chat, "ignore_eos": True}, served, Tokenizer(), chat=True).ignore_eos  # benchmark tools send it
     assert parse_job({**chat, "model": "m:ngram"}, served, Tokenizer(), chat=True).method == "ngram"
+    penalized = parse_job({**chat, "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_tokens": 4},
+                          served, Tokenizer(), chat=True)
+    assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty, penalized.min_tokens) == (
+        0.5, 0.25, 1.1, 4)
     assert parse_job(dict(model="m", prompt=["raw text"]), served, Tokenizer(), chat=False).prompt == "raw text"
     for body, status, param in [
         ({**chat, "model": "other"}, 404, "model"),
         ({**chat, "n": 2}, 400, "n"),
-        ({**chat, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**chat, "presence_penalty": "high"}, 400, "presence_penalty"),
+        ({**chat, "logprobs": True}, 400, "logprobs"),
         ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**chat, "max_tokens": 1.5}, 400, "max_tokens"),
         ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),

@@ -75,6 +75,12 @@ class GenerateRequest:
     return_perf_metrics: bool = True
     ignore_eos: bool | None = None
     apply_chat_template: bool | None = None
+    # TensorRT-LLM's logits rules (None / empty = off)
+    min_length: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    bad_words: tuple[str, ...] = ()
 
     def fields(self, stream: bool) -> dict[str, Any]:
         """Input name -> python value (None values are omitted)."""
@@ -83,11 +89,15 @@ class GenerateRequest:
             P.TEMPERATURE: self.temperature, P.TOP_K: self.top_k, P.TOP_P: self.top_p,
             P.RANDOM_SEED: self.seed, P.SPECULATIVE_METHOD: self.method, P.NUM_DRAFT_TOKENS: self.num_draft_tokens,
             P.RETURN_PERF_METRICS: self.return_perf_metrics, P.IGNORE_EOS: self.ignore_eos,
-            P.APPLY_CHAT_TEMPLATE: self.apply_chat_template,
+            P.APPLY_CHAT_TEMPLATE: self.apply_chat_template, P.MIN_LENGTH: self.min_length,
+            P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
+            P.FREQUENCY_PENALTY: self.frequency_penalty,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:
             out[P.STOP_WORDS] = list(self.stop)
+        if self.bad_words:
+            out[P.BAD_WORDS] = list(self.bad_words)
         return out
 
 
