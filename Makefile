@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft bench-openai soak compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,6 +59,13 @@ bench-draft: prepare
 # What the OpenAI front end adds to end-to-end latency at c=1 (paired with gRPC to the ensemble) -> results/openai/
 bench-openai: prepare
 	$(BIN)/specdec bench-openai --prompts 12 --max-tokens 64
+
+# An independent cross-check (issue 15): NVIDIA's aiperf (own venv, tmp/aiperf-venv) through the OpenAI front end vs
+# specdec-client bench over gRPC, same prompts, c=1 and 8, baseline and eagle3-hybrid -> results/aiperf/
+AIPERF_VERSION := 0.13.0
+bench-aiperf: prepare
+	test -x tmp/aiperf-venv/bin/aiperf || ($(PY) -m venv tmp/aiperf-venv && tmp/aiperf-venv/bin/pip install -q aiperf==$(AIPERF_VERSION))
+	$(BIN)/specdec bench-aiperf --aiperf tmp/aiperf-venv/bin/aiperf --prompts 16 --max-tokens 64 --concurrency 1,8
 
 # Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
 soak: prepare

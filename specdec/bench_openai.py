@@ -8,42 +8,57 @@ front end; both produce the same tokens, so the per-request ratio of end-to-end 
 the front end's cost. Nothing here is asserted.
 """
 import argparse
+import contextlib
 import json
 import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 
-def run(args) -> dict:
-    import openai
+@contextlib.contextmanager
+def served_with_openai(out: Path, base: str = "m") -> Iterator[tuple[Any, int]]:
+    """The real Triton server on free ports and `specdec openai` in front of it (model ids
+    `<base>[:method]`): yields (server, front end port); stops both."""
     import uvicorn
 
-    from specdec_client import GenerateRequest, SpecDecClient
-    from specdec_client.datasets import load_sharegpt, load_token_counter
     from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     from .config import ServingConfig
     from .openai_server import Frontend, Served, create_app
     from .runtime import SERVED_SETTINGS, load_tokenizer, resolve_model_dir
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = [p.text for p in load_sharegpt(args.prompts, 0, load_token_counter(), 4, 256).prompts]
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=out / "triton.log")
     server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics)
     settings = ServingConfig.from_file(SERVED_SETTINGS)
-    frontend = Frontend(server.endpoints.http, Served.from_settings(settings, "m"), load_tokenizer(resolve_model_dir(settings.model_dir)))
+    frontend = Frontend(server.endpoints.http, Served.from_settings(settings, base), load_tokenizer(resolve_model_dir(settings.model_dir)))
     (port,) = free_ports(1)
     api = uvicorn.Server(uvicorn.Config(create_app(frontend), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=api.run, daemon=True)
-    rows = []
     try:
         server.wait_ready(timeout=600)
         thread.start()
         while not api.started:
             time.sleep(0.05)
+        yield server, port
+    finally:
+        api.should_exit = True
+        server.stop()
+
+
+def run(args) -> dict:
+    import openai
+
+    from specdec_client import GenerateRequest, SpecDecClient
+    from specdec_client.datasets import load_sharegpt, load_token_counter
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p.text for p in load_sharegpt(args.prompts, 0, load_token_counter(), 4, 256).prompts]
+    rows = []
+    with served_with_openai(out) as (server, port):
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         model = f"m:{args.method}"
         with SpecDecClient(server.endpoints.grpc) as client:
@@ -68,9 +83,6 @@ def run(args) -> dict:
                 results = {fn.__name__: fn(prompt) for fn in order}
                 (tg, text_g), (to, text_o) = results["via_grpc"], results["via_openai"]
                 rows.append({"grpc_s": tg, "openai_s": to, "ratio": to / tg, "same_text": text_g == text_o, "chars": len(text_g)})
-    finally:
-        api.should_exit = True
-        server.stop()
     ratios = [r["ratio"] for r in rows]
     return {"method": args.method, "prompts": len(rows), "max_tokens": args.max_tokens, "concurrency": 1,
             "median_ratio": statistics.median(ratios), "mean_ratio": statistics.mean(ratios),

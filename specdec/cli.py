@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train-draft", help="train an independent draft model for the target (see: specdec train-draft --help)")
     sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of the Triton server (see: specdec openai --help)")
     sub.add_parser("bench-openai", help="what the OpenAI front end adds to end-to-end latency at c=1 -> results/openai/")
+    sub.add_parser("bench-aiperf", help="NVIDIA aiperf through the OpenAI front end vs specdec-client bench, same prompts -> results/aiperf/")
     sub.add_parser("bench-draft", help="draft models' cost, acceptance and tok/s vs the baseline, in process -> results/draft/")
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
@@ -156,6 +157,7 @@ OWN_FLAGS = {
     "train-draft": ("specdec.train_draft", "main"),
     "openai": ("specdec.openai_server", "main"),
     "bench-openai": ("specdec.bench_openai", "main"),
+    "bench-aiperf": ("specdec.bench_aiperf", "main"),
     "bench-draft": ("specdec.bench_draft", "main"),
     "bench-serving": ("specdec.bench_serving", "main"),
     "trtllm-config": ("trtllm_repository", "main"),

@@ -440,3 +440,24 @@ def test_server_errors_that_mention_a_timeout_setting_are_server_errors():
     assert isinstance(_grpc_error(Exception("server busy: waited 1 s (admission_timeout_s)")), ServerError)
     assert isinstance(_grpc_error(Exception("StatusCode.DEADLINE_EXCEEDED: Deadline Exceeded")), RequestTimeoutError)
     assert isinstance(_grpc_error(Exception("failed to connect to all addresses")), ClientConnectionError)
+
+
+def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():
+    """specdec bench-aiperf's comparison: each (mode, c) of our summary next to aiperf's
+    export, ratios per field, and each tool's own speedup over the baseline."""
+    from specdec.bench_aiperf import aiperf_point, client_point, compare
+
+    def ours(mode, c, tok_s, ttft, itl):
+        run = {"mode": mode, "concurrency": c, "requests": 16, "output_tok_s": tok_s, "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl}}
+        return f"{mode}@{c}", {"mode": mode, "concurrency": c, "point": client_point(run)}
+
+    def theirs(tok_s, ttft, itl):
+        return aiperf_point({"output_token_throughput": {"avg": tok_s}, "time_to_first_token": {"p50": ttft},
+                             "inter_token_latency": {"p50": itl}, "request_count": {"avg": 16}})
+
+    client = dict([ours("baseline", 1, 20.0, 100.0, 40.0), ours("eagle3", 1, 30.0, 110.0, 30.0), ours("eagle3", 8, 50.0, 300.0, 90.0)])
+    aiperf = {"baseline@1": theirs(19.0, 105.0, 42.0), "eagle3@1": theirs(27.0, 120.0, 33.0)}
+    rows = compare(client, aiperf)
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("baseline", 1), ("eagle3", 1)]  # no aiperf run at c=8: left out
+    assert rows[1]["aiperf_over_client"]["output_tok_s"] == pytest.approx(0.9)
+    assert rows[1]["speedup"] == {"client": pytest.approx(1.5), "aiperf": pytest.approx(27 / 19)}

@@ -1,0 +1,125 @@
+"""`specdec bench-aiperf`: an independent cross-check of our benchmark numbers. NVIDIA's
+aiperf (genai-perf's successor, its own venv: it pins its own dependencies) drives the
+OpenAI front end while `specdec-client bench` drives the ensemble over gRPC, on one server,
+with the same ShareGPT prompts, max_tokens (ignore_eos) and concurrencies, for the
+baseline and one method -> results/aiperf/ (comparison.json, comparison.md, both tools' raw
+output). Nothing here is asserted.
+
+What each tool counts (so differences can be read): aiperf counts output tokens by
+re-tokenizing the streamed text with the target's tokenizer and measures from its own HTTP
+client (SSE through the front end); our client counts the tokens the server reports and
+measures gRPC streams to the ensemble. Both report TTFT and ITL percentiles and output
+tokens per second over the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .bench_openai import served_with_openai
+
+BASE_MODEL_ID = "smollm2-135m-instruct"
+FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
+
+
+def aiperf_point(report: dict[str, Any]) -> dict[str, float]:
+    """The fields we compare, from aiperf's profile_export_aiperf.json."""
+    return {"output_tok_s": report["output_token_throughput"]["avg"], "ttft_p50_ms": report["time_to_first_token"]["p50"],
+            "itl_p50_ms": report["inter_token_latency"]["p50"], "requests": report["request_count"]["avg"]}
+
+
+def client_point(run: dict[str, Any]) -> dict[str, float]:
+    """The same fields from one run of specdec-client bench's summary.json."""
+    return {"output_tok_s": run["output_tok_s"], "ttft_p50_ms": run["ttft_ms"]["p50"], "itl_p50_ms": run["itl_ms"]["p50"],
+            "requests": run["requests"]}
+
+
+def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, Any]]:
+    """One row per (mode, concurrency): both tools' numbers, aiperf / client per field, and
+    each tool's speedup of the method over the baseline at that concurrency."""
+    rows = []
+    for key in sorted(client, key=lambda k: (client[k]["concurrency"], k)):
+        ours, theirs = client[key], aiperf.get(key)
+        if theirs is None:
+            continue
+        row = {"mode": ours["mode"], "concurrency": ours["concurrency"], "client": ours["point"], "aiperf": theirs,
+               "aiperf_over_client": {f: theirs[f] / ours["point"][f] for f in FIELDS if ours["point"][f]}}
+        rows.append(row)
+    for row in rows:
+        base = next((r for r in rows if r["concurrency"] == row["concurrency"] and r["mode"] == "baseline"), None)
+        if base is not None:
+            row["speedup"] = {tool: row[tool]["output_tok_s"] / base[tool]["output_tok_s"] for tool in ("client", "aiperf")}
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], args) -> str:
+    lines = [f"# aiperf vs specdec-client bench ({args.prompts} ShareGPT prompts, {args.max_tokens} tokens, greedy, ignore_eos)",
+             "", "| mode | c | tok/s client | tok/s aiperf | ratio | TTFT p50 client | aiperf | ratio | ITL p50 client | aiperf | ratio "
+             "| speedup client | speedup aiperf |", "|" + "---|" * 13]
+    for r in rows:
+        c, a, q, s = r["client"], r["aiperf"], r["aiperf_over_client"], r.get("speedup", {})
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {c['output_tok_s']:.1f} | {a['output_tok_s']:.1f} | {q.get('output_tok_s', 0):.2f} "
+            f"| {c['ttft_p50_ms']:.0f} | {a['ttft_p50_ms']:.0f} | {q.get('ttft_p50_ms', 0):.2f} | {c['itl_p50_ms']:.1f} "
+            f"| {a['itl_p50_ms']:.1f} | {q.get('itl_p50_ms', 0):.2f} | {s.get('client', 1):.2f}x | {s.get('aiperf', 1):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict[str, Any]:
+    from specdec_client.datasets import load_sharegpt, load_token_counter
+
+    from .models.loading import default_model_dir
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = load_sharegpt(args.prompts, 0, load_token_counter(), 4, 256).prompts
+    dataset = out / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in prompts))
+    client_out = out / "client"
+    aiperf: dict[str, dict] = {}
+    with served_with_openai(out, BASE_MODEL_ID) as (server, port):
+        # Ours first: the baseline and the method, interleaved in blocks, every concurrency.
+        subprocess.run([
+            str(Path(sys.executable).with_name("specdec-client")), "bench", "--url", server.endpoints.grpc, "--methods", args.method,
+            "--concurrency", ",".join(map(str, args.concurrency)), "--num-prompts", str(args.prompts),
+            "--max-tokens", str(args.max_tokens), "--min-input-tokens", "4", "--max-input-tokens", "256", "--ignore-eos", "--no-metrics", "--no-progress", "--out", str(client_out),
+        ], check=True)
+        for c in args.concurrency:
+            for mode, model in (("baseline", f"{BASE_MODEL_ID}:none"), (args.method, f"{BASE_MODEL_ID}:{args.method}")):
+                artifacts = out / "aiperf" / f"{mode}-c{c}"
+                subprocess.run([
+                    args.aiperf, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat",
+                    "--streaming", "--input-file", str(dataset), "--custom-dataset-type", "single_turn",
+                    "--dataset-sampling-strategy", "sequential", "--tokenizer", str(default_model_dir()),
+                    "--extra-inputs", f"max_tokens:{args.max_tokens}", "--extra-inputs", "ignore_eos:true",
+                    "--extra-inputs", "temperature:0", "--concurrency", str(c), "--request-count", str(max(args.prompts, 2 * c)),
+                    "--warmup-request-count", "2", "--workers-max", "1", "--record-processor-service-count", "1",
+                    "--ui-type", "none", "--artifact-dir", str(artifacts),
+                ], check=True, stdout=subprocess.DEVNULL)
+                aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
+    summary = json.loads((client_out / "summary.json").read_text())
+    client = {f"{r['mode']}@{r['concurrency']}": {"mode": r["mode"], "concurrency": r["concurrency"], "point": client_point(r)}
+              for r in summary["runs"]}
+    rows = compare(client, aiperf)
+    (out / "comparison.md").write_text(markdown(rows, args))
+    return {"prompts": args.prompts, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec bench-aiperf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--aiperf", default="tmp/aiperf-venv/bin/aiperf", help="the aiperf executable (make bench-aiperf installs it)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--method", default="eagle3-hybrid")
+    p.add_argument("--concurrency", type=lambda text: [int(c) for c in text.split(",")], default=[1, 8])
+    p.add_argument("--out", default="results/aiperf")
+    args = p.parse_args(argv)
+    result = run(args)
+    (Path(args.out) / "comparison.json").write_text(json.dumps(result, indent=2))
+    print((Path(args.out) / "comparison.md").read_text())
+    return 0
