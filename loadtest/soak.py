@@ -146,6 +146,8 @@ class Soak:
             "malformed_not_refused": sum(m["malformed_not_refused"] for m in self.minutes),
             "active_sequences_at_end": active,
             "rss_growth_after_warmup": (rss[-1] - warm) / warm if warm else None,
+            # A leak keeps growing; an allocator's high-water mark flattens: the second half alone.
+            "rss_growth_second_half": (rss[-1] - rss[len(rss) // 2]) / rss[len(rss) // 2] if len(rss) > 3 else None,
         }
 
     def _active(self) -> float:
