@@ -17,7 +17,8 @@ from specdec.request import decode_sampling
 from specdec.models.loading import read_model_config
 from specdec.runtime import build_drafters, colocated_methods, resolve_model_dir
 from specdec_triton.common import (
-    Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused, scalar, strings,
+    HeapTrimmer, Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings,
+    refused, scalar, strings,
 )
 
 EMPTY_PROBS = np.zeros((0, 0), dtype=np.float32)
@@ -31,11 +32,13 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(settings.model_dir)
         self.drafts = DraftService(build_drafters(read_model_config(model_dir), colocated_methods(settings, False), settings.engine, model_dir))
         self.key = internal_key()
+        self.heap = HeapTrimmer()
         self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding drafter state")})
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="drafter")
 
     def execute(self, requests):
         self.drafts.release_idle(self.settings.idle_timeout_s)
+        self.heap.maybe_trim()
         responses = [None] * len(requests)
         proposing = []
         allowed = [from_the_loop(request, self.key) for request in requests]

@@ -21,7 +21,7 @@ from specdec.runtime import build_colocated_speculator
 from specdec.speculator import StartItem, StepItem
 from specdec.tree import DraftTree
 from specdec_triton.common import (
-    Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused,
+    HeapTrimmer, Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused,
     scalar, strings,
 )
 
@@ -32,6 +32,7 @@ class TritonPythonModel:
         self.settings = settings
         self.speculator = build_colocated_speculator(settings)
         self.key = internal_key()
+        self.heap = HeapTrimmer()
         self.metrics = Metrics(P.VERIFIER_METRICS)
         self._planner_published = 0.0
         self._update_gauge()
@@ -49,6 +50,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.speculator.release_idle(self.settings.idle_timeout_s)
+        self.heap.maybe_trim()
         responses = [None] * len(requests)
         starts, steps = [], []
         allowed = [from_the_loop(request, self.key) for request in requests]
