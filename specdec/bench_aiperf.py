@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,38 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _deprioritise(pattern: str, seen: set[int]) -> None:
+    """Renice (19) the processes whose command line starts with `pattern`."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in seen:
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith(pattern):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(proc.name), 19)
+                seen.add(int(proc.name))
+            except OSError:
+                pass
+
+
+def run_aiperf(command: list[str], renice: bool) -> None:
+    """aiperf's timing manager busy-waits on a core (measured here: 97% of a vCPU for the
+    whole run). On a machine with few cores that halves the server's: with `renice` it runs
+    at nice 19, so it only takes what the server leaves (the workers that time the chunks
+    keep their priority)."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    seen: set[int] = set()
+    while proc.poll() is None:
+        if renice:
+            _deprioritise("aiperf timing_manager", seen)
+        time.sleep(0.5)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, command)
+
+
 def run(args) -> dict[str, Any]:
     from specdec_client.datasets import load_sharegpt, load_token_counter
 
@@ -91,7 +125,7 @@ def run(args) -> dict[str, Any]:
         for c in args.concurrency:
             for mode, model in (("baseline", f"{BASE_MODEL_ID}:none"), (args.method, f"{BASE_MODEL_ID}:{args.method}")):
                 artifacts = out / "aiperf" / f"{mode}-c{c}"
-                subprocess.run([
+                run_aiperf([
                     args.aiperf, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat",
                     "--streaming", "--input-file", str(dataset), "--custom-dataset-type", "single_turn",
                     "--dataset-sampling-strategy", "sequential", "--tokenizer", str(default_model_dir()),
@@ -99,7 +133,7 @@ def run(args) -> dict[str, Any]:
                     "--extra-inputs", "temperature:0", "--concurrency", str(c), "--request-count", str(max(args.prompts, 2 * c)),
                     "--warmup-request-count", "2", "--workers-max", "1", "--record-processor-service-count", "1",
                     "--ui-type", "none", "--artifact-dir", str(artifacts),
-                ], check=True, stdout=subprocess.DEVNULL)
+                ], renice=args.renice_timing_manager)
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
     summary = json.loads((client_out / "summary.json").read_text())
     client = {f"{r['mode']}@{r['concurrency']}": {"mode": r["mode"], "concurrency": r["concurrency"], "point": client_point(r)}
@@ -107,7 +141,7 @@ def run(args) -> dict[str, Any]:
     rows = compare(client, aiperf)
     (out / "comparison.md").write_text(markdown(rows, args))
     return {"prompts": args.prompts, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
-            "rows": rows}
+            "aiperf_timing_manager_reniced": args.renice_timing_manager, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="eagle3-hybrid")
     p.add_argument("--concurrency", type=lambda text: [int(c) for c in text.split(",")], default=[1, 8])
     p.add_argument("--out", default="results/aiperf")
+    p.add_argument("--renice-timing-manager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run aiperf's busy-waiting timing manager at nice 19 (see run_aiperf)")
     args = p.parse_args(argv)
     result = run(args)
     (Path(args.out) / "comparison.json").write_text(json.dumps(result, indent=2))
