@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench_openai import served_with_openai
+from .bench_openai import PROMPT_TOKENS, served_with_openai
 
 BASE_MODEL_ID = "smollm2-135m-instruct"
 FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
@@ -110,7 +110,7 @@ def run(args) -> dict[str, Any]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = load_sharegpt(args.prompts, 0, load_token_counter(), 4, 256).prompts
+    prompts = load_sharegpt(args.prompts, 0, load_token_counter(), *PROMPT_TOKENS).prompts
     dataset = out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in prompts))
     client_out = out / "client"
@@ -120,7 +120,9 @@ def run(args) -> dict[str, Any]:
         subprocess.run([
             str(Path(sys.executable).with_name("specdec-client")), "bench", "--url", server.endpoints.grpc, "--methods", args.method,
             "--concurrency", ",".join(map(str, args.concurrency)), "--num-prompts", str(args.prompts),
-            "--max-tokens", str(args.max_tokens), "--min-input-tokens", "4", "--max-input-tokens", "256", "--ignore-eos", "--no-metrics", "--no-progress", "--out", str(client_out),
+            "--max-tokens", str(args.max_tokens),
+            "--min-input-tokens", str(PROMPT_TOKENS[0]), "--max-input-tokens", str(PROMPT_TOKENS[1]),
+            "--ignore-eos", "--no-metrics", "--no-progress", "--out", str(client_out),
         ], check=True)
         for c in args.concurrency:
             for mode, model in (("baseline", f"{BASE_MODEL_ID}:none"), (args.method, f"{BASE_MODEL_ID}:{args.method}")):

@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+# ShareGPT first turns of 4 to 256 tokens: the prompts of both front-end benchmarks.
+PROMPT_TOKENS = (4, 256)
+
 
 @contextlib.contextmanager
 def served_with_openai(out: Path, base: str = "m") -> Iterator[tuple[Any, int]]:
@@ -56,7 +59,7 @@ def run(args) -> dict:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [p.text for p in load_sharegpt(args.prompts, 0, load_token_counter(), 4, 256).prompts]
+    prompts = [p.text for p in load_sharegpt(args.prompts, 0, load_token_counter(), *PROMPT_TOKENS).prompts]
     rows = []
     with served_with_openai(out) as (server, port):
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

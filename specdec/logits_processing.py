@@ -44,9 +44,8 @@ def apply_rules(logits: Tensor, params: SamplingParams, prompt_len: int, context
     if not params.shapes_logits:
         return logits
     logits = logits.float().clone()
-    rows, vocab = logits.shape
     extras = row_contexts(tree)
-    assert len(extras) == rows, f"{rows} logit rows for {len(extras)} tree rows"
+    assert len(extras) == len(logits), f"{len(logits)} logit rows for {len(extras)} tree rows"
     if params.penalized:
         _penalize(logits, params, prompt_len, context, extras)
     generated = len(context) - prompt_len

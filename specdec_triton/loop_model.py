@@ -262,7 +262,8 @@ class TritonPythonModel:
         stats = req.stats
         wanted = set(request.requested_output_names())
         with_log_probs = req.params.return_log_probs
-        log_probs = log_probs if with_log_probs and log_probs is not None else [0.0] * (len(token_ids) if with_log_probs else 0)
+        if not with_log_probs or log_probs is None:
+            log_probs = [0.0] * len(token_ids)
         values = {
             P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
             P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
