@@ -42,9 +42,10 @@ bench: prepare
 	$(BIN)/specdec-client bench --start-server --out results/bench/latest --num-prompts 16 --concurrency 1,4,16 \
 		--methods eagle3,eagle3:3,eagle3-tree,eagle3-adaptive,eagle3-tree-adaptive,ngram,ngram-tree,ngram-adaptive
 
-# The adaptive budget against the fixed ones over load (2 x c requests at the largest c), greedy and T=0.7 (~2 h on 2 cores).
-ADAPTIVE_MATRIX = --start-server --num-prompts 64 --max-tokens 96 --concurrency 1,2,4,8,16,32 \
-	--methods eagle3,eagle3:3,eagle3-adaptive,eagle3-tree-adaptive,ngram,ngram-adaptive
+# The adaptive budget against the fixed ones over load, greedy and T=0.7: 2 x c requests at concurrency c (at least 16),
+# so every point is measured over the same number of waves (~25 min per temperature on 2 cores).
+ADAPTIVE_MATRIX = --start-server --num-prompts 64 --prompts-per-concurrency 2 --max-tokens 64 --concurrency 1,2,4,8,16,32 \
+	--methods eagle3,eagle3-tree,eagle3-adaptive,eagle3-tree-adaptive,eagle3-hybrid,ngram,ngram-adaptive
 bench-matrix: prepare
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --out results/bench/matrix-greedy
 	$(BIN)/specdec-client bench $(ADAPTIVE_MATRIX) --temperature 0.7 --out results/bench/matrix-t07

@@ -246,6 +246,40 @@ def test_schedule_interleaves_modes_over_blocks():
     assert firsts == ["baseline", "ngram", "ngram-tree:6", "baseline"]  # rotated order
 
 
+def test_prompts_per_concurrency_scales_each_load():
+    loads = tuple(LoadPoint(concurrency=c) for c in (1, 4, 16, 32)) + (LoadPoint(request_rate=2.0),)
+    plans = schedule(config(loads=loads, prompts_per_concurrency=2), num_prompts=48)
+    used = {}
+    for plan in plans:
+        used.setdefault(plan.load.label, set()).update(plan.prompt_indices)
+    # at least two minimal blocks, 2 x c above that, never more than there are; open loop: all
+    assert {label: len(indices) for label, indices in used.items()} == {
+        LoadPoint(concurrency=1).label: 16, LoadPoint(concurrency=4).label: 16, LoadPoint(concurrency=16).label: 32,
+        LoadPoint(concurrency=32).label: 48, LoadPoint(request_rate=2.0).label: 48}
+    with pytest.raises(BenchConfigError, match="prompts-per-concurrency"):
+        config(prompts_per_concurrency=0)
+
+
+def test_deployment_table_picks_best_fixed_and_adaptive_per_load():
+    from specdec_client.report import deployment_lines
+
+    def speedup(mode, c, ratio, verdict):
+        return {"mode": mode, "concurrency": c, "request_rate": None, "output_tok_s_ratio": ratio, "verdict": verdict}
+
+    summary = {
+        "env": {"server_config": {"speculative": {"methods": {"eagle3": {}, "eagle3-adaptive": {"adaptive": True}}}}},
+        "runs": [{"mode": m, "method": m if m != "baseline" else None} for m in ("baseline", "eagle3", "eagle3-adaptive")],
+        "speedup": [speedup("eagle3", 1, 1.40, M.PAYS), speedup("eagle3-adaptive", 1, 1.30, M.PAYS),
+                    speedup("eagle3", 16, 0.90, M.COSTS), speedup("eagle3-adaptive", 16, 0.99, M.UNCLEAR)],
+    }
+    lines = deployment_lines(summary)
+    assert "| 1 | `eagle3` 1.40x | `eagle3-adaptive` 1.30x | 0.93x | `eagle3` 1.40x |" in lines
+    assert "| 16 | `eagle3` 0.90x | `eagle3-adaptive` 0.99x | 1.10x | baseline (speculation does not clearly pay) |" in lines
+    assert any("lowest ratio to the baseline 0.99x" in line and "0.93x to 1.10x" in line for line in lines)
+    summary["speedup"] = summary["speedup"][:2]  # one load: no sweep, no table
+    assert deployment_lines(summary) == []
+
+
 def test_poisson_arrivals_are_seeded():
     a = poisson_arrivals(2000, 4.0, random.Random(7))
     assert a == poisson_arrivals(2000, 4.0, random.Random(7)) and a[0] == 0.0
@@ -428,8 +462,10 @@ def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
     assert {(s["mode"], s["concurrency"]) for s in summary["speedup"]} == {("ngram", 1), ("ngram", 2)}
     assert summary["lossless"]["compared"] == 4
     assert summary["lossless"]["identical"] == 4  # greedy speculation is lossless
-    for name in ("report.md", "throughput_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png"):
+    for name in ("report.md", "throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png",
+                 "acceptance_by_position.png"):
         assert (out / name).stat().st_size > 0
+    assert "## Which configuration at which load" in (out / "report.md").read_text()
     assert ready(triton_server)
 
 

@@ -99,6 +99,7 @@ class BenchConfig:
     stop: tuple[str, ...] = ()
     repeats: int = 1
     block_size: int | None = None  # None: max(8, 2 x concurrency)
+    prompts_per_concurrency: int | None = None  # None: every prompt at every load
     warmup: int = 2  # requests per mode, not recorded
     timeout_s: float = 600.0
     arrival_seed: int = 0
@@ -118,6 +119,8 @@ class BenchConfig:
                 raise BenchConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:
             raise BenchConfigError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.prompts_per_concurrency is not None and self.prompts_per_concurrency < 1:
+            raise BenchConfigError(f"--prompts-per-concurrency must be >= 1, got {self.prompts_per_concurrency}")
 
     @property
     def greedy(self) -> bool:
@@ -148,10 +151,23 @@ class BlockPlan:
     prompt_indices: tuple[int, ...]
 
 
+MIN_BLOCK = 8  # prompts in the smallest automatic block
+
+
 def block_size(config: BenchConfig, load: LoadPoint) -> int:
     if config.block_size is not None:
         return config.block_size
-    return max(8, 2 * (load.concurrency or 1))
+    return max(MIN_BLOCK, 2 * (load.concurrency or 1))
+
+
+def prompts_at(config: BenchConfig, load: LoadPoint, num_prompts: int) -> int:
+    """How many of the prompts a load point runs. With `prompts_per_concurrency` K, a
+    closed-loop load c runs K x c of them (at least two minimal blocks, so that every point
+    has a paired-block noise estimate): a sweep over c = 1..32 then measures every point over
+    the same number of waves instead of spending most of its time at c = 1."""
+    if config.prompts_per_concurrency is None or load.concurrency is None:
+        return num_prompts
+    return min(num_prompts, max(2 * MIN_BLOCK, config.prompts_per_concurrency * load.concurrency))
 
 
 def schedule(config: BenchConfig, num_prompts: int) -> list[BlockPlan]:
@@ -159,8 +175,9 @@ def schedule(config: BenchConfig, num_prompts: int) -> list[BlockPlan]:
     the mode order rotated by one each time."""
     plans = []
     for load in config.loads:
-        size = min(block_size(config, load), num_prompts)
-        blocks = [tuple(range(i, min(i + size, num_prompts))) for i in range(0, num_prompts, size)]
+        count = prompts_at(config, load, num_prompts)
+        size = min(block_size(config, load), count)
+        blocks = [tuple(range(i, min(i + size, count))) for i in range(0, count, size)]
         unit = 0
         for repeat in range(config.repeats):
             for index, prompts in enumerate(blocks):

@@ -47,6 +47,8 @@ def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=D.DATASETS, default="sharegpt")
     g.add_argument("--dataset-path", help="the JSONL file (jsonl) or another ShareGPT-format JSON file")
     g.add_argument("--num-prompts", type=int, default=32, help="prompts per (mode, load) and repeat")
+    g.add_argument("--prompts-per-concurrency", type=int, help="closed loop: run K x c of the prompts at concurrency c "
+                   "(at least 16, at most --num-prompts), so every load is measured over the same number of waves")
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompt sampling")
     g.add_argument("--tokenizer", help="tokenizer directory for length filters (default: the prepared target)")
     g.add_argument("--min-input-tokens", type=int, default=4, help="sharegpt filter")
@@ -119,7 +121,8 @@ def load_config(args, target: Target) -> BenchConfig:
         url=target.url, protocol=args.protocol, model=args.model, metrics_url=target.metrics_url,
         modes=tuple(parse_modes(methods)), loads=tuple(loads), max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-        repeats=args.repeats, block_size=args.block_size, warmup=args.warmup, timeout_s=args.timeout,
+        repeats=args.repeats, block_size=args.block_size, prompts_per_concurrency=args.prompts_per_concurrency,
+        warmup=args.warmup, timeout_s=args.timeout,
         arrival_seed=args.seed,
     )
 

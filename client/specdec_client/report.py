@@ -7,7 +7,9 @@ from typing import Any, Sequence
 
 from . import metrics as M
 
-PLOTS = ("throughput_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png")
+PLOTS = ("throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png")
+ADAPTIVE_FLOOR = 0.97  # the ratio to the baseline an adaptive budget should never fall below
+NEAR_BEST = 0.97  # "within 3% of the best fixed configuration"
 
 
 def _f(value: float | None, digits: int = 1, suffix: str = "") -> str:
@@ -33,7 +35,8 @@ def environment_lines(summary: dict[str, Any]) -> list[str]:
         f"- methods: {spec.get('methods')}",
         f"- data set: {ds.get('name')} ({ds.get('selected')} prompts, seed {ds.get('seed')}); filter {ds.get('filter')}; "
         f"token counter: {ds.get('token_counter', 'n/a')}",
-        f"- sampling: {env['sampling']}; repeats {cfg['repeats']}, block size {cfg['block_size'] or 'auto'}, warm-up {cfg['warmup']} per mode",
+        f"- sampling: {env['sampling']}; repeats {cfg['repeats']}, block size {cfg['block_size'] or 'auto'}, "
+        f"prompts per concurrency {cfg.get('prompts_per_concurrency') or 'all'}, warm-up {cfg['warmup']} per mode",
         f"- packages: {', '.join(f'{k} {v}' for k, v in env['packages'].items() if v)}",
     ]
 
@@ -89,6 +92,54 @@ def verdict_line(load: str, speedups: Sequence[dict[str, Any]]) -> str:
             f"({value:.2f}x, > 1 favours speculation); based on {basis}.")
 
 
+def is_adaptive(summary: dict[str, Any], method: str | None) -> bool:
+    """Whether the server's settings give `method` a measured, per-step draft budget."""
+    methods = summary["env"]["server_config"].get("speculative", {}).get("methods", {})
+    return bool(method and methods.get(method, {}).get("adaptive"))
+
+
+def deployment_lines(summary: dict[str, Any]) -> list[str]:
+    """Which configuration to deploy at which load: per closed-loop concurrency the best fixed
+    and the best adaptive mode (aggregate output tok/s over the baseline), and the one to
+    deploy: the best mode where speculation clearly pays, the baseline otherwise. Only for
+    sweeps (two or more concurrencies)."""
+    method_of = {r["mode"]: r["method"] for r in summary["runs"]}
+    closed = sorted({s["concurrency"] for s in summary["speedup"] if s["request_rate"] is None and s["concurrency"]})
+    if len(closed) < 2:
+        return []
+    lines = ["## Which configuration at which load", "",
+             "| c | best fixed | best adaptive | adaptive / best fixed | deploy |", "|---|---|---|---|---|"]
+    floors, gaps = [], []
+    for c in closed:
+        scored = [s for s in summary["speedup"] if s["concurrency"] == c and s["request_rate"] is None
+                  and s["output_tok_s_ratio"] is not None]
+        fixed = [s for s in scored if not is_adaptive(summary, method_of.get(s["mode"]))]
+        adaptive = [s for s in scored if is_adaptive(summary, method_of.get(s["mode"]))]
+        best_fixed = max(fixed, key=lambda s: s["output_tok_s_ratio"], default=None)
+        best_adaptive = max(adaptive, key=lambda s: s["output_tok_s_ratio"], default=None)
+        paying = [s for s in scored if s["verdict"] == M.PAYS]
+        deploy = max(paying, key=lambda s: s["output_tok_s_ratio"], default=None)
+        gap = (best_adaptive["output_tok_s_ratio"] / best_fixed["output_tok_s_ratio"]
+               if best_fixed and best_adaptive else None)
+        if best_adaptive:
+            floors.append(min(s["output_tok_s_ratio"] for s in adaptive))
+        if gap is not None:
+            gaps.append(gap)
+
+        def cell(s):
+            return "–" if s is None else f"`{s['mode']}` {s['output_tok_s_ratio']:.2f}x"
+        lines.append(f"| {c} | {cell(best_fixed)} | {cell(best_adaptive)} | {_x(gap)} "
+                     f"| {cell(deploy) if deploy else 'baseline (speculation does not clearly pay)'} |")
+    lines.append("")
+    if floors:
+        lines.append(f"- Every adaptive mode at every concurrency: lowest ratio to the baseline {min(floors):.2f}x "
+                     f"(aim: >= {ADAPTIVE_FLOOR:.2f}x); best adaptive vs best fixed: {min(gaps):.2f}x to "
+                     f"{max(gaps):.2f}x (aim: >= {NEAR_BEST:.2f}x everywhere).")
+    lines += ["- Ratios are aggregate output tok/s over the baseline at the same load (closed loop); "
+              "'deploy' needs a gain beyond 5% that every paired block agrees on.", ""]
+    return lines
+
+
 def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
     lines = ["# Speculative decoding benchmark", "", "## Environment", "", *environment_lines(summary), ""]
     by_load: dict[str, list] = defaultdict(list)
@@ -104,6 +155,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
               "(a speculative chunk carries several tokens), so compare TPOT for per-token latency. "
               "The verdict uses aggregate output tok/s under closed-loop load and E2E p50 under open-loop "
               "(Poisson) load; it needs a gain beyond 5% that every paired block agrees on.", ""]
+    lines += deployment_lines(summary)
     for load, runs in by_load.items():
         lines += [f"## {load}", "", RUN_HEADER, "|" + "---|" * 12, *map(run_row, runs), ""]
         if speed_by_load.get(load):
@@ -131,7 +183,7 @@ def plot_all(summary: dict[str, Any], requests: Sequence[dict[str, Any]], out: P
     import matplotlib.pyplot as plt
 
     written = []
-    for name, draw in zip(PLOTS, (_throughput, _itl_cdf, _acceptance)):
+    for name, draw in zip(PLOTS, (_throughput, _ratio, _itl_cdf, _acceptance)):
         fig = draw(plt, summary, requests)
         if fig is not None:
             fig.tight_layout()
@@ -163,6 +215,31 @@ def _throughput(plt, summary, requests):
     ax.set_title("Output throughput vs concurrency")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return fig
+
+
+def _ratio(plt, summary, requests):
+    """Each mode's aggregate output tok/s over the baseline's, by concurrency (sweeps only)."""
+    speedups = [s for s in summary["speedup"] if s["request_rate"] is None and s["concurrency"]
+                and s["output_tok_s_ratio"] is not None]
+    if len({s["concurrency"] for s in speedups}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in _modes(summary):
+        pts = sorted((s["concurrency"], s["output_tok_s_ratio"]) for s in speedups if s["mode"] == mode)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode)
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.axhline(ADAPTIVE_FLOOR, color="grey", linewidth=1, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tok/s / baseline")
+    ax.set_title(f"Speedup over the baseline vs concurrency (dashed: {ADAPTIVE_FLOOR})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
     return fig
 
 
