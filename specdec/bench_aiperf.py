@@ -10,6 +10,12 @@ re-tokenizing the streamed text with the target's tokenizer and measures from it
 client (SSE through the front end); our client counts the tokens the server reports and
 measures gRPC streams to the ensemble. Both report TTFT and ITL percentiles and output
 tokens per second over the run.
+
+So that a difference can be explained and not only shown, every run also records what the
+server itself saw (its loop's mean step time and emitted tokens per second, from its own
+Prometheus counters, scraped before and after) and how many CPU cores each party used
+(server, load generator, OpenAI front end; from /proc), in comparison.json and a second
+table of comparison.md.
 """
 from __future__ import annotations
 
@@ -18,9 +24,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .bench_openai import PROMPT_TOKENS, served_with_openai
 
@@ -71,6 +79,20 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_markdown(runs: list[dict[str, Any]]) -> str:
+    """What the server saw during each tool's run, and who used the CPU."""
+    groups = ["server", "specdec-client", "aiperf", "openai front end"]
+    lines = ["## What the server saw, and who used the CPU", "",
+             "| tool | c | method (server label) | server step ms | server emitted tok/s | "
+             + " | ".join(f"cores: {g}" for g in groups) + " | wall s |", "|" + "---|" * (6 + len(groups))]
+    for run in runs:
+        for method, view in sorted(run["server"].items()):
+            cores = " | ".join(f"{run['cores'].get(g, 0.0):.2f}" for g in groups)
+            lines.append(f"| {run['tool']} | {run['concurrency']} | {method} | {view['step_ms']:.1f} "
+                         f"| {view['emitted_tok_s']:.1f} | {cores} | {run['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _deprioritise(pattern: str, seen: set[int]) -> None:
     """Renice (19) the processes whose command line starts with `pattern`."""
     for proc in Path("/proc").iterdir():
@@ -86,6 +108,102 @@ def _deprioritise(pattern: str, seen: set[int]) -> None:
                 seen.add(int(proc.name))
             except OSError:
                 pass
+
+
+# Who used the CPU during a run, by command line (the OpenAI front end runs in this process).
+CPU_GROUPS = {"server": ("tritonserver", "triton_python_backend_stub"), "aiperf": ("aiperf",),
+              "specdec-client": ("specdec-client",)}
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process (not its reaped children's: those were sampled as
+    processes of their own, and would count twice)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _group_of(pid: int) -> str | None:
+    if pid == os.getpid():
+        return "openai front end"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return next((group for group, marks in CPU_GROUPS.items() if any(m in cmdline for m in marks)), None)
+
+
+@contextmanager
+def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
+    """Cores each group used over the block (CPU seconds / wall seconds), sampled every
+    `every_s` so that processes which exit before the end (aiperf's) are counted too; filled
+    in on exit."""
+    first: dict[int, float] = {}
+    last: dict[int, tuple[str, float]] = {}
+    stop = threading.Event()
+
+    def sample(initial: bool = False) -> None:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            pid = int(proc.name)
+            group = last[pid][0] if pid in last else _group_of(pid)
+            seconds = _cpu_seconds(pid) if group else None
+            if seconds is None:
+                continue
+            first.setdefault(pid, seconds if initial else 0.0)
+            last[pid] = (group, seconds)
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            sample()
+
+    result: dict[str, float] = {}
+    sample(initial=True)
+    start = time.perf_counter()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        sample()
+        wall = time.perf_counter() - start
+        for pid, (group, seconds) in last.items():
+            result[group] = result.get(group, 0.0) + (seconds - first[pid]) / wall
+        result["wall_s"] = wall
+
+
+def server_view(before, after) -> dict[str, dict[str, float]]:
+    """Per method label, what the serving loop measured between two scrapes: its mean step
+    time (ms) and the tokens it emitted per second of the window."""
+    from specdec_client import promtext
+    from specdec_client import protocol as P
+
+    diff = promtext.delta(before, after)
+    steps = promtext.by_label(diff, P.VERIFICATION_STEPS_TOTAL, "method")
+    seconds = promtext.by_label(diff, P.STEP_SECONDS_TOTAL, "method")
+    emitted = promtext.by_label(diff, P.EMITTED_TOKENS_TOTAL, "method")
+    return {m: {"steps": n, "step_ms": 1000 * seconds.get(m, 0.0) / n, "emitted": emitted.get(m, 0.0)}
+            for m, n in steps.items() if n}
+
+
+@contextmanager
+def observed(metrics_url: str, runs: list[dict[str, Any]], **label: Any) -> Iterator[None]:
+    """Record one run's CPU use and the server's own view of it into `runs`."""
+    from specdec_client import promtext
+
+    before = promtext.scrape(metrics_url)
+    with cpu_use() as cores:
+        yield
+    view = server_view(before, promtext.scrape(metrics_url))
+    for m in view.values():
+        m["emitted_tok_s"] = m["emitted"] / cores["wall_s"]
+    runs.append({**label, "wall_s": cores.pop("wall_s"), "cores": cores, "server": view})
 
 
 def run_aiperf(command: list[str], renice: bool) -> None:
@@ -110,46 +228,52 @@ def run(args) -> dict[str, Any]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = load_sharegpt(args.prompts, 0, load_token_counter(), *PROMPT_TOKENS).prompts
+    requests = max(args.prompts, 2 * max(args.concurrency))  # every load: both tools, the same requests, >= 2 waves
+    prompts = load_sharegpt(requests, 0, load_token_counter(), *PROMPT_TOKENS).prompts
     dataset = out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in prompts))
     client_out = out / "client"
     aiperf: dict[str, dict] = {}
+    runs: list[dict[str, Any]] = []
+    client: dict[str, dict] = {}
     with served_with_openai(out, BASE_MODEL_ID) as (server, port):
-        # Ours first: the baseline and the method, interleaved in blocks, every concurrency.
-        subprocess.run([
-            str(Path(sys.executable).with_name("specdec-client")), "bench", "--url", server.endpoints.grpc, "--methods", args.method,
-            "--concurrency", ",".join(map(str, args.concurrency)), "--num-prompts", str(args.prompts),
-            "--max-tokens", str(args.max_tokens),
-            "--min-input-tokens", str(PROMPT_TOKENS[0]), "--max-input-tokens", str(PROMPT_TOKENS[1]),
-            "--ignore-eos", "--no-metrics", "--no-progress", "--out", str(client_out),
-        ], check=True)
+        metrics_url = server.endpoints.metrics_url
         for c in args.concurrency:
+            # Ours first at each concurrency (the baseline and the method interleaved in blocks), then aiperf's.
+            with observed(metrics_url, runs, tool="specdec-client", concurrency=c, modes=["baseline", args.method]):
+                subprocess.run([
+                    str(Path(sys.executable).with_name("specdec-client")), "bench", "--url", server.endpoints.grpc,
+                    "--methods", args.method, "--concurrency", str(c), "--num-prompts", str(requests),
+                    "--max-tokens", str(args.max_tokens),
+                    "--min-input-tokens", str(PROMPT_TOKENS[0]), "--max-input-tokens", str(PROMPT_TOKENS[1]),
+                    "--ignore-eos", "--no-metrics", "--no-progress", "--out", str(client_out / f"c{c}"),
+                ], check=True)
+            summary = json.loads((client_out / f"c{c}" / "summary.json").read_text())
+            client.update({f"{r['mode']}@{r['concurrency']}": {"mode": r["mode"], "concurrency": r["concurrency"],
+                                                                 "point": client_point(r)} for r in summary["runs"]})
             for mode, model in (("baseline", f"{BASE_MODEL_ID}:none"), (args.method, f"{BASE_MODEL_ID}:{args.method}")):
                 artifacts = out / "aiperf" / f"{mode}-c{c}"
-                run_aiperf([
-                    args.aiperf, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat",
-                    "--streaming", "--input-file", str(dataset), "--custom-dataset-type", "single_turn",
-                    "--dataset-sampling-strategy", "sequential", "--tokenizer", str(default_model_dir()),
-                    "--extra-inputs", f"max_tokens:{args.max_tokens}", "--extra-inputs", "ignore_eos:true",
-                    "--extra-inputs", "temperature:0", "--concurrency", str(c), "--request-count", str(max(args.prompts, 2 * c)),
-                    "--warmup-request-count", "2", "--workers-max", "1", "--record-processor-service-count", "1",
-                    "--ui-type", "none", "--artifact-dir", str(artifacts),
-                ], renice=args.renice_timing_manager)
+                with observed(metrics_url, runs, tool="aiperf", concurrency=c, modes=[mode]):
+                    run_aiperf([
+                        args.aiperf, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}", "--endpoint-type", "chat",
+                        "--streaming", "--input-file", str(dataset), "--custom-dataset-type", "single_turn",
+                        "--dataset-sampling-strategy", "sequential", "--tokenizer", str(default_model_dir()),
+                        "--extra-inputs", f"max_tokens:{args.max_tokens}", "--extra-inputs", "ignore_eos:true",
+                        "--extra-inputs", "temperature:0", "--concurrency", str(c), "--request-count", str(requests),
+                        "--warmup-request-count", "2", "--workers-max", "1", "--record-processor-service-count", "1",
+                        "--ui-type", "none", "--artifact-dir", str(artifacts),
+                    ], renice=args.renice_timing_manager)
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
-    summary = json.loads((client_out / "summary.json").read_text())
-    client = {f"{r['mode']}@{r['concurrency']}": {"mode": r["mode"], "concurrency": r["concurrency"], "point": client_point(r)}
-              for r in summary["runs"]}
     rows = compare(client, aiperf)
-    (out / "comparison.md").write_text(markdown(rows, args))
+    (out / "comparison.md").write_text(markdown(rows, args) + "\n" + runs_markdown(runs))
     return {"prompts": args.prompts, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
-            "aiperf_timing_manager_reniced": args.renice_timing_manager, "rows": rows}
+            "aiperf_timing_manager_reniced": args.renice_timing_manager, "rows": rows, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec bench-aiperf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--aiperf", default="tmp/aiperf-venv/bin/aiperf", help="the aiperf executable (make bench-aiperf installs it)")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=16, help="requests per (mode, c): at least 2 x the largest c")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--method", default="eagle3-hybrid")
     p.add_argument("--concurrency", type=lambda text: [int(c) for c in text.split(",")], default=[1, 8])

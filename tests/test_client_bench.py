@@ -497,3 +497,27 @@ def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("baseline", 1), ("eagle3", 1)]  # no aiperf run at c=8: left out
     assert rows[1]["aiperf_over_client"]["output_tok_s"] == pytest.approx(0.9)
     assert rows[1]["speedup"] == {"client": pytest.approx(1.5), "aiperf": pytest.approx(27 / 19)}
+
+
+def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
+    """The explanation half of bench-aiperf: CPU seconds of a process that exits inside the
+    block are counted for its group, and the server's step time and emitted tokens come from
+    the difference of two metric scrapes, per method."""
+    import subprocess
+    import sys
+
+    from specdec.bench_aiperf import cpu_use, server_view
+    from specdec_client import protocol as P
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(1)"
+    with cpu_use(every_s=0.1) as cores:
+        subprocess.run([sys.executable, "-c", burn, "aiperf"], check=True)
+    assert cores["aiperf"] * cores["wall_s"] >= 0.35  # CPU seconds, whatever the machine's load
+
+    def scrape(steps, seconds, emitted):
+        return promtext.parse(f'{P.VERIFICATION_STEPS_TOTAL}{{method="none"}} {steps}\n'
+                              f'{P.STEP_SECONDS_TOTAL}{{method="none"}} {seconds}\n'
+                              f'{P.EMITTED_TOKENS_TOTAL}{{method="none"}} {emitted}\n')
+
+    view = server_view(scrape(10, 1.0, 10), scrape(110, 5.0, 110))
+    assert view == {"none": {"steps": 100, "step_ms": pytest.approx(40.0), "emitted": 100}}
