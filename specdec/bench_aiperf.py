@@ -143,6 +143,7 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
     in on exit."""
     first: dict[int, float] = {}
     last: dict[int, tuple[str, float]] = {}
+    groups: dict[int, str | None] = {}  # each process's command line is read once
     stop = threading.Event()
 
     def sample(initial: bool = False) -> None:
@@ -150,7 +151,9 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
             if not proc.name.isdigit():
                 continue
             pid = int(proc.name)
-            group = last[pid][0] if pid in last else _group_of(pid)
+            if pid not in groups:
+                groups[pid] = _group_of(pid)
+            group = groups[pid]
             seconds = _cpu_seconds(pid) if group else None
             if seconds is None:
                 continue
@@ -261,7 +264,8 @@ def run(args) -> dict[str, Any]:
                         "--extra-inputs", f"max_tokens:{args.max_tokens}", "--extra-inputs", "ignore_eos:true",
                         "--extra-inputs", "temperature:0", "--concurrency", str(c), "--request-count", str(requests),
                         "--warmup-request-count", "2", "--workers-max", "1", "--record-processor-service-count", "1",
-                        "--ui-type", "none", "--artifact-dir", str(artifacts),
+                        # Nothing else competes for the 2 cores: no GPU telemetry or server-metrics pollers.
+                        "--ui-type", "none", "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(artifacts),
                     ], renice=args.renice_timing_manager)
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
     rows = compare(client, aiperf)
