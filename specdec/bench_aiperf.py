@@ -67,7 +67,7 @@ def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, 
 
 
 def markdown(rows: list[dict[str, Any]], args) -> str:
-    lines = [f"# aiperf vs specdec-client bench ({args.prompts} ShareGPT prompts, {args.max_tokens} tokens, greedy, ignore_eos)",
+    lines = [f"# aiperf vs specdec-client bench ({args.requests} ShareGPT prompts per point, {args.max_tokens} tokens, greedy, ignore_eos)",
              "", "| mode | c | tok/s client | tok/s aiperf | ratio | TTFT p50 client | aiperf | ratio | ITL p50 client | aiperf | ratio "
              "| speedup client | speedup aiperf |", "|" + "---|" * 13]
     for r in rows:
@@ -80,16 +80,17 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
 
 
 def runs_markdown(runs: list[dict[str, Any]]) -> str:
-    """What the server saw during each tool's run, and who used the CPU."""
+    """What the server saw during each tool's run, and who used the CPU (averaged over the
+    tool's whole run: start-up and warm-up included; the client's run holds both modes)."""
     groups = ["server", "specdec-client", "aiperf", "openai front end"]
     lines = ["## What the server saw, and who used the CPU", "",
-             "| tool | c | method (server label) | server step ms | server emitted tok/s | "
-             + " | ".join(f"cores: {g}" for g in groups) + " | wall s |", "|" + "---|" * (6 + len(groups))]
+             "| tool | c | method (server label) | server steps | server step ms | tokens emitted | "
+             + " | ".join(f"cores: {g}" for g in groups) + " | run s |", "|" + "---|" * (7 + len(groups))]
     for run in runs:
-        for method, view in sorted(run["server"].items()):
-            cores = " | ".join(f"{run['cores'].get(g, 0.0):.2f}" for g in groups)
-            lines.append(f"| {run['tool']} | {run['concurrency']} | {method} | {view['step_ms']:.1f} "
-                         f"| {view['emitted_tok_s']:.1f} | {cores} | {run['wall_s']:.0f} |")
+        cores = " | ".join(f"{run['cores'].get(g, 0.0):.2f}" for g in groups)
+        for method, view in sorted(run["server"].items()) or [("–", None)]:
+            server = (f"{view['steps']:.0f} | {view['step_ms']:.1f} | {view['emitted']:.0f}" if view else "– | – | –")
+            lines.append(f"| {run['tool']} | {run['concurrency']} | {method} | {server} | {cores} | {run['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -116,34 +117,43 @@ CPU_GROUPS = {"server": ("tritonserver", "triton_python_backend_stub"), "aiperf"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """utime + stime of one process (not its reaped children's: those were sampled as
-    processes of their own, and would count twice)."""
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(start time, utime + stime in seconds) of one process; not its reaped children's
+    time: those were sampled as processes of their own and would count twice."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def _group_of(pid: int) -> str | None:
-    if pid == os.getpid():
-        return "openai front end"
+def _cmdline(pid: int) -> str | None:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return None
+
+
+def _group_of(pid: int) -> str | None | bool:
+    """The party a process belongs to, None for none, False for not yet known: a child
+    between fork and exec still shows this process's command line (which names aiperf)."""
+    if pid == os.getpid():
+        return "openai front end"
+    cmdline = _cmdline(pid)
+    if cmdline is None or cmdline == _cmdline(os.getpid()):
+        return False
     return next((group for group, marks in CPU_GROUPS.items() if any(m in cmdline for m in marks)), None)
 
 
 @contextmanager
 def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
     """Cores each group used over the block (CPU seconds / wall seconds), sampled every
-    `every_s` so that processes which exit before the end (aiperf's) are counted too; filled
-    in on exit."""
-    first: dict[int, float] = {}
-    last: dict[int, tuple[str, float]] = {}
-    groups: dict[int, str | None] = {}  # each process's command line is read once
+    `every_s` so that processes which exit before the end (aiperf's) are counted too, up to
+    their last `every_s`; filled in on exit. This process (the front end) includes the
+    sampler itself."""
+    first: dict[tuple[int, int], float] = {}  # keyed by (pid, start time): pids get reused
+    last: dict[tuple[int, int], tuple[str, float]] = {}
+    groups: dict[tuple[int, int], str | None] = {}  # each process's command line is read once
     stop = threading.Event()
 
     def sample(initial: bool = False) -> None:
@@ -151,14 +161,19 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
             if not proc.name.isdigit():
                 continue
             pid = int(proc.name)
-            if pid not in groups:
-                groups[pid] = _group_of(pid)
-            group = groups[pid]
-            seconds = _cpu_seconds(pid) if group else None
-            if seconds is None:
+            stat = _stat(pid)
+            if stat is None:
                 continue
-            first.setdefault(pid, seconds if initial else 0.0)
-            last[pid] = (group, seconds)
+            key, seconds = (pid, stat[0]), stat[1]
+            if key not in groups:
+                group = _group_of(pid)
+                if group is False:
+                    continue
+                groups[key] = group
+            if groups[key] is None:
+                continue
+            first.setdefault(key, seconds if initial else 0.0)
+            last[key] = (groups[key], seconds)
 
     def loop() -> None:
         while not stop.wait(every_s):
@@ -176,14 +191,14 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
         thread.join()
         sample()
         wall = time.perf_counter() - start
-        for pid, (group, seconds) in last.items():
-            result[group] = result.get(group, 0.0) + (seconds - first[pid]) / wall
+        for key, (group, seconds) in last.items():
+            result[group] = result.get(group, 0.0) + (seconds - first[key]) / wall
         result["wall_s"] = wall
 
 
 def server_view(before, after) -> dict[str, dict[str, float]]:
-    """Per method label, what the serving loop measured between two scrapes: its mean step
-    time (ms) and the tokens it emitted per second of the window."""
+    """Per method label, what the serving loop measured between two scrapes (warm-up
+    requests included): its steps, mean step time (ms) and tokens emitted."""
     from specdec_client import promtext
     from specdec_client import protocol as P
 
@@ -204,8 +219,6 @@ def observed(metrics_url: str, runs: list[dict[str, Any]], **label: Any) -> Iter
     with cpu_use() as cores:
         yield
     view = server_view(before, promtext.scrape(metrics_url))
-    for m in view.values():
-        m["emitted_tok_s"] = m["emitted"] / cores["wall_s"]
     runs.append({**label, "wall_s": cores.pop("wall_s"), "cores": cores, "server": view})
 
 
@@ -231,7 +244,7 @@ def run(args) -> dict[str, Any]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    requests = max(args.prompts, 2 * max(args.concurrency))  # every load: both tools, the same requests, >= 2 waves
+    requests = args.requests = max(args.prompts, 2 * max(args.concurrency))  # every load: both tools, the same requests, >= 2 waves
     prompts = load_sharegpt(requests, 0, load_token_counter(), *PROMPT_TOKENS).prompts
     dataset = out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in prompts))
@@ -270,7 +283,7 @@ def run(args) -> dict[str, Any]:
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
     rows = compare(client, aiperf)
     (out / "comparison.md").write_text(markdown(rows, args) + "\n" + runs_markdown(runs))
-    return {"prompts": args.prompts, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
+    return {"requests_per_point": requests, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
             "aiperf_timing_manager_reniced": args.renice_timing_manager, "rows": rows, "runs": runs}
 
 

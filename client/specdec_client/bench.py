@@ -154,17 +154,23 @@ class BlockPlan:
 MIN_BLOCK = 8  # prompts in the smallest automatic block
 
 
-def block_size(config: BenchConfig, load: LoadPoint) -> int:
+def block_size(config: BenchConfig, load: LoadPoint, count: int | None = None) -> int:
+    """Prompts per block. Automatic: max(8, 2 x concurrency); when the load runs only `count`
+    prompts (prompts_per_concurrency), at most half of them, so that it still has two
+    paired blocks and a noise estimate."""
     if config.block_size is not None:
         return config.block_size
-    return max(MIN_BLOCK, 2 * (load.concurrency or 1))
+    size = max(MIN_BLOCK, 2 * (load.concurrency or 1))
+    if config.prompts_per_concurrency is not None and count is not None:
+        size = min(size, max(MIN_BLOCK, count // 2))
+    return size
 
 
 def prompts_at(config: BenchConfig, load: LoadPoint, num_prompts: int) -> int:
     """How many of the prompts a load point runs. With `prompts_per_concurrency` K, a
-    closed-loop load c runs K x c of them (at least two minimal blocks, so that every point
-    has a paired-block noise estimate): a sweep over c = 1..32 then measures every point over
-    the same number of waves instead of spending most of its time at c = 1."""
+    closed-loop load c runs K x c of them (at least two minimal blocks): a sweep over
+    c = 1..32 then spends its time evenly over the loads instead of mostly at c = 1 (with
+    K = 2 every point from c = 8 up is two blocks of one wave each)."""
     if config.prompts_per_concurrency is None or load.concurrency is None:
         return num_prompts
     return min(num_prompts, max(2 * MIN_BLOCK, config.prompts_per_concurrency * load.concurrency))
@@ -176,7 +182,7 @@ def schedule(config: BenchConfig, num_prompts: int) -> list[BlockPlan]:
     plans = []
     for load in config.loads:
         count = prompts_at(config, load, num_prompts)
-        size = min(block_size(config, load), count)
+        size = min(block_size(config, load, count), count)
         blocks = [tuple(range(i, min(i + size, count))) for i in range(0, count, size)]
         unit = 0
         for repeat in range(config.repeats):

@@ -133,8 +133,12 @@ def deployment_lines(summary: dict[str, Any]) -> list[str]:
     lines.append("")
     if floors:
         lines.append(f"- Every adaptive mode at every concurrency: lowest ratio to the baseline {min(floors):.2f}x "
-                     f"(aim: >= {ADAPTIVE_FLOOR:.2f}x); best adaptive vs best fixed: {min(gaps):.2f}x to "
-                     f"{max(gaps):.2f}x (aim: >= {NEAR_BEST:.2f}x everywhere).")
+                     f"(aim: >= {ADAPTIVE_FLOOR:.2f}x).")
+    if gaps:
+        lines.append(f"- Best adaptive vs best fixed: {min(gaps):.2f}x to {max(gaps):.2f}x "
+                     f"(aim: >= {NEAR_BEST:.2f}x everywhere).")
+    if not summary["env"]["server_config"].get("speculative", {}).get("methods"):
+        lines.append("- The server's method settings were not recorded, so no mode could be told to be adaptive.")
     lines += ["- Ratios are aggregate output tok/s over the baseline at the same load (closed loop); "
               "'deploy' needs a gain beyond 5% that every paired block agrees on.", ""]
     return lines
