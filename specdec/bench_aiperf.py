@@ -112,8 +112,9 @@ def _deprioritise(pattern: str, seen: set[int]) -> None:
 
 
 # Who used the CPU during a run, by command line (the OpenAI front end runs in this process).
-CPU_GROUPS = {"server": ("tritonserver", "triton_python_backend_stub"), "aiperf": ("aiperf",),
-              "specdec-client": ("specdec-client",)}
+# First match wins: our client's command line names results/aiperf/ (its --out).
+CPU_GROUPS = {"server": ("tritonserver", "triton_python_backend_stub"), "specdec-client": ("specdec-client",),
+              "aiperf": ("aiperf",)}
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -241,6 +242,7 @@ def run(args) -> dict[str, Any]:
     from specdec_client.datasets import load_sharegpt, load_token_counter
 
     from .models.loading import default_model_dir
+    from .runtime import SERVED_SETTINGS
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +254,16 @@ def run(args) -> dict[str, Any]:
     aiperf: dict[str, dict] = {}
     runs: list[dict[str, Any]] = []
     client: dict[str, dict] = {}
-    with served_with_openai(out, BASE_MODEL_ID) as (server, port):
+    settings_file = None
+    if args.verifier_threads is not None:
+        # The same server with fewer compute threads: with aiperf's own processes on the same
+        # cores, two OpenMP threads that each wait for the other at every barrier are
+        # oversubscribed; one thread is not (see run_aiperf's docstring and the README).
+        settings = json.loads(SERVED_SETTINGS.read_text())
+        settings["threads"]["verifier"] = args.verifier_threads
+        settings_file = out / "server-settings.json"
+        settings_file.write_text(json.dumps(settings, indent=2))
+    with served_with_openai(out, BASE_MODEL_ID, settings_file) as (server, port):
         metrics_url = server.endpoints.metrics_url
         for c in args.concurrency:
             # Ours first at each concurrency (the baseline and the method interleaved in blocks), then aiperf's.
@@ -284,7 +295,8 @@ def run(args) -> dict[str, Any]:
     rows = compare(client, aiperf)
     (out / "comparison.md").write_text(markdown(rows, args) + "\n" + runs_markdown(runs))
     return {"requests_per_point": requests, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
-            "aiperf_timing_manager_reniced": args.renice_timing_manager, "rows": rows, "runs": runs}
+            "aiperf_timing_manager_reniced": args.renice_timing_manager,
+            "verifier_threads": args.verifier_threads, "rows": rows, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="eagle3-hybrid")
     p.add_argument("--concurrency", type=lambda text: [int(c) for c in text.split(",")], default=[1, 8])
     p.add_argument("--out", default="results/aiperf")
+    p.add_argument("--verifier-threads", type=int, help="serve with this many verifier (target) threads instead of "
+                   "the repository's setting")
     p.add_argument("--renice-timing-manager", action=argparse.BooleanOptionalAction, default=True,
                    help="run aiperf's busy-waiting timing manager at nice 19 (see run_aiperf)")
     args = p.parse_args(argv)

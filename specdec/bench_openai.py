@@ -21,9 +21,10 @@ PROMPT_TOKENS = (4, 256)
 
 
 @contextlib.contextmanager
-def served_with_openai(out: Path, base: str = "m") -> Iterator[tuple[Any, int]]:
-    """The real Triton server on free ports and `specdec openai` in front of it (model ids
-    `<base>[:method]`): yields (server, front end port); stops both."""
+def served_with_openai(out: Path, base: str = "m", settings_file: Path | None = None) -> Iterator[tuple[Any, int]]:
+    """The real Triton server on free ports (with `settings_file` as its specdec.json, else
+    the repository's) and `specdec openai` in front of it (model ids `<base>[:method]`):
+    yields (server, front end port); stops both."""
     import uvicorn
 
     from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
@@ -34,8 +35,9 @@ def served_with_openai(out: Path, base: str = "m") -> Iterator[tuple[Any, int]]:
 
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=out / "triton.log")
-    server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics)
-    settings = ServingConfig.from_file(SERVED_SETTINGS)
+    server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                 env={"SPECDEC_SETTINGS": str(Path(settings_file).resolve())} if settings_file else None)
+    settings = ServingConfig.from_file(settings_file or SERVED_SETTINGS)
     frontend = Frontend(server.endpoints.http, Served.from_settings(settings, base), load_tokenizer(resolve_model_dir(settings.model_dir)))
     (port,) = free_ports(1)
     api = uvicorn.Server(uvicorn.Config(create_app(frontend), host="127.0.0.1", port=port, log_level="warning"))
