@@ -62,11 +62,14 @@ bench-openai: prepare
 	$(BIN)/specdec bench-openai --prompts 12 --max-tokens 64
 
 # An independent cross-check (issue 15): NVIDIA's aiperf (own venv, tmp/aiperf-venv) through the OpenAI front end vs
-# specdec-client bench over gRPC, same prompts, c=1 and 8, baseline and eagle3-hybrid -> results/aiperf/
+# specdec-client bench over gRPC, same prompts, c=1 and 8, baseline and eagle3-hybrid; with the verifier on one thread
+# (aiperf's processes need a core of their own here) -> results/aiperf-1thread/, and as served -> results/aiperf/
 AIPERF_VERSION := 0.13.0
 bench-aiperf: prepare
 	test -x tmp/aiperf-venv/bin/aiperf || ($(PY) -m venv tmp/aiperf-venv && tmp/aiperf-venv/bin/pip install -q aiperf==$(AIPERF_VERSION))
-	$(BIN)/specdec bench-aiperf --aiperf tmp/aiperf-venv/bin/aiperf --prompts 16 --max-tokens 64 --concurrency 1,8
+	$(BIN)/specdec bench-aiperf --aiperf tmp/aiperf-venv/bin/aiperf --prompts 16 --max-tokens 32 --concurrency 1,8 \
+		--verifier-threads 1 --out results/aiperf-1thread
+	$(BIN)/specdec bench-aiperf --aiperf tmp/aiperf-venv/bin/aiperf --prompts 16 --max-tokens 32 --concurrency 1,8 --out results/aiperf
 
 # Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
 soak: prepare
