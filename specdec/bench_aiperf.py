@@ -66,8 +66,8 @@ def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, 
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], args) -> str:
-    lines = [f"# aiperf vs specdec-client bench ({args.requests} ShareGPT prompts per point, {args.max_tokens} tokens, greedy, ignore_eos)",
+def markdown(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> str:
+    lines = [f"# aiperf vs specdec-client bench ({requests} ShareGPT prompts per point, {max_tokens} tokens, greedy, ignore_eos)",
              "", "| mode | c | tok/s client | tok/s aiperf | ratio | TTFT p50 client | aiperf | ratio | ITL p50 client | aiperf | ratio "
              "| speedup client | speedup aiperf |", "|" + "---|" * 13]
     for r in rows:
@@ -94,16 +94,20 @@ def runs_markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cmdline(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
 def _deprioritise(pattern: str, seen: set[int]) -> None:
     """Renice (19) the processes whose command line starts with `pattern`."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) in seen:
             continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmdline.startswith(pattern):
+        cmdline = _cmdline(int(proc.name))
+        if cmdline is not None and cmdline.startswith(pattern):
             try:
                 os.setpriority(os.PRIO_PROCESS, int(proc.name), 19)
                 seen.add(int(proc.name))
@@ -128,20 +132,13 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def _cmdline(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-
-
-def _group_of(pid: int) -> str | None | bool:
+def _group_of(pid: int, own_cmdline: str | None) -> str | None | bool:
     """The party a process belongs to, None for none, False for not yet known: a child
     between fork and exec still shows this process's command line (which names aiperf)."""
     if pid == os.getpid():
         return "openai front end"
     cmdline = _cmdline(pid)
-    if cmdline is None or cmdline == _cmdline(os.getpid()):
+    if cmdline is None or cmdline == own_cmdline:
         return False
     return next((group for group, marks in CPU_GROUPS.items() if any(m in cmdline for m in marks)), None)
 
@@ -155,6 +152,7 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
     first: dict[tuple[int, int], float] = {}  # keyed by (pid, start time): pids get reused
     last: dict[tuple[int, int], tuple[str, float]] = {}
     groups: dict[tuple[int, int], str | None] = {}  # each process's command line is read once
+    own_cmdline = _cmdline(os.getpid())
     stop = threading.Event()
 
     def sample(initial: bool = False) -> None:
@@ -167,7 +165,7 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
                 continue
             key, seconds = (pid, stat[0]), stat[1]
             if key not in groups:
-                group = _group_of(pid)
+                group = _group_of(pid, own_cmdline)
                 if group is False:
                     continue
                 groups[key] = group
@@ -246,7 +244,7 @@ def run(args) -> dict[str, Any]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    requests = args.requests = max(args.prompts, 2 * max(args.concurrency))  # every load: both tools, the same requests, >= 2 waves
+    requests = max(args.prompts, 2 * max(args.concurrency))  # every load: both tools, the same requests, >= 2 waves
     prompts = load_sharegpt(requests, 0, load_token_counter(), *PROMPT_TOKENS).prompts
     dataset = out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in prompts))
@@ -293,7 +291,7 @@ def run(args) -> dict[str, Any]:
                     ], renice=args.renice_timing_manager)
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
     rows = compare(client, aiperf)
-    (out / "comparison.md").write_text(markdown(rows, args) + "\n" + runs_markdown(runs))
+    (out / "comparison.md").write_text(markdown(rows, requests, args.max_tokens) + "\n" + runs_markdown(runs))
     return {"requests_per_point": requests, "max_tokens": args.max_tokens, "method": args.method, "concurrency": args.concurrency,
             "aiperf_timing_manager_reniced": args.renice_timing_manager,
             "verifier_threads": args.verifier_threads, "rows": rows, "runs": runs}

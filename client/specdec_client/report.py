@@ -92,10 +92,14 @@ def verdict_line(load: str, speedups: Sequence[dict[str, Any]]) -> str:
             f"({value:.2f}x, > 1 favours speculation); based on {basis}.")
 
 
+def served_methods(summary: dict[str, Any]) -> dict[str, Any]:
+    """The server's configured methods as recorded in the summary ({} when unknown)."""
+    return summary["env"]["server_config"].get("speculative", {}).get("methods") or {}
+
+
 def is_adaptive(summary: dict[str, Any], method: str | None) -> bool:
     """Whether the server's settings give `method` a measured, per-step draft budget."""
-    methods = summary["env"]["server_config"].get("speculative", {}).get("methods", {})
-    return bool(method and methods.get(method, {}).get("adaptive"))
+    return bool(method and served_methods(summary).get(method, {}).get("adaptive"))
 
 
 def deployment_lines(summary: dict[str, Any]) -> list[str]:
@@ -137,7 +141,7 @@ def deployment_lines(summary: dict[str, Any]) -> list[str]:
     if gaps:
         lines.append(f"- Best adaptive vs best fixed: {min(gaps):.2f}x to {max(gaps):.2f}x "
                      f"(aim: >= {NEAR_BEST:.2f}x everywhere).")
-    if not summary["env"]["server_config"].get("speculative", {}).get("methods"):
+    if not served_methods(summary):
         lines.append("- The server's method settings were not recorded, so no mode could be told to be adaptive.")
     lines += ["- Ratios are aggregate output tok/s over the baseline at the same load (closed loop); "
               "'deploy' needs a gain beyond 5% that every paired block agrees on.", ""]
