@@ -1,10 +1,12 @@
 """Locust load test of the speculative-decoding server, built on specdec_client.
 
 Each request streams (gRPC by default; HTTP SSE with --specdec-protocol http) and fires
-Locust request events: the request itself (request_type "gRPC"/"HTTP", response_time =
-E2E ms, response_length = output tokens), and per request one "TTFT" and one "TPOT"
-entry (ms; TPOT's response_length = output tokens) and one "ITL" entry per gap between
-streamed chunks (pooled). They show up in Locust's stats, CSV and HTML like any request.
+one Locust request event (request_type "gRPC"/"HTTP", response_time = E2E ms,
+response_length = output tokens): the only thing Locust counts as a request, so the
+Aggregated row counts real requests. Its timings, TTFT, per-token ITL (= TPOT) and the
+inter-chunk latency (see loadtest/timings.py), are logged into stats entries of their own
+(Type "TTFT", "ITL", "TPOT", "inter-chunk"; Name = the mode), which show up in Locust's
+stats, CSV and HTML but stay out of the Aggregated row (see log_timings).
 
 Scenarios (ScenarioShape, --specdec-scenario / SPECDEC_SCENARIO): concurrency_1 and
 production; see loadtest/scenarios.py. The decoding mode is --specdec-method and
@@ -29,9 +31,10 @@ from pathlib import Path  # noqa: E402
 
 import gevent.lock  # noqa: E402
 from locust import LoadTestShape, User, constant, events, task  # noqa: E402
+from locust.stats import RequestStats  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `loadtest` when run as locust -f
-from loadtest import scenarios  # noqa: E402
+from loadtest import scenarios, timings  # noqa: E402
 from specdec_client import GenerateRequest, SpecDecClient  # noqa: E402
 from specdec_client import datasets as D  # noqa: E402
 from specdec_client import metrics as M  # noqa: E402
@@ -129,16 +132,17 @@ class SpecDecUser(User):
                    "acceptance_length": M.acceptance_length(trace.output_tokens, trace.verification_steps)}
         fire(request_type=request_type, name=self.mode, response_time=M.e2e(trace) * 1000,
              response_length=trace.output_tokens if error is None else 0, exception=error, context=context)
-        if error is not None:
-            return
-        ttft, tpot = M.ttft(trace), M.tpot(trace)
-        if ttft is not None:
-            fire(request_type="TTFT", name=self.mode, response_time=ttft * 1000, response_length=0, exception=None, context=context)
-        for gap in M.itls(trace):
-            fire(request_type="ITL", name=self.mode, response_time=gap * 1000, response_length=0, exception=None, context=context)
-        if tpot is not None:
-            fire(request_type="TPOT", name=self.mode, response_time=tpot * 1000, response_length=trace.output_tokens,
-                 exception=None, context=context)
+        if error is None:
+            log_timings(self.environment.stats, self.mode, trace)
+
+
+def log_timings(stats: RequestStats, mode: str, trace: M.Trace) -> None:
+    """Log a request's timings into their own entries, not as request events: an entry's
+    log() leaves `stats.total` (the Aggregated row) alone, and a worker reports its entries
+    and its total separately (the master adds them up the same way), so Aggregated counts
+    requests here and in distributed runs alike."""
+    for sample in timings.samples(trace):
+        stats.get(mode, sample.type).log(sample.ms, sample.length)
 
 
 CSV_FLUSH_S = 2.0  # Locust writes its CSV files once a second

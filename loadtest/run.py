@@ -83,7 +83,7 @@ def locust_command(args, url: str, mode: tuple[str, str, str]) -> tuple[list[str
         # The shape ends the test after --specdec-duration and lets in-flight requests finish
         # (--stop-timeout); Locust's own -t would kill them at the deadline instead.
         "--specdec-duration", args.duration, "--stop-timeout", args.stop_timeout,
-        "--csv", str(prefix), "--html", f"{prefix}.html",
+        "--csv", str(prefix), "--csv-full-history", "--html", f"{prefix}.html",  # history: a row per entry
         "--specdec-scenario", args.scenario, "--specdec-url", url, "--specdec-protocol", args.protocol,
         "--specdec-model", args.model, "--specdec-users", str(args.users), "--specdec-ramp-steps", str(args.ramp_steps),
         "--specdec-max-tokens", str(args.max_tokens), "--specdec-temperature", str(args.temperature),

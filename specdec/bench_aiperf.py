@@ -8,8 +8,12 @@ output). Nothing here is asserted.
 What each tool counts (so differences can be read): aiperf counts output tokens by
 re-tokenizing the streamed text with the target's tokenizer and measures from its own HTTP
 client (SSE through the front end); our client counts the tokens the server reports and
-measures gRPC streams to the ensemble. Both report TTFT and ITL percentiles and output
-tokens per second over the run.
+measures gRPC streams to the ensemble. Both report TTFT, ITL and inter-chunk latency
+percentiles and output tokens per second over the run, compared like with like: ITL per
+token ((E2E - TTFT) / (output tokens - 1) per request; aiperf's inter_token_latency) and
+inter-chunk latency per streamed chunk (pooled gaps; aiperf's inter_chunk_latency, left
+empty when its export lacks it). A speculative chunk carries several tokens, so only ITL
+is a per-token latency.
 
 So that a difference can be explained and not only shown, every run also records what the
 server itself saw (its loop's mean step time and emitted tokens per second, from its own
@@ -33,19 +37,21 @@ from typing import Any, Iterator
 from .bench_openai import PROMPT_TOKENS, served_with_openai
 
 BASE_MODEL_ID = "smollm2-135m-instruct"
-FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")
+FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "inter_chunk_latency_p50_ms")
 
 
-def aiperf_point(report: dict[str, Any]) -> dict[str, float]:
+def aiperf_point(report: dict[str, Any]) -> dict[str, float | None]:
     """The fields we compare, from aiperf's profile_export_aiperf.json."""
+    chunks = report.get("inter_chunk_latency")
     return {"output_tok_s": report["output_token_throughput"]["avg"], "ttft_p50_ms": report["time_to_first_token"]["p50"],
-            "itl_p50_ms": report["inter_token_latency"]["p50"], "requests": report["request_count"]["avg"]}
+            "itl_p50_ms": report["inter_token_latency"]["p50"],
+            "inter_chunk_latency_p50_ms": chunks["p50"] if chunks else None, "requests": report["request_count"]["avg"]}
 
 
-def client_point(run: dict[str, Any]) -> dict[str, float]:
-    """The same fields from one run of specdec-client bench's summary.json."""
+def client_point(run: dict[str, Any]) -> dict[str, float | None]:
+    """The same fields from one run of specdec-client bench's summary.json (schema 2: itl_ms per token)."""
     return {"output_tok_s": run["output_tok_s"], "ttft_p50_ms": run["ttft_ms"]["p50"], "itl_p50_ms": run["itl_ms"]["p50"],
-            "requests": run["requests"]}
+            "inter_chunk_latency_p50_ms": run["inter_chunk_latency_ms"]["p50"], "requests": run["requests"]}
 
 
 def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, Any]]:
@@ -57,7 +63,8 @@ def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, 
         if theirs is None:
             continue
         row = {"mode": ours["mode"], "concurrency": ours["concurrency"], "client": ours["point"], "aiperf": theirs,
-               "aiperf_over_client": {f: theirs[f] / ours["point"][f] for f in FIELDS if ours["point"][f]}}
+               "aiperf_over_client": {f: theirs[f] / ours["point"][f] for f in FIELDS
+                                      if ours["point"][f] and theirs[f] is not None}}
         rows.append(row)
     for row in rows:
         base = next((r for r in rows if r["concurrency"] == row["concurrency"] and r["mode"] == "baseline"), None)
@@ -66,16 +73,21 @@ def compare(client: dict[str, dict], aiperf: dict[str, dict]) -> list[dict[str, 
     return rows
 
 
+def _cell(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
 def markdown(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> str:
+    """ITL is per token in both tools, inter-chunk latency per streamed chunk in both."""
+    columns = (("output_tok_s", "tok/s", 1), ("ttft_p50_ms", "TTFT p50", 0), ("itl_p50_ms", "ITL p50", 1),
+               ("inter_chunk_latency_p50_ms", "inter-chunk p50", 1))
+    head = " | ".join(f"{name} client | aiperf | ratio" for _, name, _ in columns)
     lines = [f"# aiperf vs specdec-client bench ({requests} ShareGPT prompts per point, {max_tokens} tokens, greedy, ignore_eos)",
-             "", "| mode | c | tok/s client | tok/s aiperf | ratio | TTFT p50 client | aiperf | ratio | ITL p50 client | aiperf | ratio "
-             "| speedup client | speedup aiperf |", "|" + "---|" * 13]
+             "", f"| mode | c | {head} | speedup client | speedup aiperf |", "|" + "---|" * (4 + 3 * len(columns))]
     for r in rows:
         c, a, q, s = r["client"], r["aiperf"], r["aiperf_over_client"], r.get("speedup", {})
-        lines.append(
-            f"| {r['mode']} | {r['concurrency']} | {c['output_tok_s']:.1f} | {a['output_tok_s']:.1f} | {q.get('output_tok_s', 0):.2f} "
-            f"| {c['ttft_p50_ms']:.0f} | {a['ttft_p50_ms']:.0f} | {q.get('ttft_p50_ms', 0):.2f} | {c['itl_p50_ms']:.1f} "
-            f"| {a['itl_p50_ms']:.1f} | {q.get('itl_p50_ms', 0):.2f} | {s.get('client', 1):.2f}x | {s.get('aiperf', 1):.2f}x |")
+        cells = " | ".join(f"{_cell(c[f], d)} | {_cell(a[f], d)} | {_cell(q.get(f), 2)}" for f, _, d in columns)
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {cells} | {s.get('client', 1):.2f}x | {s.get('aiperf', 1):.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -34,18 +34,36 @@ def trace(send=0.0, chunks=(0.1, 0.15, 0.25, 0.3), end=0.32, tokens=7, steps=0, 
 def test_request_metrics_follow_the_definitions():
     t = trace()
     assert M.ttft(t) == pytest.approx(0.1)
-    assert M.itls(t) == pytest.approx([0.05, 0.10, 0.05])
+    assert M.inter_chunk_latencies(t) == pytest.approx([0.05, 0.10, 0.05])
     assert M.e2e(t) == pytest.approx(0.32)
-    assert M.tpot(t) == pytest.approx((0.32 - 0.1) / 6)  # (E2E - TTFT) / (tokens - 1)
+    assert M.itl(t) == pytest.approx((0.32 - 0.1) / 6)  # (E2E - TTFT) / (tokens - 1)
+    assert M.tpot(t) == M.itl(t)
     assert M.per_user_tok_s(t) == pytest.approx(7 / 0.22)  # tokens / (E2E - TTFT)
+
+
+def test_itl_is_per_token_and_chunk_gaps_are_a_separate_metric():
+    """A speculative request: three chunks carrying 1, 3 and 1 tokens (5 output tokens)."""
+    t = trace(send=0.0, chunks=(0.2, 0.3, 0.5), end=0.5, tokens=5)
+    assert M.itl(t) == pytest.approx((0.5 - 0.2) / (5 - 1))  # 75 ms per token, not per chunk
+    assert M.inter_chunk_latencies(t) == pytest.approx([0.1, 0.2])
+    m = M.run_metrics([t], wall_s=1.0)
+    assert m.itl.p50 == pytest.approx(0.075) and m.tpot.p50 == pytest.approx(0.075)
+    assert m.inter_chunk_latency.p50 == pytest.approx(0.15)
+    # the same tokens one per chunk (the baseline's shape): the same ITL, other chunk gaps
+    plain = trace(send=0.0, chunks=(0.2, 0.275, 0.35, 0.425, 0.5), end=0.5, tokens=5)
+    assert M.itl(plain) == pytest.approx(M.itl(t))
+    assert M.speedup(m, M.run_metrics([plain], wall_s=1.0)).itl_p50_ratio == pytest.approx(1.0)
+    assert M.speedup(m, M.run_metrics([plain], wall_s=1.0)).inter_chunk_latency_p50_ratio == pytest.approx(2.0)
 
 
 def test_one_token_and_empty_requests_have_no_tpot_or_per_user_rate():
     one = trace(chunks=(0.2,), end=0.2, tokens=1)
-    assert M.ttft(one) == pytest.approx(0.2) and M.itls(one) == []
-    assert M.tpot(one) is None and M.per_user_tok_s(one) is None
+    assert M.ttft(one) == pytest.approx(0.2) and M.inter_chunk_latencies(one) == []
+    assert M.itl(one) is None and M.tpot(one) is None and M.per_user_tok_s(one) is None
+    one_chunk = trace(chunks=(0.2,), end=0.3, tokens=4)  # every token in one chunk: an ITL, no chunk gap
+    assert M.itl(one_chunk) == pytest.approx(0.1 / 3) and M.inter_chunk_latencies(one_chunk) == []
     empty = trace(chunks=(), end=0.5, tokens=0)
-    assert M.ttft(empty) is None and M.tpot(empty) is None
+    assert M.ttft(empty) is None and M.itl(empty) is None
 
 
 def test_percentiles_match_numpy_linear():
@@ -62,7 +80,7 @@ def test_percentiles_match_numpy_linear():
     assert stats.as_dict(1000)["p50"] == pytest.approx(2000.0)
 
 
-def test_run_metrics_pool_itl_and_count_failures():
+def test_run_metrics_itl_per_request_chunk_gaps_pooled_and_failures_counted():
     a = trace(tokens=7, steps=3, accepted=4, drafted=8)  # 4 chunks
     b = trace(send=1.0, chunks=(1.2, 1.4), end=1.4, tokens=5, steps=4, accepted=0, drafted=4)
     failed = trace(send=2.0, chunks=(), end=2.1, tokens=0, error="ServerError: boom")
@@ -70,7 +88,9 @@ def test_run_metrics_pool_itl_and_count_failures():
     assert (m.requests, m.failures, m.output_tokens) == (3, 1, 12)
     assert m.output_tok_s == pytest.approx(12 / 2.0)  # all output tokens / wall time
     assert m.requests_per_s == pytest.approx(2 / 2.0)
-    assert m.itl.mean == pytest.approx((0.05 + 0.1 + 0.05 + 0.2) / 4)  # pooled over requests
+    assert m.itl.mean == pytest.approx(((0.32 - 0.1) / 6 + (1.4 - 1.2) / 4) / 2)  # one value per request
+    assert m.tpot == m.itl
+    assert m.inter_chunk_latency.mean == pytest.approx((0.05 + 0.1 + 0.05 + 0.2) / 4)  # pooled over requests
     assert m.ttft.p50 == pytest.approx(0.15)
     assert m.mean_acceptance_length == pytest.approx((6 + 4) / (3 + 4))  # (tokens - 1) / steps, pooled
     assert m.acceptance_rate == pytest.approx(4 / 12)
@@ -84,8 +104,9 @@ def test_speedup_ratios_and_verdicts():
     s = M.speedup(fast, base)
     assert s.output_tok_s_ratio == pytest.approx(2.0)
     assert s.ttft_p50_ratio == pytest.approx(0.08 / 0.1)
-    assert s.itl_p50_ratio == pytest.approx(0.12 / 0.05)
-    assert s.tpot_p50_ratio == pytest.approx((0.12 / 6) / (0.22 / 6))
+    assert s.itl_p50_ratio == pytest.approx((0.12 / 6) / (0.22 / 6))
+    assert s.tpot_p50_ratio == s.itl_p50_ratio
+    assert s.inter_chunk_latency_p50_ratio == pytest.approx(0.12 / 0.05)
     assert s.per_user_tok_s_ratio == pytest.approx((7 / 0.12) / (7 / 0.22))
     assert s.e2e_p50_ratio == pytest.approx(0.2 / 0.32)
     assert M.gain(fast, base, open_loop=False) == pytest.approx(2.0)  # throughput
@@ -339,10 +360,27 @@ def test_summary_of_a_fake_run_validates_and_compares(tmp_path):
     assert speed["verdict_metric"] == "output_tok_s" and speed["block_gains"] == [speed["verdict_gain"]]
     assert speed["verdict"] == "pays"
     assert summary["lossless"]["compared"] == 2 and summary["lossless"]["identical"] == 1
+    # 8 tokens in 8 chunks 0.05 s (baseline) or 0.025 s (ngram) apart: per token and per chunk agree here
+    assert runs["baseline"]["itl_ms"]["p50"] == pytest.approx((0.35 + 0.001) / 7 * 1000)
+    assert runs["ngram"]["inter_chunk_latency_ms"]["p50"] == pytest.approx(25.0)
+    assert runs["baseline"]["tpot_ms"] == runs["baseline"]["itl_ms"]
+    assert speed["itl_p50_ratio"] == pytest.approx(0.5, rel=0.01)
+    assert speed["inter_chunk_latency_p50_ratio"] == pytest.approx(0.5)
     from specdec_client.report import render_markdown
 
     text = render_markdown(summary, [])
     assert "speculation pays" in text and "1 of 2" in text
+    assert "| ITL (TPOT) p50/p99 ms | inter-chunk p50/p99 ms |" in text
+
+
+def test_report_plots_per_token_itl_and_inter_chunk_latency_apart(tmp_path):
+    from specdec_client.report import write_report
+
+    result = fake_result()
+    summary = build_summary(result, env_stub(), {"name": "jsonl", "selected": 2})
+    plots = write_report(summary, [r.as_json(result.t0) for r in result.records], tmp_path)
+    assert {"itl_cdf.png", "inter_chunk_latency_cdf.png"} <= set(plots)
+    assert all((tmp_path / name).stat().st_size > 0 for name in plots)
 
 
 def test_generation_stats_line():
@@ -463,6 +501,10 @@ def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
         assert run["ttft_ms"]["p50"] == pytest.approx(float(np.percentile(ttfts, 50)), abs=0.01)
         e2e = [(r["end"] - r["send"]) * 1000 for r in mine]
         assert run["e2e_ms"]["mean"] == pytest.approx(float(np.mean(e2e)), abs=0.01)
+        itls = [(r["end"] - r["chunks"][0]) * 1000 / (r["output_tokens"] - 1) for r in mine]  # per token, per request
+        assert run["itl_ms"]["mean"] == pytest.approx(float(np.mean(itls)), abs=0.01)
+        gaps = [(b - a) * 1000 for r in mine for a, b in zip(r["chunks"], r["chunks"][1:])]  # pooled
+        assert run["inter_chunk_latency_ms"]["mean"] == pytest.approx(float(np.mean(gaps)), abs=0.01)
         steps = sum(r["verification_steps"] for r in mine)
         assert run["mean_acceptance_length"] == pytest.approx(sum(r["output_tokens"] - 1 for r in mine) / steps)
         if run["mode"] == "ngram":
@@ -475,7 +517,7 @@ def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
     assert summary["lossless"]["compared"] == 4
     assert summary["lossless"]["identical"] == 4  # greedy speculation is lossless
     for name in ("report.md", "throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png",
-                 "acceptance_by_position.png"):
+                 "inter_chunk_latency_cdf.png", "acceptance_by_position.png"):
         assert (out / name).stat().st_size > 0
     assert "## Which configuration at which load" in (out / "report.md").read_text()
     assert ready(triton_server)
@@ -492,23 +534,35 @@ def test_server_errors_that_mention_a_timeout_setting_are_server_errors():
 
 def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():
     """specdec bench-aiperf's comparison: each (mode, c) of our summary next to aiperf's
-    export, ratios per field, and each tool's own speedup over the baseline."""
-    from specdec.bench_aiperf import aiperf_point, client_point, compare
+    export, like with like (per-token ITL with inter_token_latency, chunk gaps with
+    inter_chunk_latency), ratios per field, and each tool's own speedup over the baseline."""
+    from specdec.bench_aiperf import aiperf_point, client_point, compare, markdown
 
-    def ours(mode, c, tok_s, ttft, itl):
-        run = {"mode": mode, "concurrency": c, "requests": 16, "output_tok_s": tok_s, "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl}}
+    def ours(mode, c, tok_s, ttft, itl, icl):
+        run = {"mode": mode, "concurrency": c, "requests": 16, "output_tok_s": tok_s, "ttft_ms": {"p50": ttft},
+               "itl_ms": {"p50": itl}, "inter_chunk_latency_ms": {"p50": icl}}
         return f"{mode}@{c}", {"mode": mode, "concurrency": c, "point": client_point(run)}
 
-    def theirs(tok_s, ttft, itl):
-        return aiperf_point({"output_token_throughput": {"avg": tok_s}, "time_to_first_token": {"p50": ttft},
-                             "inter_token_latency": {"p50": itl}, "request_count": {"avg": 16}})
+    def theirs(tok_s, ttft, itl, icl=None):
+        export = {"output_token_throughput": {"avg": tok_s}, "time_to_first_token": {"p50": ttft},
+                  "inter_token_latency": {"p50": itl}, "request_count": {"avg": 16}}
+        if icl is not None:
+            export["inter_chunk_latency"] = {"p50": icl}
+        return aiperf_point(export)
 
-    client = dict([ours("baseline", 1, 20.0, 100.0, 40.0), ours("eagle3", 1, 30.0, 110.0, 30.0), ours("eagle3", 8, 50.0, 300.0, 90.0)])
-    aiperf = {"baseline@1": theirs(19.0, 105.0, 42.0), "eagle3@1": theirs(27.0, 120.0, 33.0)}
+    client = dict([ours("baseline", 1, 20.0, 100.0, 40.0, 40.0), ours("eagle3", 1, 30.0, 110.0, 30.0, 60.0),
+                   ours("eagle3", 8, 50.0, 300.0, 90.0, 150.0)])
+    aiperf = {"baseline@1": theirs(19.0, 105.0, 42.0), "eagle3@1": theirs(27.0, 120.0, 33.0, 66.0)}
     rows = compare(client, aiperf)
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("baseline", 1), ("eagle3", 1)]  # no aiperf run at c=8: left out
     assert rows[1]["aiperf_over_client"]["output_tok_s"] == pytest.approx(0.9)
+    assert rows[1]["aiperf_over_client"]["itl_p50_ms"] == pytest.approx(33 / 30)  # per token vs per token
+    assert rows[1]["aiperf_over_client"]["inter_chunk_latency_p50_ms"] == pytest.approx(66 / 60)  # chunk vs chunk
+    assert "inter_chunk_latency_p50_ms" not in rows[0]["aiperf_over_client"]  # not in that export: no ratio
     assert rows[1]["speedup"] == {"client": pytest.approx(1.5), "aiperf": pytest.approx(27 / 19)}
+    table = markdown(rows, 16, 32)
+    assert "| ITL p50 client | aiperf | ratio | inter-chunk p50 client | aiperf | ratio |" in table
+    assert "| baseline | 1 | 20.0 | 19.0 | 0.95 | 100 | 105 | 1.05 | 40.0 | 42.0 | 1.05 | 40.0 | – | – | 1.00x | 1.00x |" in table
 
 
 def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():

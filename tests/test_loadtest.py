@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `loadtest` is a folder of the repository, not an installed package
 
-from loadtest import scenarios  # noqa: E402
+from loadtest import run, scenarios, timings  # noqa: E402
+from specdec_client import metrics as M  # noqa: E402
 
 
 def test_concurrency_1_is_one_user_until_the_end():
@@ -48,6 +49,42 @@ def test_modes_name_the_stats_entries():
         scenarios.mode("ngram", "-1")
 
 
+def test_timings_are_per_token_itl_and_pooled_chunk_gaps():
+    """Chunks carrying 1, 3 and 1 tokens: one TTFT, one ITL (= TPOT) per token of the
+    request, and one inter-chunk sample per gap."""
+    trace = M.Trace(send=0.0, chunks=[0.2, 0.3, 0.5], end=0.5, output_tokens=5)
+    got = [(s.type, round(s.ms, 6), s.length) for s in timings.samples(trace)]
+    assert got == [("TTFT", 200.0, 0), ("ITL", 75.0, 5), ("TPOT", 75.0, 5), ("inter-chunk", 100.0, 0),
+                   ("inter-chunk", 200.0, 0)]
+    one = M.Trace(send=0.0, chunks=[0.2], end=0.2, output_tokens=1)
+    assert [s.type for s in timings.samples(one)] == ["TTFT"]  # no ITL with one token, no gap with one chunk
+
+
+def test_aggregated_row_counts_real_requests_only(tmp_path):
+    """Locust's Aggregated row (its CSV, and a master's total from a worker's report) counts
+    one per request, failures included; the timings have rows of their own."""
+    requests = 8  # 2 of them fail (every 4th)
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "locust_probe.py"), str(REPO), str(tmp_path), str(requests)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["sent"] == requests
+    rows, ok = probe["stats_csv"], requests - 2
+    assert rows["|Aggregated"] == requests == rows["gRPC|ngram"]
+    assert rows["TTFT|ngram"] == rows["ITL|ngram"] == rows["TPOT|ngram"] == ok
+    assert rows["inter-chunk|ngram"] == 2 * ok  # three chunks, two gaps per request
+    assert probe["history_types"] == ["", "ITL", "TPOT", "TTFT", "gRPC", "inter-chunk"]  # full history: every entry
+    assert probe["master_total"] == requests and probe["master_failures"] == 2
+    assert probe["master_entries"] == {"gRPC|ngram": requests, "TTFT|ngram": ok, "ITL|ngram": ok, "TPOT|ngram": ok,
+                                       "inter-chunk|ngram": 2 * ok}
+
+
+def test_runner_writes_the_full_stats_history():
+    args = run.build_parser().parse_args(["--out", "results/x"])
+    cmd, _ = run.locust_command(args, "localhost:8001", ("ngram", "ngram", ""))
+    assert "--csv-full-history" in cmd and cmd[cmd.index("--csv") + 1] == str(Path("results/x") / "concurrency_1_ngram")
+
+
 def stats_rows(path: Path) -> dict[tuple[str, str], dict]:
     with path.open() as fh:
         return {(row["Type"], row["Name"]): row for row in csv.DictReader(fh)}
@@ -64,9 +101,13 @@ def test_headless_locust_run_writes_request_and_ttft_rows(triton_server, tmp_pat
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = stats_rows(out / "production_ngram_stats.csv")
-    assert int(rows[("gRPC", "ngram")]["Request Count"]) >= 1
+    requests = int(rows[("gRPC", "ngram")]["Request Count"])
+    assert requests >= 1 and int(rows[("", "Aggregated")]["Request Count"]) == requests
     assert int(rows[("gRPC", "ngram")]["Failure Count"]) == 0
-    assert int(rows[("TTFT", "ngram")]["Request Count"]) >= 1
+    assert int(rows[("TTFT", "ngram")]["Request Count"]) == requests
     assert float(rows[("TTFT", "ngram")]["Median Response Time"]) > 0
-    assert ("ITL", "ngram") in rows and ("TPOT", "ngram") in rows
+    assert int(rows[("ITL", "ngram")]["Request Count"]) == requests  # 8 tokens each: one ITL per request
+    assert ("TPOT", "ngram") in rows and ("inter-chunk", "ngram") in rows
+    with (out / "production_ngram_stats_history.csv").open() as fh:
+        assert {"gRPC", "TTFT", "ITL"} <= {row["Type"] for row in csv.DictReader(fh)}
     assert (out / "production_ngram.html").stat().st_size > 0

@@ -4,14 +4,17 @@ Definitions (DESIGN.md, "Vocabulary and metric definitions"); all times in secon
 the summary converts to milliseconds:
 
 - TTFT = first text chunk time - request send time.
-- ITL  = gaps between successive text chunks, pooled over all requests of a run. A chunk
-  may carry several tokens (a speculative step emits accepted + bonus tokens at once), so
-  ITL is per chunk, not per token; TPOT is the per-token view.
-- TPOT = (E2E - TTFT) / (output tokens - 1), per request.
+- ITL (inter-token latency) = (E2E - TTFT) / (output tokens - 1), per request: aiperf's
+  inter_token_latency, the same quantity as TPOT (both names are reported). Its
+  distribution is over requests, so it compares like with like across modes.
+- inter-chunk latency = gaps between successive text chunks, pooled over all requests of
+  a run (aiperf's inter_chunk_latency). A speculative step streams accepted + bonus tokens
+  in one chunk, so chunk gaps grow with the acceptance length and are not a per-token
+  latency: never compare them with another mode's ITL.
 - per-user throughput = output tokens / (E2E - TTFT), per request.
-  A request with <= 1 output token (or E2E == TTFT) has neither TPOT nor per-user
-  throughput: the quantity is undefined, so it is left out of those two distributions
-  (it still counts in `requests`, TTFT, E2E and the aggregate throughput).
+  A request with <= 1 output token (or E2E == TTFT) has neither ITL/TPOT nor per-user
+  throughput: the quantity is undefined, so it is left out of those distributions (it
+  still counts in `requests`, TTFT, E2E and the aggregate throughput).
 - aggregate throughput = all output tokens / benchmark wall time of the run.
 - mean acceptance length = tokens emitted per target verification step, bonus or
   recovered token included (plain decoding = 1.0). The first output token comes from
@@ -72,7 +75,8 @@ def e2e(t: Trace) -> float:
     return t.end - t.send
 
 
-def itls(t: Trace) -> list[float]:
+def inter_chunk_latencies(t: Trace) -> list[float]:
+    """Gaps between successive text chunks; a chunk may carry several tokens."""
     return [b - a for a, b in zip(t.chunks, t.chunks[1:])]
 
 
@@ -84,9 +88,13 @@ def _decode_time(t: Trace) -> float | None:
     return span if span > 0 else None
 
 
-def tpot(t: Trace) -> float | None:
+def itl(t: Trace) -> float | None:
+    """Inter-token latency: (E2E - TTFT) / (output tokens - 1), per token of this request."""
     span = _decode_time(t)
     return None if span is None else span / (t.output_tokens - 1)
+
+
+tpot = itl  # time per output token: the same quantity under its other usual name
 
 
 def per_user_tok_s(t: Trace) -> float | None:
@@ -149,8 +157,9 @@ class RunMetrics:
     output_tokens: int
     wall_s: float
     ttft: Stats
-    itl: Stats
-    tpot: Stats
+    itl: Stats  # per request, per token
+    tpot: Stats  # the same values as itl
+    inter_chunk_latency: Stats  # pooled chunk gaps
     e2e: Stats
     per_user_tok_s: Stats
     output_tok_s: float | None
@@ -168,8 +177,9 @@ def run_metrics(traces: Sequence[Trace], wall_s: float) -> RunMetrics:
         output_tokens=sum(t.output_tokens for t in ok),
         wall_s=wall_s,
         ttft=summarize(ttft(t) for t in ok),
-        itl=summarize(gap for t in ok for gap in itls(t)),
+        itl=summarize(itl(t) for t in ok),
         tpot=summarize(tpot(t) for t in ok),
+        inter_chunk_latency=summarize(gap for t in ok for gap in inter_chunk_latencies(t)),
         e2e=summarize(e2e(t) for t in ok),
         per_user_tok_s=summarize(per_user_tok_s(t) for t in ok),
         output_tok_s=aggregate_tok_s(ok, wall_s),
@@ -211,8 +221,9 @@ class Speedup:
     output_tok_s_ratio: float | None  # > 1: more aggregate throughput
     per_user_tok_s_ratio: float | None  # ratio of the means; > 1: faster per user
     ttft_p50_ratio: float | None  # < 1: faster first token
-    itl_p50_ratio: float | None  # per chunk; > 1 is expected when chunks carry more tokens
-    tpot_p50_ratio: float | None  # < 1: less time per output token
+    itl_p50_ratio: float | None  # < 1: less time per output token
+    tpot_p50_ratio: float | None  # the same as itl_p50_ratio
+    inter_chunk_latency_p50_ratio: float | None  # > 1 is expected when chunks carry more tokens
     e2e_p50_ratio: float | None  # < 1: requests finish sooner
 
 
@@ -223,6 +234,7 @@ def speedup(spec: RunMetrics, base: RunMetrics) -> Speedup:
         ttft_p50_ratio=ratio(spec.ttft.p50, base.ttft.p50),
         itl_p50_ratio=ratio(spec.itl.p50, base.itl.p50),
         tpot_p50_ratio=ratio(spec.tpot.p50, base.tpot.p50),
+        inter_chunk_latency_p50_ratio=ratio(spec.inter_chunk_latency.p50, base.inter_chunk_latency.p50),
         e2e_p50_ratio=ratio(spec.e2e.p50, base.e2e.p50),
     )
 

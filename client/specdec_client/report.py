@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 from . import metrics as M
 
-PLOTS = ("throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png", "acceptance_by_position.png")
+PLOTS = ("throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png", "inter_chunk_latency_cdf.png",
+         "acceptance_by_position.png")
 ADAPTIVE_FLOOR = 0.97  # the ratio to the baseline an adaptive budget should never fall below
 NEAR_BEST = 0.97  # "within 3% of the best fixed configuration"
 
@@ -41,13 +42,14 @@ def environment_lines(summary: dict[str, Any]) -> list[str]:
     ]
 
 
-RUN_HEADER = ("| mode | req | fail | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50 ms | E2E p50 ms "
+RUN_HEADER = ("| mode | req | fail | TTFT p50/p99 ms | ITL (TPOT) p50/p99 ms | inter-chunk p50/p99 ms | E2E p50 ms "
               "| per-user tok/s mean | output tok/s | req/s | accept len | accept rate |")
 
 
 def run_row(r: dict[str, Any]) -> str:
     return (f"| {r['mode']} | {r['requests']} | {r['failures']} | {_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} "
-            f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} | {_f(r['tpot_ms']['p50'])} | {_f(r['e2e_ms']['p50'], 0)} "
+            f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} "
+            f"| {_f(r['inter_chunk_latency_ms']['p50'])} / {_f(r['inter_chunk_latency_ms']['p99'])} | {_f(r['e2e_ms']['p50'], 0)} "
             f"| {_f(r['per_user_tok_s']['mean'])} | {_f(r['output_tok_s'])} | {_f(r['requests_per_s'], 2)} "
             f"| {_f(r['mean_acceptance_length'], 2)} | {_f(None if r['acceptance_rate'] is None else 100 * r['acceptance_rate'], 0, '%')} |")
 
@@ -59,7 +61,7 @@ def speedup_row(s: dict[str, Any]) -> str:
     blocks = s["block_gains"]
     spread = f"{min(blocks):.2f}–{max(blocks):.2f}" if blocks else "–"
     return (f"| {s['mode']} | {_x(s['output_tok_s_ratio'])} | {_x(s['per_user_tok_s_ratio'])} "
-            f"| {_x(s['ttft_p50_ratio'])} | {_x(s['tpot_p50_ratio'])} | {_x(s['itl_p50_ratio'])} "
+            f"| {_x(s['ttft_p50_ratio'])} | {_x(s['itl_p50_ratio'])} | {_x(s['inter_chunk_latency_p50_ratio'])} "
             f"| {_x(s['e2e_p50_ratio'])} | {_x(s['verdict_gain'])} ({spread}) | {s['verdict']} |")
 
 
@@ -80,7 +82,7 @@ def verdict_line(load: str, speedups: Sequence[dict[str, Any]]) -> str:
     gains = {
         "aggregate output tok/s": best["output_tok_s_ratio"],
         "per-user tok/s": best["per_user_tok_s_ratio"],
-        "TPOT p50": None if not best["tpot_p50_ratio"] else 1 / best["tpot_p50_ratio"],
+        "ITL (TPOT) p50": None if not best["itl_p50_ratio"] else 1 / best["itl_p50_ratio"],
         "TTFT p50": None if not best["ttft_p50_ratio"] else 1 / best["ttft_p50_ratio"],
         "E2E p50": None if not best["e2e_p50_ratio"] else 1 / best["e2e_p50_ratio"],
     }
@@ -159,15 +161,16 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
     lines += ["## Verdict", ""]
     lines += [verdict_line(load, speed_by_load.get(load, [])) for load in by_load]
     lines += ["", "Ratios are speculative / baseline at the same load, same prompts and settings. "
-              "Throughput ratios > 1 and latency ratios < 1 favour speculation. ITL is per streamed chunk "
-              "(a speculative chunk carries several tokens), so compare TPOT for per-token latency. "
+              "Throughput ratios > 1 and latency ratios < 1 favour speculation. ITL (= TPOT) is per token: "
+              "(E2E - TTFT) / (output tokens - 1) per request. Inter-chunk latency is the gap between streamed "
+              "chunks; a speculative chunk carries several tokens, so its ratio is not a latency verdict. "
               "The verdict uses aggregate output tok/s under closed-loop load and E2E p50 under open-loop "
               "(Poisson) load; it needs a gain beyond 5% that every paired block agrees on.", ""]
     lines += deployment_lines(summary)
     for load, runs in by_load.items():
         lines += [f"## {load}", "", RUN_HEADER, "|" + "---|" * 12, *map(run_row, runs), ""]
         if speed_by_load.get(load):
-            lines += ["| mode | output tok/s | per-user tok/s | TTFT p50 | TPOT p50 | ITL p50 | E2E p50 "
+            lines += ["| mode | output tok/s | per-user tok/s | TTFT p50 | ITL (TPOT) p50 | inter-chunk p50 | E2E p50 "
                       "| verdict gain (per block) | verdict |",
                       "|" + "---|" * 9, *map(speedup_row, speed_by_load[load]), ""]
     loss = summary["lossless"]
@@ -191,7 +194,7 @@ def plot_all(summary: dict[str, Any], requests: Sequence[dict[str, Any]], out: P
     import matplotlib.pyplot as plt
 
     written = []
-    for name, draw in zip(PLOTS, (_throughput, _ratio, _itl_cdf, _acceptance)):
+    for name, draw in zip(PLOTS, (_throughput, _ratio, _itl_cdf, _inter_chunk_cdf, _acceptance)):
         fig = draw(plt, summary, requests)
         if fig is not None:
             fig.tight_layout()
@@ -251,29 +254,47 @@ def _ratio(plt, summary, requests):
     return fig
 
 
-def _itl_cdf(plt, summary, requests):
-    loads = list(dict.fromkeys(r["load"] for r in summary["runs"]))
+def _samples_by_load_and_mode(summary, requests, values) -> dict[tuple[str, str], list[float]]:
+    """values(trace) -> seconds, gathered in ms per (load label, mode) over successful requests."""
     label = {(r["concurrency"], r["request_rate"]): r["load"] for r in summary["runs"]}
-    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
     for req in requests:
         if req["error"] is None:
-            chunks = req["chunks"]
-            load = label.get((req["concurrency"], req["request_rate"]))
-            gaps[(load, req["mode"])] += [(b - a) * 1000 for a, b in zip(chunks, chunks[1:])]
-    if not any(gaps.values()):
+            t = M.Trace(req["send"], req["chunks"], req["end"], req["output_tokens"])
+            out[(label.get((req["concurrency"], req["request_rate"])), req["mode"])] += [v * 1000 for v in values(t)]
+    return out
+
+
+def _cdf(plt, summary, samples: dict[tuple[str, str], list[float]], xlabel: str, ylabel: str, title: str):
+    """One panel per load point, one CDF per mode."""
+    if not any(samples.values()):
         return None
+    loads = list(dict.fromkeys(r["load"] for r in summary["runs"]))
     fig, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 4), squeeze=False)
     for ax, load in zip(axes[0], loads):
         for mode in _modes(summary):
-            data = sorted(gaps.get((load, mode), []))
+            data = sorted(samples.get((load, mode), []))
             if data:
                 ax.step(data, [(i + 1) / len(data) for i in range(len(data))], where="post", label=mode)
-        ax.set_xlabel("ITL (ms, per chunk)")
-        ax.set_ylabel("fraction of gaps")
-        ax.set_title(f"ITL CDF, {load}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, {load}")
         ax.grid(True, alpha=0.3)
         ax.legend()
     return fig
+
+
+def _itl_cdf(plt, summary, requests):
+    """Per-token ITL, one value per request: comparable across modes."""
+    samples = _samples_by_load_and_mode(summary, requests, lambda t: [v for v in [M.itl(t)] if v is not None])
+    return _cdf(plt, summary, samples, "ITL (ms per token, per request)", "fraction of requests", "ITL CDF")
+
+
+def _inter_chunk_cdf(plt, summary, requests):
+    """Pooled chunk gaps: a speculative chunk carries several tokens, so not per token."""
+    samples = _samples_by_load_and_mode(summary, requests, M.inter_chunk_latencies)
+    return _cdf(plt, summary, samples, "inter-chunk latency (ms, per chunk)", "fraction of gaps",
+                "Inter-chunk latency CDF")
 
 
 def _acceptance(plt, summary, requests):

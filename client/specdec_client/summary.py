@@ -13,7 +13,7 @@ from . import metrics as M
 from . import promtext
 from .bench import BenchResult, BlockResult, LoadPoint, Mode
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: itl_ms is per token (was chunk gaps, now inter_chunk_latency_ms)
 MS = 1000.0
 
 
@@ -66,6 +66,7 @@ def run_entry(run: Run) -> dict[str, Any]:
         "concurrency": run.load.concurrency, "request_rate": run.load.request_rate, "load": run.load.label,
         "requests": m.requests, "failures": m.failures, "output_tokens": m.output_tokens, "wall_s": m.wall_s,
         "ttft_ms": m.ttft.as_dict(MS), "itl_ms": m.itl.as_dict(MS), "tpot_ms": m.tpot.as_dict(MS),
+        "inter_chunk_latency_ms": m.inter_chunk_latency.as_dict(MS),
         "e2e_ms": m.e2e.as_dict(MS), "per_user_tok_s": m.per_user_tok_s.as_dict(),
         "output_tok_s": m.output_tok_s, "requests_per_s": m.requests_per_s,
         "mean_acceptance_length": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
@@ -111,6 +112,7 @@ def speedup_entries(runs: list[Run]) -> list[dict[str, Any]]:
             "output_tok_s_ratio": s.output_tok_s_ratio, "per_user_tok_s_ratio": s.per_user_tok_s_ratio,
             "ttft_p50_ratio": s.ttft_p50_ratio, "itl_p50_ratio": s.itl_p50_ratio,
             "tpot_p50_ratio": s.tpot_p50_ratio, "e2e_p50_ratio": s.e2e_p50_ratio,
+            "inter_chunk_latency_p50_ratio": s.inter_chunk_latency_p50_ratio,
             "verdict_metric": M.OPEN_LOOP_METRIC if open_loop else M.CLOSED_LOOP_METRIC,
             "verdict_gain": overall, "block_gains": blocks, "verdict": M.verdict(overall, blocks),
         })
