@@ -1,49 +1,93 @@
-"""Incremental detokenisation with stop strings.
+"""Incremental detokenisation with stop strings, one token at a time.
 
-Text is released only when it is final: never a partial multi-byte character (decoding
-ends in U+FFFD) and never text that could still become the start of a stop string. A
-stop string may straddle steps; it is never emitted.
+Why one token at a time: a speculative step emits several tokens at once, and the baseline
+one. Both must end at the same token with the same text, so every rule is applied after
+each token, exactly as plain decoding sees them (the loop cuts the accepted run there).
+
+Text is decoded by the tokenizers library's DecodeStream: prefix-stable (the text of a
+token sequence never rewrites text already released) and it waits for the bytes that
+complete a multi-byte character. transformers' `decode` is not prefix-stable: its
+`clean_up_tokenization_spaces` turns " 're" into "'re" once "re" arrives, so text released
+before would be wrong. The text is therefore the tokens' literal text, as vLLM streams it.
+
+Stop strings (OpenAI's semantics, vLLM's default): the earliest stop string in the text
+ends the sequence; the text stops just before it (the stop string is never emitted) and
+the token that completed it is the last output token. Text that could still become the
+start of a stop string is held back until it cannot (a stop may straddle steps); at the
+end of the sequence everything held back is released.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REPLACEMENT_CHAR = "\ufffd"
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+def backend_of(tokenizer) -> Tokenizer:
+    """The tokenizers.Tokenizer behind a transformers fast tokenizer (or itself)."""
+    return tokenizer if isinstance(tokenizer, Tokenizer) else tokenizer.backend_tokenizer
 
 
 @dataclass
 class IncrementalDetokenizer:
-    tokenizer: object  # anything with decode(list[int], skip_special_tokens=...) -> str
+    tokenizer: object  # a transformers fast tokenizer or a tokenizers.Tokenizer
     stop: tuple[str, ...] = ()
     token_ids: list[int] = field(default_factory=list)
-    _text: str = ""  # decoded text of all complete characters so far
+    stopped: str | None = None  # the stop string that ended the sequence
+    _text: str = ""  # text of every complete character so far (cut before a stop string)
     _released: int = 0  # characters of _text already returned
-    stopped: bool = False
+    _pending: list[int] = field(default_factory=list)  # tokens whose bytes are not a character yet
 
-    def add(self, new_ids: list[int]) -> str:
-        """Append tokens; return the newly final text (may be '')."""
-        if self.stopped:
-            return ""
-        self.token_ids.extend(new_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if text.endswith(REPLACEMENT_CHAR):  # an incomplete UTF-8 sequence: wait for more bytes
-            text = text.rstrip(REPLACEMENT_CHAR)
-        self._text = text
+    def __post_init__(self) -> None:
+        self._backend = backend_of(self.tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; True when it completed a stop string (the sequence ends here)."""
+        if self.stopped is not None:
+            raise RuntimeError("a stopped sequence takes no more tokens")
+        self.token_ids.append(token_id)
+        self._pending.append(token_id)
+        piece = self._stream.step(self._backend, token_id)
+        if piece is None:  # a partial character or a skipped special token
+            return False
+        self._pending.clear()
+        checked = len(self._text)
+        self._text += piece
+        return self._find_stop(checked)
+
+    def _find_stop(self, checked: int) -> bool:
+        """The earliest stop string that ends in the new text (one that lay wholly in the
+        text before would have stopped an earlier token)."""
+        first = None
         for s in self.stop:
-            at = text.find(s, max(0, self._released - len(s)))
-            if at != -1:
-                self.stopped = True
-                self._text = text[:at]
-                return self._release(len(self._text))
-        return self._release(len(text) - self._holdback(text))
+            at = self._text.find(s, max(0, checked - len(s) + 1))
+            if at != -1 and (first is None or at < first[0]):
+                first = (at, s)
+        if first is None:
+            return False
+        self._text, self.stopped = self._text[: first[0]], first[1]
+        return True
+
+    def release(self) -> str:
+        """The text that became final: all of it once stopped, else all but what could still
+        start a stop string."""
+        if self.stopped is not None:
+            return self._release(len(self._text))
+        return self._release(len(self._text) - self._holdback())
 
     def flush(self) -> str:
-        """At the end of the sequence release everything that is not a stop string."""
+        """At the end of the sequence: everything held back, and the bytes of an unfinished
+        character as U+FFFD (what a full decode shows)."""
+        if self._pending and self.stopped is None:
+            self._text += self._backend.decode(self._pending, skip_special_tokens=True)
+            self._pending.clear()
         return self._release(len(self._text))
 
-    def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        hold = 0
+    def _holdback(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        hold, text = 0, self._text
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:k]):

@@ -80,31 +80,34 @@ class RequestState:
         return draft_budget(wanted, self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
     def accept(self, tokens: list[int], log_probs: list[float] | None = None) -> tuple[list[int], str]:
-        """Apply EOS / max_tokens / context / stop strings to newly emitted tokens (and
-        keep the log probs of those kept). Returns (tokens kept, final text delta); sets
-        finished/finish_reason."""
-        reason = None
-        if not self.params.ignore_eos:
-            for i, tok in enumerate(tokens):
-                if tok in self.eos_token_ids:
-                    tokens, reason = tokens[:i], FINISH_EOS
-                    break
-        room = self.room
-        if len(tokens) >= room and reason is None:
-            tokens, reason = tokens[:room], FINISH_LENGTH
-        self.output_ids.extend(tokens)
+        """Apply EOS / stop strings / max_tokens / context to newly emitted tokens, one token
+        at a time in the order plain decoding meets them, so a step's accepted run is cut
+        exactly where the baseline stops (and the log probs of the tokens kept are kept).
+        Returns (tokens kept, final text delta); sets finished/finish_reason."""
+        kept: list[int] = []
+        reason, room = None, self.room
+        for tok in tokens:
+            if tok in self.eos_token_ids and not self.params.ignore_eos:
+                reason = FINISH_EOS  # the end token is not output
+                break
+            kept.append(tok)
+            if self.detok is not None and self.detok.add(tok):
+                reason = FINISH_STOP
+                break
+            if len(kept) >= room:
+                reason = FINISH_LENGTH
+                break
+        self.output_ids.extend(kept)
         if log_probs is not None:
-            self.log_probs.extend(log_probs[: len(tokens)])
+            self.log_probs.extend(log_probs[: len(kept)])
         text = ""
         if self.detok is not None:
-            text = self.detok.add(tokens)
-            if self.detok.stopped:
-                reason = FINISH_STOP
-            elif reason is not None:
+            text = self.detok.release()
+            if reason in (FINISH_EOS, FINISH_LENGTH):
                 text += self.detok.flush()
         if reason is not None:
             self.finish(reason)
-        return tokens, text
+        return kept, text
 
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason = True, reason

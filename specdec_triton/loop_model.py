@@ -246,7 +246,8 @@ class TritonPythonModel:
             if not stream:
                 text, ids = "".join(pieces), req.output_ids
                 if not parsed.exclude_input_in_output:  # TensorRT-LLM's default: the prompt, then the answer
-                    text, ids = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=True) + text, req.prompt_ids + ids
+                    prompt_text = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                    text, ids = prompt_text + text, req.prompt_ids + ids
                 send(sender, self._response(request, req, text, ids, req.log_probs), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
