@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from . import protocol as P
 from .config import METHOD_NONE, SamplingParams, ServingConfig
 from .data import sharegpt_prompts
 from .runtime import SERVED_SETTINGS, encode_prompt, load_tokenizer, resolve_model_dir
@@ -32,7 +33,8 @@ NEVER = "\x00never\x00"
 @dataclass(frozen=True)
 class Outcome:
     text: str
-    ids: tuple[int, ...]
+    ids: tuple[int, ...]  # empty from the ensemble (it returns no ids)
+    count: int  # output tokens as the server reports them (usage)
     finish_reason: str | None
 
 
@@ -63,7 +65,8 @@ def compare(cases: Sequence[Case], unstopped: Sequence[Outcome], runs: dict[str,
     base = runs[METHOD_NONE]
     baseline_wrong = [i for i, (case, out) in enumerate(zip(cases, base))
                       if out.text != expected_text(unstopped[case.prompt].text, case.stops)
-                      or tuple(out.ids) != tuple(unstopped[case.prompt].ids[: len(out.ids)])]
+                      or tuple(out.ids) != tuple(unstopped[case.prompt].ids[: len(out.ids)])
+                      or (out.ids and out.count != len(out.ids))]
     report = {"cases": len(cases), "baseline_cut_wrong": baseline_wrong, "methods": {}}
     for method, outs in runs.items():
         if method == METHOD_NONE:
@@ -74,6 +77,22 @@ def compare(cases: Sequence[Case], unstopped: Sequence[Outcome], runs: dict[str,
     return report
 
 
+def check(run: Callable, inputs: Sequence, methods: Sequence[str], max_tokens: int, progress: Callable = lambda _: None) -> dict:
+    """Run the unstopped baseline, then the baseline and every method on every stop set."""
+    unstopped = run(inputs, [Case(i, ()) for i in range(len(inputs))], METHOD_NONE, max_tokens, alternate=False)
+    cases = [Case(i, s) for i, out in enumerate(unstopped) for s in stop_sets(out.text)]
+    runs = {}
+    for method in (METHOD_NONE, *methods):
+        runs[method] = run(inputs, cases, method, max_tokens)
+        progress(f"{method}: {len(cases)} cases done")
+    return {**compare(cases, unstopped, runs),
+            "examples": [{"stops": c.stops, **asdict(runs[METHOD_NONE][i])} for i, c in enumerate(cases[:12])]}
+
+
+def passed(report: dict) -> bool:
+    return not report["baseline_cut_wrong"] and all(not m["differ"] for m in report["methods"].values())
+
+
 # ---- in process ---------------------------------------------------------------------------
 
 def engine_runner(settings: ServingConfig, concurrency: int) -> Callable:
@@ -81,7 +100,7 @@ def engine_runner(settings: ServingConfig, concurrency: int) -> Callable:
 
     engine = in_process_engine(settings)
 
-    def run(prompts: Sequence[list[int]], cases: Sequence[Case], method: str, max_tokens: int) -> list[Outcome]:
+    def run(prompts: Sequence[list[int]], cases: Sequence[Case], method: str, max_tokens: int, alternate: bool = True) -> list[Outcome]:
         k = 0 if method == METHOD_NONE else settings.default_draft_tokens(method)
         outs: dict[int, list] = {}
         todo = list(enumerate(cases))
@@ -96,7 +115,7 @@ def engine_runner(settings: ServingConfig, concurrency: int) -> Callable:
                 out[0].append(step.text_delta)
                 out[1] += step.new_token_ids
                 out[2] = step.finish_reason
-        return [Outcome("".join(outs[i][0]), tuple(outs[i][1]), outs[i][2]) for i in range(len(cases))]
+        return [Outcome("".join(outs[i][0]), tuple(outs[i][1]), len(outs[i][1]), outs[i][2]) for i in range(len(cases))]
 
     return run
 
@@ -108,26 +127,21 @@ def server_runner(grpc_url: str, concurrency: int) -> Callable:
 
     from specdec_client import AsyncSpecDecClient, GenerateRequest
 
-    def run(texts: Sequence[str], cases: Sequence[Case], method: str, max_tokens: int) -> list[Outcome]:
-        async def one(client_by_model, i: int, case: Case, gate) -> Outcome:
-            # Alternate the two public models: both run the same loop, the ensemble without ids.
-            model = "speculative_loop" if i % 2 == 0 else "ensemble"
+    def run(texts: Sequence[str], cases: Sequence[Case], method: str, max_tokens: int, alternate: bool = True) -> list[Outcome]:
+        async def one(clients, i: int, case: Case, gate) -> Outcome:
+            # Alternate the two public models (both run the same loop; the ensemble returns no ids).
+            client = clients[i % 2] if alternate else clients[0]
             req = GenerateRequest(texts[case.prompt], max_tokens=max_tokens, stop=case.stops, ignore_eos=True,
                                   method=None if method == METHOD_NONE else method,
                                   num_draft_tokens=0 if method == METHOD_NONE else None)
             async with gate:
-                gen = await client_by_model[model].generate(req)
-            ids = tuple(gen.token_ids) if model == "speculative_loop" else (len(gen.token_ids or ()) or int(gen.perf["output_tokens"]),)
-            return Outcome(gen.text, ids, gen.finish_reason)
+                gen = await client.generate(req)
+            return Outcome(gen.text, tuple(gen.token_ids), int(gen.perf[P.OUTPUT_TOKENS]), gen.finish_reason)
 
         async def main() -> list[Outcome]:
             gate = asyncio.Semaphore(concurrency)
-            clients = {m: AsyncSpecDecClient(grpc_url, protocol="grpc", model=m) for m in ("speculative_loop", "ensemble")}
-            try:
-                return list(await asyncio.gather(*(one(clients, i, c, gate) for i, c in enumerate(cases))))
-            finally:
-                for c in clients.values():
-                    await c.close()
+            async with AsyncSpecDecClient(grpc_url, model="speculative_loop") as loop, AsyncSpecDecClient(grpc_url, model="ensemble") as ensemble:
+                return list(await asyncio.gather(*(one((loop, ensemble), i, c, gate) for i, c in enumerate(cases))))
 
         return asyncio.run(main())
 
@@ -149,21 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     texts = sharegpt_prompts(args.prompts, seed=7, tokenizer=tokenizer, min_tokens=4, max_tokens=48)
     t0 = time.time()
     with _runner(args, settings, tokenizer, texts) as (run, inputs):
-        unstopped = run(inputs, [Case(i, ()) for i in range(len(texts))], METHOD_NONE, args.max_tokens)
-        cases = [Case(i, s) for i, out in enumerate(unstopped) for s in stop_sets(out.text)]
-        runs = {}
-        for method in (METHOD_NONE, *methods):
-            runs[method] = run(inputs, cases, method, args.max_tokens)
-            print(f"{method}: {len(cases)} cases done ({time.time() - t0:.0f} s)", flush=True)
+        found = check(run, inputs, methods, args.max_tokens, lambda line: print(f"{line} ({time.time() - t0:.0f} s)", flush=True))
     report = {"where": args.where, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-              "prompts": len(texts), **compare(cases, unstopped, runs), "seconds": round(time.time() - t0),
-              "examples": [{"stops": c.stops, **asdict(runs[METHOD_NONE][i])} for i, c in enumerate(cases[:12])]}
+              "prompts": len(texts), "seconds": round(time.time() - t0), **found}
     out = Path(args.out or f"results/stops/{args.where}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=list) + "\n")
-    ok = not report["baseline_cut_wrong"] and all(not m["differ"] for m in report["methods"].values())
+    ok = passed(report)
     for method, m in report["methods"].items():
-        print(f"{method:24s} identical {m['identical']}/{len(cases)}  stopped {m['stopped']}")
+        print(f"{method:24s} identical {m['identical']}/{report['cases']}  stopped {m['stopped']}")
     print(f"baseline cut wrong: {len(report['baseline_cut_wrong'])}; {'PASS' if ok else 'FAIL'} -> {out}")
     return 0 if ok else 1
 

@@ -236,8 +236,15 @@ def extension(perf: Mapping[str, float], job: Job) -> dict:
             "draft_tokens": int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)), "verification_steps": int(perf.get(P.VERIFICATION_STEPS, 0))}
 
 
-def finish_reason(job: Job, completion_tokens: int) -> str:
-    return "length" if completion_tokens >= job.max_tokens else "stop"
+def finish_reason(server_reason: str | None) -> str:
+    """OpenAI's reason from the loop's: a stop string and the end token are both "stop"."""
+    return "length" if server_reason == "length" else "stop"
+
+
+def completion_tokens(perf: Mapping[str, float], streamed_ids: int) -> int:
+    """The server's count of output tokens (a step whose text is held back for a possible
+    stop string streams no chunk, so counting streamed ids could fall short)."""
+    return int(perf.get(P.OUTPUT_TOKENS, streamed_ids))
 
 
 def create_app(frontend: Frontend):
@@ -282,16 +289,17 @@ def create_app(frontend: Frontend):
         kind = "chat.completion" if chat else "text_completion"
         if job.stream:
             return StreamingResponse(_sse(frontend, job, rid, created, kind, chat), media_type="text/event-stream")
-        text, ids, perf = [], [], {}
+        text, ids, perf, server_reason = [], [], {}, None
         async for chunk in frontend.chunks(job):
             text.append(chunk.text)
             ids += chunk.token_ids
             perf.update(chunk.perf)
-        reason = finish_reason(job, len(ids))
+            server_reason = chunk.finish_reason or server_reason
+        reason = finish_reason(server_reason)
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
         return {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice],
-                "usage": usage(job, len(ids)), "specdec": extension(perf, job)}
+                "usage": usage(job, completion_tokens(perf, len(ids))), "specdec": extension(perf, job)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -318,18 +326,19 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
             return {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
         return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
 
-    ids, perf = 0, {}
+    ids, perf, server_reason = 0, {}, None
     try:
         if chat:
             yield event([delta(None, role=True)])
         async for chunk in frontend.chunks(job):
             ids += len(chunk.token_ids)
             perf.update(chunk.perf)
+            server_reason = chunk.finish_reason or server_reason
             if chunk.text:
                 yield event([delta(chunk.text)])
-        yield event([delta(None, finish_reason(job, ids))], specdec=extension(perf, job))
+        yield event([delta(None, finish_reason(server_reason))], specdec=extension(perf, job))
         if job.include_usage:
-            yield event([], usage=usage(job, ids))
+            yield event([], usage=usage(job, completion_tokens(perf, ids)))
     except OpenAIError as exc:  # after the 200 header: the error travels in the stream, as OpenAI's does
         yield "data: " + json.dumps(exc.body()) + "\n\n"
     yield "data: [DONE]\n\n"

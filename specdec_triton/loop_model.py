@@ -137,7 +137,11 @@ class BLSBackend(LoopBackend):
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.inputs = P.MODELS[args["model_name"]][0]  # the served name's contract
+        self.inputs, outputs = P.MODELS[args["model_name"]]  # the served name's contract
+        # A step whose text is all held back (it may start a stop string) still streams its
+        # ids where ids are served, so a client's ids are complete; text-only clients hear
+        # only text (and the end).
+        self.streams_ids = P.OUTPUT_IDS in outputs
         self.settings = load_settings(args)
         model_dir = resolve_model_dir(self.settings.model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -238,7 +242,7 @@ class TritonPythonModel:
                     if update.finished:  # counters are current before the client hears the end
                         self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
                         self.metrics.flush()
-                    if stream and (update.text or update.finished):
+                    if stream and (update.text or update.finished or (self.streams_ids and update.token_ids)):
                         response = self._response(request, req, update.text, update.token_ids, update.log_probs)
                         if not send(sender, response, FINAL if update.finished else 0):
                             self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
@@ -273,6 +277,7 @@ class TritonPythonModel:
             P.TOTAL_DRAFT_TOKENS: lambda: batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
             P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
             P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+            P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
             P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
             P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),
         }

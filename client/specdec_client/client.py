@@ -31,6 +31,7 @@ class Chunk:
     time: float  # time.perf_counter() at arrival
     perf: dict[str, float] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)  # from models that return output_ids (speculative_loop)
+    finish_reason: str | None = None  # on the last chunk: "stop", "length", "eos" or "cancelled"
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Generation:
     end_time: float
     perf: dict[str, float]
     token_ids: list[int] = field(default_factory=list)  # empty unless the model returns output_ids
+    finish_reason: str | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -51,14 +53,15 @@ class Generation:
     @staticmethod
     def from_chunks(chunks, send_time: float) -> "Generation":
         """Fold streamed chunks (consumed now, or already collected) into a Generation."""
-        texts, times, perf, ids = [], [], {}, []
+        texts, times, perf, ids, reason = [], [], {}, [], None
         for chunk in chunks:
             if chunk.text:
                 texts.append(chunk.text)
                 times.append(chunk.time)
             perf.update(chunk.perf)
             ids += chunk.token_ids
-        return Generation("".join(texts), send_time, times, time.perf_counter(), perf, ids)
+            reason = chunk.finish_reason or reason
+        return Generation("".join(texts), send_time, times, time.perf_counter(), perf, ids, reason)
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,8 @@ def grpc_inputs(module, fields: dict[str, Any]) -> list:
     return inputs
 
 
-def _text_of(result) -> str:
-    array = result.as_numpy(P.TEXT_OUTPUT)
+def _text_of(result, name: str = P.TEXT_OUTPUT) -> str:
+    array = result.as_numpy(name)
     if array is None or array.size == 0:
         return ""
     value = array.reshape(-1)[0]
@@ -153,8 +156,8 @@ def _ids_of(result) -> list[int]:
 
 def _chunk_of(result, arrived: float) -> tuple[Chunk | None, bool]:
     """(the chunk a gRPC stream response carries, or None for an empty one; is it the last)."""
-    text, perf, ids = _text_of(result), _perf_of(result), _ids_of(result)
-    return (Chunk(text, arrived, perf, ids) if text or perf or ids else None), _is_final(result)
+    text, perf, ids, reason = _text_of(result), _perf_of(result), _ids_of(result), _text_of(result, P.FINISH_REASON) or None
+    return (Chunk(text, arrived, perf, ids, reason) if text or perf or ids or reason else None), _is_final(result)
 
 
 def _admin_headers(grpc: bool = False) -> dict[str, str]:
@@ -241,7 +244,7 @@ class SpecDecClient:
         body = json.loads(self._http_post(f"/v2/models/{self.model}/generate", request.fields(False)).read())
         now = time.perf_counter()
         perf = {k: float(body[k]) for k in PERF_FIELDS if k in body}
-        return Generation(body.get(P.TEXT_OUTPUT, ""), send, [now], now, perf)
+        return Generation(body.get(P.TEXT_OUTPUT, ""), send, [now], now, perf, finish_reason=body.get(P.FINISH_REASON) or None)
 
     def close(self) -> None:
         if self._grpc is not None:
@@ -336,7 +339,8 @@ def _event_chunk(payload: dict) -> Chunk:
         raise ServerError(payload["error"])
     perf = {k: float(payload[k]) for k in PERF_FIELDS if k in payload}
     ids = payload.get(P.OUTPUT_IDS, [])
-    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf, [int(t) for t in (ids if isinstance(ids, list) else [ids])])
+    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf, [int(t) for t in (ids if isinstance(ids, list) else [ids])],
+                 payload.get(P.FINISH_REASON) or None)
 
 
 def _sse_events(lines) -> Iterator[Chunk]:

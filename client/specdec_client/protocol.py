@@ -47,6 +47,8 @@ TOTAL_DRAFT_TOKENS = "total_draft_tokens"
 # Ours: verification steps so far (mean acceptance length = output tokens / steps).
 VERIFICATION_STEPS = "verification_steps"
 OUTPUT_TOKENS = "output_tokens"
+# Ours: why the request ended ("stop", "length", "eos", "cancelled"; "" until the last response).
+FINISH_REASON = "finish_reason"
 # TensorRT-LLM's log-prob outputs (with return_log_probs): per emitted token, and their sum.
 OUTPUT_LOG_PROBS = "output_log_probs"
 CUM_LOG_PROBS = "cum_log_probs"
@@ -154,7 +156,7 @@ PERF_COUNTS = (
     (VERIFICATION_STEPS, "TYPE_INT32", (1,)),
     (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
 )
-PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS)
+PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS, (FINISH_REASON, "TYPE_STRING", (1,)))
 # With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).
 LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)))
 

@@ -98,7 +98,8 @@ class TritonPythonModel:
         return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
 
     def _response(self, text, completion, req):
-        outputs = [_tensor(P.TEXT_OUTPUT, text)]
+        # The LLM API's finish reason ("stop", "length", ...) on the last response, "" before.
+        outputs = [_tensor(P.TEXT_OUTPUT, text), _tensor(P.FINISH_REASON, getattr(completion, "finish_reason", None) or "")]
         if req.return_perf_metrics:
             metrics = getattr(completion, "request_perf_metrics", None)
             spec = getattr(metrics, "speculative_decoding", None)
