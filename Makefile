@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -74,6 +74,15 @@ bench-aiperf: prepare
 # Reliability soak (issue 14): 30 min of normal, cancelled and malformed requests, then a crash drill -> results/soak/
 soak: prepare
 	$(BIN)/python -m loadtest.soak --minutes 30 --users 16 --out results/soak
+
+# Back-to-back bench-serving-shaped rounds (c=1 per method, concurrent streams, cancels) counting server deaths (issue 22)
+stress: prepare
+	$(BIN)/python -m loadtest.stress --rounds 20 --out results/stress/after
+
+# Stop strings: every served method ends where the baseline ends (text, ids, finish reason), in process and through Triton
+check-stops: prepare
+	$(BIN)/specdec check-stops --where engine --prompts 32 --out results/stops/engine.json
+	$(BIN)/specdec check-stops --where server --prompts 32 --out results/stops/server.json
 
 # docker compose's secrets (.env, git-ignored; kept if it exists): the admin-API key and the internal models' key.
 compose-keys:

@@ -530,6 +530,9 @@ def test_server_errors_that_mention_a_timeout_setting_are_server_errors():
     assert isinstance(_grpc_error(Exception("server busy: waited 1 s (admission_timeout_s)")), ServerError)
     assert isinstance(_grpc_error(Exception("StatusCode.DEADLINE_EXCEEDED: Deadline Exceeded")), RequestTimeoutError)
     assert isinstance(_grpc_error(Exception("failed to connect to all addresses")), ClientConnectionError)
+    # The server died under an open stream (issue 22's crash): a clear connection error, not a server answer.
+    lost = _grpc_error(Exception("StatusCode.UNAVAILABLE: Stream removed (Socket closed)"))
+    assert isinstance(lost, ClientConnectionError) and "restarted" in str(lost)
 
 
 def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():

@@ -206,6 +206,11 @@ def test_server_ready_and_models_loaded(echo_server):
         assert b"nv_inference" in resp.read()
     assert echo_server.log_path.is_file()
     assert "successfully loaded 'echo'" in echo_server.log_path.read_text()
+    # The python backend's pool is sized not to grow in normal use (issue 22's crash).
+    from triton_launcher.install import PYTHON_SHM_BYTES
+
+    for name in ("shm-default-byte-size", "shm-growth-byte-size"):
+        assert f"--backend-config=python,{name}={PYTHON_SHM_BYTES}" in echo_server.command
 
 
 @pytest.mark.server

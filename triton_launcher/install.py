@@ -55,6 +55,13 @@ _SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 # Below this much free /dev/shm the python backend is likely to fail (each model instance maps
 # a region of shm-default-byte-size and grows it by shm-growth-byte-size on demand).
 _MIN_SHM_FREE_BYTES = 64 * 1024 * 1024
+# The python backend's shared-memory pool per model instance, and its growth step. Triton's
+# defaults (1 MiB, grown 1 MiB at a time) make a busy instance grow its pool while requests
+# are in flight, the path suspected in the one tritonserver SIGSEGV seen here (issue 22;
+# python_backend's pool growth, cf. triton-inference-server/server#8882). 32 MiB holds the
+# largest tensors we pass (a sampled tree's draft probabilities: 16 x 49152 x 4 B = 3 MiB per
+# sequence) many times over; /dev/shm regions are sparse, so unused space costs nothing.
+PYTHON_SHM_BYTES = 32 * 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------- errors

@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from specdec.protocol import ADMIN_KEY_ENV, INTERNAL_KEY_ENV, restricted_api_args
 
-from .install import DEFAULT_MODEL_REPOSITORY, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
+from .install import DEFAULT_MODEL_REPOSITORY, PYTHON_SHM_BYTES, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
 from .processes import _alive, _proc_cmdline, _tail, descendants, group_members
 
 
@@ -205,10 +205,11 @@ class TritonServer:
                 # Without an NVIDIA driver, GPU metrics only produce NVML/DCGM warnings.
                 allow_gpu_metrics = os.path.exists("/dev/nvidiactl")
             cmd.append(f"--allow-gpu-metrics={'true' if allow_gpu_metrics else 'false'}")
-            if shm_default_byte_size is not None:
-                cmd.append(f"--backend-config=python,shm-default-byte-size={int(shm_default_byte_size)}")
-            if shm_growth_byte_size is not None:
-                cmd.append(f"--backend-config=python,shm-growth-byte-size={int(shm_growth_byte_size)}")
+            # Sized so the pool never grows in normal use (issue 22's crash: see PYTHON_SHM_BYTES).
+            shm_default = PYTHON_SHM_BYTES if shm_default_byte_size is None else int(shm_default_byte_size)
+            shm_growth = PYTHON_SHM_BYTES if shm_growth_byte_size is None else int(shm_growth_byte_size)
+            cmd.append(f"--backend-config=python,shm-default-byte-size={shm_default}")
+            cmd.append(f"--backend-config=python,shm-growth-byte-size={shm_growth}")
             child_env = server_environment(install)
             if env:
                 child_env.update({str(k): str(v) for k, v in env.items()})

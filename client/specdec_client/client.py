@@ -166,9 +166,18 @@ def _admin_headers(grpc: bool = False) -> dict[str, str]:
     return {P.ADMIN_KEY_GRPC_HEADER if grpc else P.ADMIN_KEY_HEADER: key} if key else {}
 
 
+# What gRPC says when the server process goes away under an open stream (a crash or a
+# restart): the request is lost, not refused; a retry after the server is back may succeed.
+_CONNECTION_LOST = ("stream removed", "socket closed", "connection reset", "goaway", "rst_stream")
+
+
 def _grpc_error(exc: Exception) -> Exception:
     text = str(exc)
-    if "unavailable" in text.lower() or "failed to connect" in text.lower() or "connection refused" in text.lower():
+    lowered = text.lower()
+    if any(sign in lowered for sign in _CONNECTION_LOST):
+        return ClientConnectionError(f"the server closed the connection mid-request (it stopped or restarted; "
+                                     f"retry once it is live again): {text}")
+    if "unavailable" in lowered or "failed to connect" in lowered or "connection refused" in lowered:
         return ClientConnectionError(text)
     # gRPC's own deadline ("Deadline Exceeded"); a server message that merely mentions a
     # timeout setting (e.g. admission_timeout_s) is the server's answer, not a client timeout.
