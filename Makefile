@@ -81,8 +81,8 @@ stress: prepare
 
 # Stop strings: every served method ends where the baseline ends (text, ids, finish reason), in process and through Triton
 check-stops: prepare
-	$(BIN)/specdec check-stops --where engine --prompts 32 --out results/stops/engine.json
-	$(BIN)/specdec check-stops --where server --prompts 32 --out results/stops/server.json
+	$(BIN)/specdec check-stops --where engine --prompts 16 --concurrency 16 --out results/stops/engine.json
+	$(BIN)/specdec check-stops --where server --prompts 16 --concurrency 16 --out results/stops/server.json
 
 # docker compose's secrets (.env, git-ignored; kept if it exists): the admin-API key and the internal models' key.
 compose-keys:

@@ -3,7 +3,10 @@
 The workload that crashed tritonserver once (issue 22: `Signal (11)` inside
 TRITONBACKEND_ModelInstanceExecute, then boost::interprocess::lock_exception): gRPC streams
 through the ensemble, one after another per method (bench-serving's c=1), then concurrent
-streams of mixed methods, then streams cancelled after their first chunk. After every round
+streams of mixed methods, then streams cancelled after their first chunk (over HTTP by
+default: bundled Triton 2.51's gRPC frontend aborts on concurrent client cancellations, a
+known bug fixed in a later release, triton-inference-server/server#7368, which would hide
+the crash looked for here; `--cancel-protocol grpc` shows it). After every round
 the server must still be live; a death is recorded with the tail of its log, and the server
 is started again so the run goes on. `--python-shm-mib 0` keeps Triton's own Python-backend
 shared-memory defaults (1 MiB, grown 1 MiB at a time) to compare with the launcher's.
@@ -29,7 +32,7 @@ def request(prompt: str, method: str, max_tokens: int) -> GenerateRequest:
                            num_draft_tokens=0 if baseline else None)
 
 
-async def one_round(url: str, prompts: list[str], args) -> dict:
+async def one_round(endpoints, prompts: list[str], args) -> dict:
     """Sequential streams per method, then `--concurrency` mixed streams, then cancels."""
     errors: list[str] = []
     done = cancelled = 0
@@ -47,13 +50,14 @@ async def one_round(url: str, prompts: list[str], args) -> dict:
         except Exception as exc:  # noqa: BLE001 - counted, the round goes on
             errors.append(str(exc)[:200])
 
-    async with AsyncSpecDecClient(url, "grpc") as client:
+    cancel_url = endpoints.grpc if args.cancel_protocol == "grpc" else endpoints.http
+    async with AsyncSpecDecClient(endpoints.grpc, "grpc") as client, AsyncSpecDecClient(cancel_url, args.cancel_protocol) as canceller:
         for method in METHODS:
             for prompt in prompts[:2]:
                 await stream(client, request(prompt, method, args.max_tokens), False)
         mixed = [request(prompts[i % len(prompts)], METHODS[i % len(METHODS)], args.max_tokens) for i in range(args.concurrency)]
         await asyncio.gather(*(stream(client, r, False) for r in mixed))
-        await asyncio.gather(*(stream(client, r, True) for r in mixed))
+        await asyncio.gather(*(stream(canceller, r, True) for r in mixed))
     return {"finished": done, "cancelled": cancelled, "errors": errors[:5], "error_count": len(errors)}
 
 
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--cancel-protocol", choices=("http", "grpc"), default="http")
     p.add_argument("--python-shm-mib", type=int, default=None,
                    help="Python-backend shared memory per model instance (default: the launcher's; 0: Triton's 1 MiB)")
     p.add_argument("--out", type=Path, default=Path("results/stress"))
@@ -91,14 +96,15 @@ def main(argv=None) -> int:
     try:
         for n in range(args.rounds):
             started = time.monotonic()
-            result = asyncio.run(one_round(server.endpoints.grpc, prompts, args))
+            result = asyncio.run(one_round(server.endpoints, prompts, args))
             alive = server.is_running()
             result.update(round=n, seconds=round(time.monotonic() - started, 1), server_alive=alive)
             report["rounds"].append(result)
             print(json.dumps(result), flush=True)
             if not alive:
                 tail = log.read_text(errors="replace").splitlines()[-30:]
-                report["deaths"].append({"round": n, "exit_code": server.returncode, "log_tail": tail})
+                cause = next((sign for sign in ("Signal (11)", "prior > 0", "lock_exception", "Signal (6)") if any(sign in l for l in tail)), "?")
+                report["deaths"].append({"round": n, "exit_code": server.returncode, "cause": cause, "log_tail": tail})
                 server.stop()
                 server = start()
     finally:
