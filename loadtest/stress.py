@@ -107,15 +107,15 @@ def main(argv=None) -> int:
                 report["deaths"].append({"round": n, "exit_code": server.returncode, "cause": cause, "log_tail": tail})
                 server.stop()
                 server = start()
-    finally:
+    finally:  # also when stopped early: the rounds run so far are the result
         server.stop()
-    report["summary"] = {"rounds": args.rounds, "server_deaths": len(report["deaths"]),
-                         "requests_finished": sum(r["finished"] for r in report["rounds"]),
-                         "requests_cancelled": sum(r["cancelled"] for r in report["rounds"]),
-                         "request_errors": sum(r["error_count"] for r in report["rounds"]),
-                         "minutes": round((time.monotonic() - t0) / 60, 1)}
-    (args.out / "stress.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report["summary"]))
+        report["summary"] = {"rounds": len(report["rounds"]), "server_deaths": len(report["deaths"]),
+                             "requests_finished": sum(r["finished"] for r in report["rounds"]),
+                             "requests_cancelled": sum(r["cancelled"] for r in report["rounds"]),
+                             "request_errors": sum(r["error_count"] for r in report["rounds"]),
+                             "minutes": round((time.monotonic() - t0) / 60, 1)}
+        (args.out / "stress.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["summary"]))
     return 0 if not report["deaths"] else 1
 
 
