@@ -12,10 +12,12 @@ Phase 1 (soak): `--users` closed-loop users through `ensemble` (HTTP by default,
 --protocol), each request
 drawn at random: 75% normal (a ShareGPT prompt, a random configured method or the
 baseline, streamed to the end), 15% cancelled after their first chunk, 10% malformed (each
-of the bad-input cases in turn). Every minute: requests, failures among well-formed
-requests, p50/p99 end-to-end latency of the normal ones, and the server's resident memory
-(every process of its group, stubs included). At the end: the verifier's slots must all be
-free again (specdec_active_sequences) and memory after warm-up must not have grown > 5%.
+of the bad-input cases in turn, each of which must be refused with an error naming its
+field). Every minute: requests, failures among well-formed requests, p50/p99 end-to-end
+latency of the normal ones, and the server's resident memory (every process of its group,
+stubs included; sampled every second, the peak reported too). At the end: the verifier's
+slots must all be free again (specdec_active_sequences) and memory after warm-up must not
+have grown > 5%.
 
 Phase 2 (crash drill): kill the verifier's Python stub mid-stream; streams in flight must
 end with an error (not hang) within --drill-timeout-s; then restart the server and check
@@ -35,15 +37,45 @@ from pathlib import Path
 import numpy as np
 
 from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
+from specdec_client import protocol as P
 
-MALFORMED = [  # (what, request fields) - each must be answered with an error naming the field
-    ("empty prompt", dict(prompt="")),
-    ("max_tokens 0", dict(max_tokens=0)),
-    ("temperature < 0", dict(temperature=-1.0)),
-    ("top_p > 1", dict(temperature=0.7, top_p=1.5)),
-    ("unknown method", dict(method="no-such-method")),
-    ("draft tokens out of range", dict(num_draft_tokens=10_000)),
+MALFORMED = [  # (what, request fields, the field its refusal must name)
+    ("empty prompt", dict(prompt=""), P.TEXT_INPUT),
+    ("max_tokens 0", dict(max_tokens=0), P.MAX_TOKENS),
+    ("temperature < 0", dict(temperature=-1.0), P.TEMPERATURE),
+    ("top_p > 1", dict(temperature=0.7, top_p=1.5), P.TOP_P),
+    ("unknown method", dict(method="no-such-method"), P.SPECULATIVE_METHOD),
+    ("draft tokens out of range", dict(num_draft_tokens=10_000), P.NUM_DRAFT_TOKENS),
 ]
+RSS_EVERY_S = 1.0
+
+
+def refusal_problem(what: str, field: str, error: BaseException | None) -> str | None:
+    """What is wrong with the answer to a malformed request (None: refused, naming `field`)."""
+    if error is None:
+        return f"not refused: {what}"
+    if field not in str(error):
+        return f"refused without naming {field}: {what}: {str(error)[:200]}"
+    return None
+
+
+class PeakRss:
+    """The highest resident memory `read()` returned (bytes), sampled every `every_s` by
+    watch() while a phase runs: a spike between the per-minute samples is seen too."""
+
+    def __init__(self, read):
+        self.read = read
+        self.peak = 0
+
+    def sample(self) -> int:
+        value = self.read()
+        self.peak = max(self.peak, value)
+        return value
+
+    async def watch(self, every_s: float = RSS_EVERY_S) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(every_s)
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -65,10 +97,11 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.minutes: list[dict] = []
         self._current: dict = {}
+        self.rss = PeakRss(lambda: rss_bytes(self._pids()))
 
     def _new_minute(self) -> None:
         self._current = {"requests": 0, "normal": 0, "cancelled": 0, "malformed": 0, "failures": 0,
-                         "malformed_not_refused": 0, "latencies_s": [], "errors": []}
+                         "malformed_not_refused": 0, "malformed_field_not_named": 0, "latencies_s": [], "errors": []}
 
     async def user(self, client, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -82,13 +115,16 @@ class Soak:
                         num_draft_tokens=0 if method == "baseline" else None)
             try:
                 if kind == "malformed":
-                    what, fields = MALFORMED[bucket["malformed"] % len(MALFORMED)]
+                    what, fields, field = MALFORMED[bucket["malformed"] % len(MALFORMED)]
+                    error = None
                     try:
                         await client.generate(GenerateRequest(**{**base, **fields}))
-                        bucket["malformed_not_refused"] += 1
-                        bucket["errors"].append(f"not refused: {what}")
-                    except Exception:  # noqa: BLE001 - the expected answer
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - the expected answer
+                        error = exc
+                    problem = refusal_problem(what, field, error)
+                    if problem:
+                        bucket["malformed_not_refused" if error is None else "malformed_field_not_named"] += 1
+                        bucket["errors"].append(problem)
                 elif kind == "cancelled":
                     gen = client.stream(GenerateRequest(**base))
                     await gen.__anext__()
@@ -107,6 +143,7 @@ class Soak:
         clients = [AsyncSpecDecClient(url, self.args.protocol, timeout_s=self.args.request_timeout_s) for _ in range(self.args.users)]
         for c in clients:
             await c.__aenter__()
+        watcher = asyncio.create_task(self.rss.watch())
         try:
             while time.monotonic() < end:
                 self._new_minute()
@@ -115,6 +152,7 @@ class Soak:
                 self.minutes.append(self._summarise(self._current))
                 print(json.dumps(self.minutes[-1]), flush=True)
         finally:
+            watcher.cancel()
             for c in clients:
                 await c.__aexit__(None, None, None)
         return self._report()
@@ -125,7 +163,7 @@ class Soak:
         return {**bucket, "minute": len(self.minutes) + 1,
                 "e2e_p50_s": float(np.percentile(lat, 50)) if lat else None,
                 "e2e_p99_s": float(np.percentile(lat, 99)) if lat else None,
-                "rss_mib": rss_bytes(self._pids()) / 2**20, "first_errors": errors[:3]}
+                "rss_mib": self.rss.sample() / 2**20, "first_errors": errors[:3]}
 
     def _pids(self) -> list[int]:
         from triton_launcher.processes import group_members
@@ -144,6 +182,8 @@ class Soak:
             "minutes": self.minutes,
             "well_formed_failures": sum(m["failures"] for m in self.minutes),
             "malformed_not_refused": sum(m["malformed_not_refused"] for m in self.minutes),
+            "malformed_field_not_named": sum(m["malformed_field_not_named"] for m in self.minutes),
+            "rss_peak_mib": self.rss.peak / 2**20,
             "active_sequences_at_end": active,
             "rss_growth_after_warmup": (rss[-1] - warm) / warm if warm else None,
             # A leak keeps growing; an allocator's high-water mark flattens: the second half alone.
@@ -161,29 +201,34 @@ def _url(server, protocol: str) -> str:
 
 async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -> dict:
     """n streams through `model`, each cancelled after its first chunk: how long until every
-    verifier slot is free again, and the server's memory before and after."""
+    verifier slot is free again, and the server's memory before, after and at its peak."""
     from triton_launcher.processes import group_members
 
     def active() -> float:
         samples = promtext.scrape(server.endpoints.metrics_url)
         return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
 
-    rss_before = rss_bytes(group_members(server.pgid))
+    rss = PeakRss(lambda: rss_bytes(group_members(server.pgid)))
+    rss_before = rss.sample()
+    watcher = asyncio.create_task(rss.watch())
 
     async def one(client):
         gen = client.stream(GenerateRequest(prompt, max_tokens=256, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
 
-    async with AsyncSpecDecClient(_url(server, protocol), protocol, model=model) as client:
-        for start in range(0, n, 16):  # 16 at a time: the verifier's slots
-            await asyncio.gather(*(one(client) for _ in range(min(16, n - start))))
-    last_cancel = time.monotonic()
-    while active() and time.monotonic() - last_cancel < 120:
-        await asyncio.sleep(0.2)
+    try:
+        async with AsyncSpecDecClient(_url(server, protocol), protocol, model=model) as client:
+            for start in range(0, n, 16):  # 16 at a time: the verifier's slots
+                await asyncio.gather(*(one(client) for _ in range(min(16, n - start))))
+        last_cancel = time.monotonic()
+        while active() and time.monotonic() - last_cancel < 120:
+            await asyncio.sleep(0.2)
+    finally:
+        watcher.cancel()
     return {"model": model, "cancelled": n, "seconds_until_all_slots_free": time.monotonic() - last_cancel,
             "active_after": active(), "rss_before_mib": rss_before / 2**20,
-            "rss_after_mib": rss_bytes(group_members(server.pgid)) / 2**20}
+            "rss_after_mib": rss.sample() / 2**20, "rss_peak_mib": rss.peak / 2**20}
 
 
 async def crash_drill(server, prompt: str, args) -> dict:
@@ -260,9 +305,11 @@ def main(argv=None) -> int:
     finally:
         restarted.stop()
     soak = report["soak"]
+    report["rss_peak_mib"] = max([soak["rss_peak_mib"], *(c["rss_peak_mib"] for c in report["cancel_storms"])])
     report["verdict"] = {
         "no_well_formed_failures": soak["well_formed_failures"] == 0,
         "every_malformed_refused": soak["malformed_not_refused"] == 0,
+        "every_refusal_names_the_field": soak["malformed_field_not_named"] == 0,
         "no_slot_held": soak["active_sequences_at_end"] == 0,
         "cancel_storms_drain_within_10s": all(c["active_after"] == 0 and c["seconds_until_all_slots_free"] < 10
                                               for c in report["cancel_storms"]),

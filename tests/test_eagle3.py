@@ -407,3 +407,52 @@ def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
     assert run_all(engine, ps, params, "eagle3", 5, concurrent=4) == plain
     accepted = engine.stats.accepted_per_position
     assert len(accepted) == 5 and all(n > 0 for n in accepted), accepted
+
+
+class _CountingEagle3(Eagle3Drafter):
+    """The real drafter; counts the nodes it proposed (sample_first3 checks that the planner
+    verified fewer)."""
+
+    proposed = 0
+
+    def propose(self, seqs, budgets, keep_drafting=None):
+        trees = super().propose(seqs, budgets, keep_drafting)
+        self.proposed += sum(len(t) for t in trees)
+        return trees
+
+
+@pytest.mark.parametrize("variant", ["shipped", "dynamic_tree"])
+def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
+    """The real eagle3-hybrid drafter (Eagle3Drafter with hybrid_ngram and the planner), not
+    tests/toy.py's BigramDrafter copy, drafting for a toy target (the shipped head's
+    576-wide taps and 49k vocabulary cannot pair with a 12-token target, so a head in the
+    published layout sized for it stands in). "shipped": model_repository/specdec.json's
+    eagle3-hybrid settings as they are; sampled requests draft the head's sampled chains
+    with draft probabilities, which take no n-gram continuation (a deterministic branch
+    cannot join i.i.d. draws). "dynamic_tree": the same with EAGLE-2 trees, deterministic
+    under sampling, so the n-gram continuations ARE merged and verified by the one-hot rule."""
+    from specdec.runtime import served_methods
+    from specdec.tree import DraftTree
+
+    target, head = toy_eagle
+    spec = served_methods()["eagle3-hybrid"]
+    assert spec.hybrid_ngram and spec.adaptive
+    if variant == "dynamic_tree":
+        spec = spec.replace(max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=6)
+    merges = []  # nodes each merge added
+    merge = DraftTree.merged
+
+    def counted(tree, *args, **kwargs):
+        out = merge(tree, *args, **kwargs)
+        merges.append(len(out) - len(tree))
+        return out
+
+    monkeypatch.setattr(DraftTree, "merged", counted)
+    drafter = _CountingEagle3(head, spec, 500, 32)
+    counts = sample_first3(target, drafter, PARAMS, seed0=3000)
+    p = chi_square_p(counts, exact_first3(target, PARAMS))
+    assert p > 1e-3, f"{variant}: chi-square p={p:.2e}"
+    if variant == "dynamic_tree":
+        assert sum(merges) > 0, "no n-gram continuation joined a tree"
+    else:
+        assert not merges

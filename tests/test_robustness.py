@@ -131,6 +131,63 @@ def test_the_internal_models_refuse_callers_without_the_servers_key(triton_serve
     client.close()
 
 
+def _drafter_caller(client, key: str | None):
+    """Calls the `drafter` model as the loop does (START: the prompt then the first token,
+    and the method; later calls: what the verifier emitted), with `key` or without."""
+    import tritonclient.grpc as grpcclient
+
+    def call(seq_id, start=False, end=False, method=None, **arrays):
+        tensors = []
+        for name, value in arrays.items():
+            tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
+            tensor.set_data_from_numpy(np.int32(value)[None])
+            tensors.append(tensor)
+        for name, value in ((P.SPECULATIVE_METHOD, method), (P.INTERNAL_KEY, key)):
+            if value is not None:
+                tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+                tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=object))
+                tensors.append(tensor)
+        return client.infer("drafter", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
+                            outputs=[grpcclient.InferRequestedOutput(P.DRAFT_TOKENS)])
+
+    return call
+
+
+def test_the_drafter_refuses_callers_without_the_servers_key(triton_server):
+    """The `drafter` model (methods served apart; conftest's draft-tiny) as the verifier
+    above: without the secret a START holds no drafter state, a step on a live sequence
+    drafts nothing for the caller, and an END frees nothing; the loop's own sequence carries on."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+    loop, stranger, guesser = (_drafter_caller(client, key) for key in (TEST_INTERNAL_KEY, None, "guess"))
+    start = {P.INPUT_IDS: [1, 2, 3, 4], P.DRAFT_BUDGET: [3]}  # prompt 1 2 3, first token 4
+    assert loop(881, start=True, method="draft-tiny", **start).as_numpy(P.DRAFT_TOKENS).size >= 1
+    assert _active_sequences(triton_server, "drafter") == 1
+    for caller in (stranger, guesser):
+        with pytest.raises(Exception, match="speculative loop only"):
+            caller(882, start=True, method="draft-tiny", **start)
+        with pytest.raises(Exception, match="speculative loop only"):
+            caller(881, **{P.INPUT_IDS: [5, 6], P.NUM_ACCEPTED: [1], P.DRAFT_BUDGET: [3]})
+    assert _active_sequences(triton_server, "drafter") == 1  # only the loop's own
+    # Its state did not move either: its next draft is a twin sequence's that no stranger touched.
+    step = {P.INPUT_IDS: [5], P.NUM_ACCEPTED: [0], P.DRAFT_BUDGET: [3]}
+    drafted = loop(881, **step).as_numpy(P.DRAFT_TOKENS)
+    loop(883, start=True, method="draft-tiny", **start)
+    assert drafted.size >= 1 and drafted.tolist() == loop(883, **step).as_numpy(P.DRAFT_TOKENS).tolist()
+    loop(883, end=True)
+    with pytest.raises(Exception, match="speculative loop only"):
+        stranger(881, end=True)
+    assert _active_sequences(triton_server, "drafter") == 1  # our state untouched
+    # Triton forgot 881 on that END: the loop frees its state with a START + END.
+    try:
+        loop(881, start=True, end=True, method="draft-tiny", **start)
+    except Exception as exc:  # noqa: BLE001 - a drafter that refuses a second START still ends it
+        assert "already running" in str(exc)
+    assert _active_sequences(triton_server, "drafter") == 0
+    client.close()
+
+
 def _http_status(url: str, body: bytes | None = None, headers: dict | None = None) -> int:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers or {}), timeout=30) as resp:
@@ -169,9 +226,13 @@ def test_the_admin_apis_need_the_servers_admin_key(triton_server):
 
 
 def _active_verifier_sequences(server) -> float:
+    return _active_sequences(server, "verifier")
+
+
+def _active_sequences(server, model: str) -> float:
     text = urllib.request.urlopen(server.endpoints.metrics_url).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(P.ACTIVE_SEQUENCES + "{") and 'model="verifier"' in line)
+               if line.startswith(P.ACTIVE_SEQUENCES + "{") and f'model="{model}"' in line)
 
 
 def _request():

@@ -103,15 +103,55 @@ def exact_first3(target_dir) -> np.ndarray:
     return joint.ravel()
 
 
+@pytest.fixture(scope="module")
+def exact(toy_server) -> np.ndarray:
+    return exact_first3(toy_server[1])
+
+
+@pytest.fixture(scope="module")
+def served_first3(toy_server):
+    """method -> (counts of the first three tokens over REQUESTS seeded requests, draft
+    tokens verified), each method's requests sent once per module."""
+    server, _ = toy_server
+    done: dict[str, tuple[np.ndarray, int]] = {}
+
+    def get(method: str) -> tuple[np.ndarray, int]:
+        if method not in done:
+            with ThreadPoolExecutor(max_workers=12) as pool:  # concurrent: sequences share verification batches
+                replies = list(pool.map(lambda seed: first3(server, method, seed), range(REQUESTS)))
+            counts = np.zeros(VOCAB**3)
+            for (a, b, c), _ in replies:
+                counts[(a * VOCAB + b) * VOCAB + c] += 1
+            done[method] = counts, sum(d for _, d in replies)
+        return done[method]
+
+    return get
+
+
 @pytest.mark.parametrize("method", list(METHODS))
-def test_sampling_through_triton_keeps_the_targets_distribution(toy_server, method):
-    server, target = toy_server
-    with ThreadPoolExecutor(max_workers=12) as pool:  # concurrent: sequences share verification batches
-        replies = list(pool.map(lambda seed: first3(server, method, seed), range(REQUESTS)))
-    counts = np.zeros(VOCAB**3)
-    for (a, b, c), _ in replies:
-        counts[(a * VOCAB + b) * VOCAB + c] += 1
-    drafted = sum(d for _, d in replies)
+def test_sampling_through_triton_keeps_the_targets_distribution(served_first3, exact, method):
+    counts, drafted = served_first3(method)
     assert (drafted > 0) == (method != "none"), drafted  # the speculative methods did draft
-    p = chi_square_p(counts, exact_first3(target))
+    p = chi_square_p(counts, exact)
     assert p > 1e-3, f"{method}: chi-square p={p:.2e} over {REQUESTS} requests"
+
+
+def test_the_served_distribution_test_rejects_wrong_distributions(served_first3, exact):
+    """Negative control: the same counts (ngram's) and the same statistic fail against
+    distributions a broken sampler would produce. The third token shifted by one id (a
+    sampler off by one: mass lands outside the target's top-p support), and the two likeliest
+    third tokens swapped after every prefix (the same support, so only the chi-square
+    statistic itself can tell)."""
+    counts, _ = served_first3("ngram")
+    joint = exact.reshape(VOCAB, VOCAB, VOCAB)
+    shifted = np.roll(joint, 1, axis=-1)
+    swapped = joint.copy()
+    for a, b in itertools.product(range(VOCAB), repeat=2):
+        first, second = np.argsort(-joint[a, b])[:2]
+        if joint[a, b, second] > 0:
+            swapped[a, b, [first, second]] = joint[a, b, [second, first]]
+    assert np.isclose(swapped.sum(), 1.0) and ((swapped > 0) == (joint > 0)).all() and not np.allclose(swapped, joint)
+    assert chi_square_p(counts, exact) > 1e-3  # the right one still passes with these counts
+    for name, wrong in (("shifted", shifted), ("swapped", swapped)):
+        p = chi_square_p(counts, wrong.ravel())
+        assert p < 1e-6, f"{name}: chi-square p={p:.2e}"

@@ -1,0 +1,102 @@
+"""A client that vanishes without an END leaves a sequence behind in the verifier and in the
+drafter; each Triton model calls release_idle(idle_timeout_s) at the top of every execute()
+(model_repository/verifier/1/model.py, drafter/1/model.py). Here the same calls run on a
+fake clock: the abandoned sequence is freed with every slot it held, the live one is not."""
+from __future__ import annotations
+
+import pytest
+
+import specdec.drafting
+import specdec.sequence
+import specdec.verifier
+from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafting import DraftService
+from specdec.errors import UnknownSequenceError
+from specdec.models.loading import load_transformer
+from specdec.runtime import build_drafters
+from specdec.speculator import Speculator, StartItem, StepItem
+
+from conftest import save_tiny_hf
+
+IDLE_S = 300.0
+PROMPT = [5, 6, 7, 5, 6, 7, 5]
+
+
+class FakeClock:
+    """Stands in for the `time` module of the modules that stamp last_used."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    for module in (specdec.sequence, specdec.verifier, specdec.drafting):
+        monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_hf(tmp_path_factory.mktemp("idle_target"))
+
+
+def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, target_dir):
+    target = load_transformer(target_dir)
+    speculator = Speculator(target, EngineConfig(max_batch_size=2, max_seq_len=64, max_num_draft_tokens=4),
+                            {"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=3))})
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    speculator.prefill([StartItem("abandoned", PROMPT, params, "ngram", 3), StartItem("live", PROMPT, params, "ngram", 3)])
+    assert speculator.verifier.cache.num_free == 0 and speculator.drafts.active == 2
+
+    clock.now += IDLE_S - 1
+    speculator.step([StepItem("live", 3)])  # the live client keeps stepping
+    assert speculator.release_idle(IDLE_S) == []  # nobody is idle for IDLE_S yet
+
+    clock.now += 2  # the abandoned one: IDLE_S + 1 since its START; the live one: 2 s
+    assert speculator.release_idle(IDLE_S) == ["abandoned"]
+    assert "abandoned" not in speculator and "abandoned" not in speculator.verifier and "abandoned" not in speculator.drafts
+    assert speculator.verifier.cache.num_free == 1 and speculator.drafts.active == 1
+    with pytest.raises(UnknownSequenceError) as err:  # its client coming back hears why
+        speculator.step([StepItem("abandoned", 3)])
+    assert err.value.field == "sequence_id"
+    assert speculator.step([StepItem("live", 3)])[0].emitted  # the live one carries on
+    # The freed slot serves a new sequence.
+    speculator.prefill([StartItem("next", PROMPT, params, "ngram", 3)])
+    assert speculator.verifier.cache.num_free == 0
+
+    clock.now += IDLE_S + 1
+    assert sorted(speculator.release_idle(IDLE_S)) == ["live", "next"]
+    assert speculator.active == 0 and speculator.verifier.cache.num_free == 2
+
+
+def test_the_drafter_reaps_an_abandoned_sequence_and_frees_its_draft_slot(clock, target_dir, tmp_path):
+    """The `drafter` model's state (a draft model served apart holds a KV slot per sequence)."""
+    from specdec.models.loading import read_model_config
+
+    draft_dir = save_tiny_hf(tmp_path / "draft", seed=1, num_hidden_layers=1)
+    spec = SpeculativeConfig(method="draft_model", speculative_model=str(draft_dir), max_draft_len=3, colocated=False)
+    engine = EngineConfig(max_batch_size=2, max_seq_len=64, max_num_draft_tokens=4, draft_dtype="float32")
+    drafter = build_drafters(read_model_config(target_dir), {"dm": spec}, engine, target_dir)["dm"]
+    drafts = DraftService({"dm": drafter})
+    params = SamplingParams(max_tokens=16)
+    drafts.start(11, PROMPT, 5, params, "dm")
+    drafts.start(12, PROMPT, 5, params, "dm")
+    assert drafter.cache.num_free == 0
+
+    clock.now += IDLE_S - 1
+    drafts.advance(12, [6], 0)  # the live sequence hears of a verified step
+    clock.now += 2
+    assert drafts.release_idle(IDLE_S) == [11]
+    assert 11 not in drafts and drafts.active == 1 and drafter.cache.num_free == 1
+    assert len(drafts.propose([(12, 3)])[0]) == 3  # the live one still drafts
+    with pytest.raises(UnknownSequenceError):
+        drafts.propose([(11, 3)])
