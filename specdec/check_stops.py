@@ -45,6 +45,7 @@ def stop_sets(text: str) -> list[tuple[str, ...]]:
     if n >= 12:
         sets.append((text[n // 2 : n // 2 + 4],))
         sets.append((text[2 * n // 3 : 2 * n // 3 + 3], text[n // 3 : n // 3 + 3]))  # the second listed comes first
+    # A slice of the text may be empty or a run of spaces: not a stop anyone would set.
     return [s for s in sets if all(w.strip(" ") or w == " " for w in s) and all(s)]
 
 

@@ -58,7 +58,7 @@ def test_how_tokens_arrive_does_not_change_ids_text_or_reason(smol_tokenizer, te
     ids = smol_tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(0)
     for stops in STOP_SETS:
-        results = {tuple(map(tuple, [s])): run_request(smol_tokenizer, ids, stops, s) for s in splits(len(ids), rng)}
+        results = {tuple(s): run_request(smol_tokenizer, ids, stops, s) for s in splits(len(ids), rng)}
         first = next(iter(results.values()))
         assert all(r == first for r in results.values()), (stops, results)
         kept, out_text, reason = first
