@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import yaml
 
-from specdec import protocol as P
+import specdec_wire as P
 from trtllm_repository import generator as trtllm
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ModelConfig, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
-from triton_launcher.cli import _build_parser
+from specdec.launcher.serve import _build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -155,7 +155,7 @@ def test_expected_objects_in_each_overlay():
 
 # ---- one source of truth: ports, images, the NGC release ----------------------------------
 def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
-    from specdec import openai_server
+    from specdec_openai import server as openai_server
 
     ports = launcher_ports()
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -188,7 +188,7 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
 def test_compose_openai_front_end_targets_the_servers_http_port():
     """`specdec openai` forwards over Triton's HTTP port (safe cancellation) and publishes its
     own default port; the images install its extra."""
-    from specdec import openai_server
+    from specdec_openai import server as openai_server
 
     service = compose()["services"]["openai"]
     args = service["command"]

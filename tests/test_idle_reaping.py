@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-import specdec.drafting
-import specdec.sequence
-import specdec.verifier
+import specdec.engine.drafters.service
+import specdec.engine.sequences
+import specdec.engine.target
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.drafters.ngram import NgramDrafter
-from specdec.drafting import DraftService
+from specdec.engine.drafters.ngram import NgramDrafter
+from specdec.engine.drafters.service import DraftService
 from specdec.errors import UnknownSequenceError
-from specdec.models.loading import load_transformer
-from specdec.runtime import build_drafters
-from specdec.speculator import Speculator, StartItem, StepItem
+from specdec.engine.models.loading import load_transformer
+from specdec.serving.runtime import build_drafters
+from specdec.engine.step import Speculator, StartItem, StepItem
 
 from conftest import save_tiny_hf
 
@@ -39,7 +39,7 @@ class FakeClock:
 @pytest.fixture()
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    for module in (specdec.sequence, specdec.verifier, specdec.drafting):
+    for module in (specdec.engine.sequences, specdec.engine.target, specdec.engine.drafters.service):
         monkeypatch.setattr(module, "time", fake)
     return fake
 
@@ -80,7 +80,7 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
 
 def test_the_drafter_reaps_an_abandoned_sequence_and_frees_its_draft_slot(clock, target_dir, tmp_path):
     """The `drafter` model's state (a draft model served apart holds a KV slot per sequence)."""
-    from specdec.models.loading import read_model_config
+    from specdec.engine.models.loading import read_model_config
 
     draft_dir = save_tiny_hf(tmp_path / "draft", seed=1, num_hidden_layers=1)
     spec = SpeculativeConfig(method="draft_model", speculative_model=str(draft_dir), max_draft_len=3, colocated=False)

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import triton_launcher as L
-from triton_launcher import install as L_install
-from triton_launcher import processes as L_processes
+import specdec.launcher as L
+from specdec.launcher import install as L_install
+from specdec.launcher import processes as L_processes
 
 FIXTURE_REPO = Path(__file__).parent / "fixtures" / "echo_repository"
 READY_TIMEOUT = 120
@@ -207,7 +207,7 @@ def test_server_ready_and_models_loaded(echo_server):
     assert echo_server.log_path.is_file()
     assert "successfully loaded 'echo'" in echo_server.log_path.read_text()
     # The python backend's pool is sized not to grow in normal use (issue 22's crash).
-    from triton_launcher.install import PYTHON_SHM_BYTES
+    from specdec.launcher.install import PYTHON_SHM_BYTES
 
     for name in ("shm-default-byte-size", "shm-growth-byte-size"):
         assert f"--backend-config=python,{name}={PYTHON_SHM_BYTES}" in echo_server.command
@@ -395,7 +395,7 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
     """make run shows the method bench-serving measured fastest at c=1, among those served."""
     import json
 
-    from specdec.demo import fastest_measured
+    from specdec.tools.demo import fastest_measured
 
     modes = {
         "baseline": {"method": "none", "num_draft_tokens": 0, "triton_over_baseline": 1.0},
@@ -412,7 +412,7 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
 
 
 def test_serve_binds_this_machine_only_unless_asked():
-    from triton_launcher.cli import _build_parser
+    from specdec.launcher.serve import _build_parser
 
     assert _build_parser().parse_args([]).address == "127.0.0.1"
     assert _build_parser().parse_args(["--address", "0.0.0.0"]).address == "0.0.0.0"

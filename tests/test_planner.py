@@ -7,8 +7,8 @@ import pytest
 
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.planner import EXPLORE_EVERY, BudgetPlanner, DraftCost, DraftCut, PlanItem, VerifyCost, _isotonic
-from specdec.tree import IID_SAMPLED, ROOT, DraftTree
+from specdec.engine.planner import EXPLORE_EVERY, BudgetPlanner, DraftCost, DraftCut, PlanItem, VerifyCost, _isotonic
+from specdec.engine.tree import IID_SAMPLED, ROOT, DraftTree
 
 
 def test_isotonic_pools_violators():

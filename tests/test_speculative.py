@@ -10,14 +10,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdec.verifier as verifier_module
+import specdec.engine.target as verifier_module
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.drafters.ngram import NgramDrafter, build_trie, find_continuations
-from specdec.engine import SpecEngine
+from specdec.engine.drafters.ngram import NgramDrafter, build_trie, find_continuations
+from specdec.serving.spec_engine import SpecEngine
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.models.llama import build_batch
-from specdec.models.loading import load_transformer
-from specdec.verify import VerifyResult
+from specdec.engine.models.llama import build_batch
+from specdec.engine.models.loading import load_transformer
+from specdec.engine.acceptance import VerifyResult
 
 from conftest import save_tiny_hf
 from toy import BigramDrafter, ScriptedDrafter
@@ -81,7 +81,7 @@ def test_greedy_speculative_equals_plain_tiny(tiny_target):
 
 
 def test_greedy_speculative_equals_plain_smollm2(smol_model, smol_tokenizer):
-    from specdec.runtime import encode_prompt
+    from specdec.serving.runtime import encode_prompt
 
     texts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown",
              "List the numbers from 1 to 20 separated by commas.",
@@ -272,7 +272,7 @@ def toy_draft_dir(tmp_path_factory):
 def test_sampling_with_a_draft_model_is_lossless(toy_pair, toy_draft_dir, tree):
     """method draft_model: sampled chains carry the draft LM's processed distribution q
     (min(1, p/q)); trees are its top-k children (one-hot rule)."""
-    from specdec.runtime import build_drafters
+    from specdec.serving.runtime import build_drafters
 
     target, _ = toy_pair
     spec = SpeculativeConfig(method="draft_model", speculative_model=str(toy_draft_dir), max_draft_len=3,
@@ -367,8 +367,8 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
 
 def test_a_failed_start_holds_no_slot(tiny_target):
     """Prefill is all or nothing: a drafter that fails to start leaves every slot free."""
-    from specdec.drafters.base import Drafter
-    from specdec.speculator import Speculator, StartItem
+    from specdec.engine.drafters.base import Drafter
+    from specdec.engine.step import Speculator, StartItem
 
     class Broken(Drafter):
         def propose(self, seqs, budgets):

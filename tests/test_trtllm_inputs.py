@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
 
 pytestmark = pytest.mark.server
 
@@ -108,7 +108,7 @@ def test_log_probs_are_the_targets(triton_server, smol_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime import encode_prompt
+    from specdec.serving.runtime import encode_prompt
 
     base = generate(triton_server, "speculative_loop", num_draft_tokens=0, return_log_probs=True)
     log_probs = np.asarray(base[P.OUTPUT_LOG_PROBS], dtype=np.float64).reshape(-1)

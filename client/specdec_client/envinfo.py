@@ -95,7 +95,7 @@ def default_settings_path() -> Path:
     if env:
         return Path(env)
     try:
-        from triton_launcher import DEFAULT_MODEL_REPOSITORY
+        from specdec.launcher import DEFAULT_MODEL_REPOSITORY
     except ImportError:  # the client installed on its own: a checkout's settings, if run from one
         return Path("model_repository") / "specdec.json"
     return DEFAULT_MODEL_REPOSITORY / "specdec.json"

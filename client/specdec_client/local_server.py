@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from .errors import SpecDecClientError
+from specdec_client.errors import SpecDecClientError
 
 
 @contextlib.contextmanager
@@ -14,7 +14,7 @@ def local_server(log_path: Path, settings_path: Path | None = None, model_reposi
                  ready_timeout_s: float = 600.0) -> Iterator:
     """Yields the running server's triton_launcher.Endpoints."""
     try:
-        from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+        from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
     except ImportError as exc:  # the client installed on its own (pip install ./client)
         raise SpecDecClientError("--start-server needs the full project (pip install -e '.[serve]'), "
                                  "not the client alone") from exc
@@ -32,6 +32,6 @@ def local_server(log_path: Path, settings_path: Path | None = None, model_reposi
 
 def settings_in_use(settings_path: Path | None) -> Path:
     """The specdec.json a started server reads."""
-    from .envinfo import default_settings_path
+    from specdec_client.envinfo import default_settings_path
 
     return Path(settings_path) if settings_path else default_settings_path()

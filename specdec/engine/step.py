@@ -1,0 +1,258 @@
+"""One speculation step as one call: verify every sequence's tree in ONE batched target
+forward, commit the accepted path, then draft each sequence's next tree with the drafters
+that live beside the target (TensorRT-LLM's "one-model" EAGLE-3 layout).
+
+Drafters that need the target's hidden taps (EAGLE-3 heads) get them here without leaving
+the process, and drafters that cost nothing (n-gram lookup) need no call of their own. A
+drafter that is a separate model (served apart) hands its tree in with the step instead
+(`StepItem.tree`). The in-process engine (SpecEngine) and the Triton `verifier` model both
+drive this class; neither knows which drafter runs.
+
+Budgets: the caller passes the draft tokens it wants for the next tree (its method's load
+controls already applied); the speculator cuts them to the sequence's room here, the one
+place that knows how many tokens the step emitted. For adaptive methods the planner
+(specdec/planner.py) then decides, for the whole batch, how deep to draft and which drafted
+nodes to verify, from costs it measures here (a start-up microbenchmark, then every step).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+from torch import Tensor
+
+import specdec_wire as P
+
+from specdec.config import METHOD_NONE, EngineConfig, SamplingParams
+from specdec.engine.drafters.base import Drafter
+from specdec.engine.drafters.service import DraftService
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.engine.models.llama import Transformer
+from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
+from specdec.engine.sequences import draft_budget
+from specdec.engine.sequences import KeyedSequences
+from specdec.engine.tree import DraftTree
+from specdec.engine.target import TargetVerifier
+
+
+@dataclass(frozen=True)
+class StartItem:
+    seq_id: Hashable
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    method: str = METHOD_NONE  # a co-located drafter, or none (plain, or drafted elsewhere)
+    num_draft_tokens: int = 0  # wanted for the first tree (cut to the room here)
+    want_hidden: bool = False  # return the prompt's taps (for a drafter served apart)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: Hashable
+    num_draft_tokens: int = 0  # wanted for the next tree; 0 = do not draft this step
+    tree: DraftTree | None = None  # drafted elsewhere; None = the co-located drafter's
+    want_hidden: bool = False
+
+
+@dataclass
+class StepResult:
+    emitted: list[int]  # accepted draft tokens + the bonus/recovered token (prefill: first token)
+    accepted: int  # how many of `emitted` were draft tokens
+    draft_depth: int = 0  # of the tree verified in this step
+    draft_tokens: int = 0  # nodes of the tree verified in this step
+    hidden: Tensor | None = None  # taps of the committed positions, when asked for
+    verify_seconds: float = 0.0  # the batch's, shared by its sequences
+    draft_seconds: float = 0.0
+    log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
+
+
+@dataclass
+class _Sequence:
+    method: str
+    prompt_len: int
+    max_tokens: int
+    generated: int = 0
+    next_tree: DraftTree = field(default_factory=DraftTree)
+
+
+class Speculator(KeyedSequences[_Sequence]):
+    """Target + co-located drafters, keyed by sequence id."""
+
+    where = "verifier"
+
+    def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
+                 apart_tap_layers: Sequence[int] = ()):
+        """apart_tap_layers: target layers a drafter served apart needs (returned on request);
+        they must agree with the co-located drafters' (one forward taps them)."""
+        super().__init__()
+        self.config = config
+        self.drafts = DraftService(drafters or {})
+        taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
+        if taps and apart and taps != apart:
+            raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
+        self.verifier = TargetVerifier(target, config, tap_layers=taps or apart)
+        self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
+        self.planner = BudgetPlanner()
+        self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
+        if self.adaptive:
+            self._calibrate()
+
+    def _calibrate(self, prompt_len: int = 64) -> None:
+        """The planner's first verify-cost table: a short microbenchmark of the real
+        verification (dummy ids): one sequence with 0 to max draft tokens, then a few
+        sequences (larger batches' token counts). Skipped where the context is too short to
+        hold it (the table is then learnt from served steps alone)."""
+        width = self.config.max_num_draft_tokens
+        batch = min(4, self.config.max_batch_size, self.verifier.cache.num_free)
+        params = SamplingParams(max_tokens=1)
+        vocab = self.verifier.target.cfg.vocab_size
+        for sequences, widths in ((1, range(width + 1)), (batch, sorted({0, width // 4, width // 2, width}))):
+            room = self.config.max_seq_len - sum(w + 1 for w in widths) - 1  # each verification commits <= w + 1
+            if room < 1:
+                return
+            ids = [("calibration", n) for n in range(sequences)]
+            for repeat in range(2):  # the first round warms up
+                self.verifier.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
+                try:
+                    for w in widths:
+                        tree = DraftTree.chain([(13 * j + 5) % vocab for j in range(w)])
+                        t0 = time.perf_counter()
+                        self.verifier.verify([(i, tree) for i in ids])
+                        if repeat:
+                            self.planner.observe_verify(sequences * (1 + w), sequences, time.perf_counter() - t0)
+                finally:
+                    for i in ids:
+                        self.verifier.release(i)
+        self.planner.verify_cost.fit()
+
+    def check_method(self, method: str) -> None:
+        if method != METHOD_NONE and method not in self.drafts.drafters:
+            available = ", ".join(self.drafts.drafters) or "none"
+            raise InvalidRequestError(P.SPECULATIVE_METHOD, f"no co-located drafter {method!r}; available: {available}")
+
+    def _budget(self, seq: _Sequence, wanted: int) -> int:
+        return draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+
+    # ---- the two calls --------------------------------------------------------------------
+    def prefill(self, items: Sequence[StartItem]) -> list[StepResult]:
+        """Start sequences: prefill their prompts in one forward, sample the first token, and
+        draft the first tree of those with a co-located drafter. Nothing changes on error."""
+        for item in items:
+            self.check_method(item.method)
+        want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
+        t0 = time.perf_counter()
+        outs = self.verifier.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
+        t1 = time.perf_counter()
+        results = []
+        try:
+            for item, out in zip(items, outs):
+                self._seqs[item.seq_id] = _Sequence(item.method, len(item.prompt_ids), item.params.max_tokens, generated=1)
+                if item.method != METHOD_NONE:
+                    self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
+                results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
+                                          verify_seconds=t1 - t0, log_probs=out.log_probs))
+            self._draft_next(items, results, first=True)
+        except Exception:
+            for item in items:  # all or nothing: a failed start holds no slot anywhere
+                self._drop(item.seq_id)
+            raise
+        return results
+
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        """Verify every item's tree in one batched forward, commit, then draft the next trees."""
+        seqs = [self._get(i.seq_id) for i in items]
+        trees = []
+        for item, seq in zip(items, seqs):
+            tree = item.tree if item.tree is not None else seq.next_tree
+            trees.append(tree.truncated(self._budget(seq, len(tree))))
+            seq.next_tree = DraftTree()
+        if self.adaptive:
+            trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
+                                         for i, s, t in zip(items, seqs, trees)])
+        want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
+        t0 = time.perf_counter()
+        outs = self.verifier.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
+        t1 = time.perf_counter()
+        if self.adaptive:
+            self._observe_timing(sum(1 + len(t) for t in trees), len(items), t0, t1)
+        results = []
+        for item, seq, tree, out in zip(items, seqs, trees, outs):
+            emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
+            seq.generated += len(emitted)
+            if seq.method in self.adaptive:
+                self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
+            if seq.method != METHOD_NONE:  # every step, drafting or not: the drafter sees every token once
+                self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
+            results.append(StepResult(
+                emitted, accepted, max(tree.depths(), default=0), len(tree),
+                hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
+            ))
+        self._draft_next(items, results)
+        return results
+
+    def _observe_timing(self, tokens: int, sequences: int, t0: float, t1: float) -> None:
+        """The verification's seconds, and (when steps run back to back: a busy server) the
+        time since the previous one that was not verification."""
+        self.planner.observe_verify(tokens, sequences, t1 - t0)
+        last = self._last_verify
+        if last is not None and t0 - last[0] < 4 * last[1] + 0.05:
+            self.planner.observe_step_extra(t0 - last[0] - last[1])
+        self._last_verify = (t0, t1 - t0)
+
+    def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult], first: bool = False) -> None:
+        """One batched propose per drafter (one head pass per draft depth for all sequences).
+        first: the sequences' first drafts (the drafter catches up on whole prompts, which
+        says nothing about a step's drafting cost)."""
+        wanted = []
+        for n, item in enumerate(items):
+            seq = self._seqs[item.seq_id]
+            budget = self._budget(seq, item.num_draft_tokens) if seq.method != METHOD_NONE else 0
+            if budget > 0:
+                wanted.append((n, item.seq_id, budget))
+        wanted = self._worth_drafting(wanted)
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        cut_for = (lambda method, seq_ids: self._draft_cut(method, seq_ids, record=not first))
+        trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted], cut_for)
+        seconds = time.perf_counter() - t0
+        for (_, seq_id, _), tree in zip(wanted, trees):
+            self._seqs[seq_id].next_tree = tree
+        for result in results:
+            result.draft_seconds = seconds
+
+    def _worth_drafting(self, wanted: list[tuple[int, Hashable, int]]) -> list[tuple[int, Hashable, int]]:
+        """Adaptive methods draft only where the planner expects the draft to pay this step."""
+        if not self.adaptive:
+            return wanted
+        by_method: dict[str, list[Hashable]] = {}
+        for _, seq_id, _ in wanted:
+            method = self._seqs[seq_id].method
+            if method in self.adaptive:
+                by_method.setdefault(method, []).append(seq_id)
+        drafting = {s for m, ids in by_method.items() for s in self.planner.to_draft(m, ids)}
+        return [w for w in wanted if self._seqs[w[1]].method not in self.adaptive or w[1] in drafting]
+
+    def _draft_cut(self, method: str, seq_ids: Sequence[Hashable], record: bool) -> DraftCut | None:
+        return DraftCut(self.planner, method, seq_ids, record) if method in self.adaptive else None
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def release(self, seq_id: Hashable) -> None:
+        self._get(seq_id)
+        self._drop(seq_id)
+
+    def _drop(self, seq_id: Hashable) -> None:
+        self._seqs.pop(seq_id, None)
+        self.planner.forget(seq_id)
+        if seq_id in self.verifier:
+            self.verifier.release(seq_id)
+        if seq_id in self.drafts:
+            self.drafts.release(seq_id)
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free sequences nobody has touched for max_idle_s (a client that vanished): the
+        verifier records every touch."""
+        stale = self.verifier.idle(max_idle_s)
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale
