@@ -1,4 +1,5 @@
-"""`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report."""
+"""`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report.
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec_client, specdec_openai, trtllm_repository."""
 from __future__ import annotations
 
 import argparse
@@ -157,7 +158,7 @@ OWN_FLAGS = {
     "serve": ("specdec.launcher", "serve_main"),  # the launcher passes extras to tritonserver
     "train-eagle3": ("specdec.tools.train_eagle3", "main"),
     "train-draft": ("specdec.tools.train_draft", "main"),
-    "openai": ("specdec_openai.server", "main"),
+    "openai": ("specdec_openai.frontend", "main"),
     "bench-openai": ("specdec.tools.bench_openai", "main"),
     "bench-aiperf": ("specdec.tools.bench_aiperf", "main"),
     "bench-draft": ("specdec.tools.bench_draft", "main"),

@@ -27,7 +27,7 @@ from specdec.engine.drafters.eagle3 import Eagle3Drafter, _HeadState
 from specdec.serving.spec_engine import SpecEngine
 from specdec.engine.tree import DraftTree
 from specdec.errors import ConfigError
-from specdec.engine.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from specdec.engine.models.loading import load_transformer
 from specdec.engine.sequences import SequenceState
 

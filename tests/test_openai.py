@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from specdec.config import ServingConfig
-from specdec_openai.server import Frontend, Served, create_app
+from specdec_openai.frontend import Frontend, Served, create_app
 from specdec.serving.runtime import load_tokenizer
 from specdec_client import GenerateRequest
 

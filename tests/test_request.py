@@ -145,7 +145,7 @@ def test_the_in_process_cli_reads_requests_through_the_same_parser():
 def test_openai_bodies_are_validated_naming_the_parameter():
     """specdec openai's request parsing (no server needed): OpenAI's parameter names in every
     refusal, model ids per method, and Triton's field names mapped back to them."""
-    from specdec_openai.server import OpenAIError, Served, parse_job, triton_error
+    from specdec_openai.frontend import OpenAIError, Served, parse_job, triton_error
 
     class Tokenizer:  # the chat template and token counts are the target's; a stand-in here
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):

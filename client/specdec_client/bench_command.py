@@ -19,11 +19,6 @@ from specdec_client.errors import SpecDecClientError
 from specdec_client.local_server import local_server, settings_in_use
 from specdec_client.summary import build_summary, validate, write_json, write_requests
 
-try:  # with the full install, --start-server's launcher reports its failures as SpecDecError
-    from specdec.errors import SpecDecError as _LaunchError
-except ImportError:  # the client installed on its own (pip install ./client): no launcher
-    _LaunchError = SpecDecClientError
-
 DEFAULT_OUT = Path("results/bench/latest")
 DEFAULT_CONCURRENCY = "1,16"
 
@@ -183,7 +178,7 @@ def cmd_bench(args) -> int:
             config = load_config(args, target)
             env = environment(server_metadata(config), target.settings_path)
             result = run_with_progress(config, prompts.prompts, show=not args.no_progress)
-    except (SpecDecClientError, _LaunchError) as exc:  # bad option, data set, server or launch
+    except SpecDecClientError as exc:  # bad option, data set, server or launch
         print(f"specdec-client bench: {exc}", file=sys.stderr)
         return 2
     summary = write_outputs(result, env, prompts.info, args.out)

@@ -1,13 +1,12 @@
-"""The wire contract of the served models, standard library only: the public tensors of
-`ensemble` and `speculative_loop`, their perf outputs, the Prometheus metric names, the
-admin-key header, and the method name that means no speculation. Defined once; the
-server, the client and the tests (which check every config.pbtxt against MODELS) read it.
-The models' internal contract (verifier, drafter) lives with the Triton glue
-(specdec.triton_models.contract).
+"""The wire contract: the public tensors of `ensemble` and `speculative_loop`, their perf outputs, the metric names, the admin-key header and the baseline's method name.
+May import: nothing of the project (standard library only).
 
-The client-facing names are those of the TensorRT-LLM backend's `ensemble`, so tools
-written for Triton + TensorRT-LLM (e.g. posting text_input / max_tokens / stream to
-/v2/models/ensemble/generate_stream) work unchanged.
+Defined once; the server, the client and the tests (which check every config.pbtxt against
+MODELS) read it. The client-facing names are those of the TensorRT-LLM backend's
+`ensemble`, so tools written for Triton + TensorRT-LLM (e.g. posting text_input /
+max_tokens / stream to /v2/models/ensemble/generate_stream) work unchanged. The models'
+internal contract (verifier, drafter) lives with the Triton glue
+(specdec.triton_models.contract).
 """
 from __future__ import annotations
 

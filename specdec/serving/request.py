@@ -54,7 +54,9 @@ class ServedOffer:
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class ParsedRequest:
+    """A request as the server understands it, after the one parser (names: the ensemble's)."""
+
     prompt: str | None  # text_input (None when input_ids came from preprocessing)
     prompt_ids: tuple[int, ...] | None
     apply_chat_template: bool
@@ -138,7 +140,7 @@ def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | N
     return prompt, prompt_ids, _scalar(inputs, P.APPLY_CHAT_TEMPLATE, chat_default, bool)
 
 
-def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequest:
+def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedRequest:
     """The ensemble's inputs (name -> array, absent = None) -> a validated request; a bad
     field raises InvalidRequestError naming it."""
     prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template)
@@ -163,7 +165,7 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> GenerateRequ
         return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
     ).validate(offer.max_tokens_limit)
     method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
-    return GenerateRequest(
+    return ParsedRequest(
         prompt=prompt, prompt_ids=prompt_ids,
         apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
         stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),

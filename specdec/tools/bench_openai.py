@@ -30,7 +30,7 @@ def served_with_openai(out: Path, base: str = "m", settings_file: Path | None = 
     from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     from specdec.config import ServingConfig
-    from specdec_openai.server import Frontend, Served, create_app
+    from specdec_openai.frontend import Frontend, Served, create_app
     from specdec.config import SERVED_SETTINGS, resolve_model_dir
     from specdec.serving.runtime import load_tokenizer
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specdec.tools.sharegpt import sharegpt_conversations
 from specdec.engine.drafters.base import Drafter
-from specdec.engine.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.config import cache_root, default_model_dir
 from specdec.engine.models.loading import load_transformer

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, ModelConfig, SpeculativeConfig
-from specdec.engine.models.eagle3 import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
+from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
 from specdec.engine.models.llama import build_batch
 from specdec.engine.sampling import logits_to_probs
 from specdec.engine.sequences import SequenceState

@@ -361,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from transformers import AutoTokenizer
+
     from specdec.config import SERVED_SETTINGS, resolve_model_dir
 
-    from specdec.serving.runtime import load_tokenizer
-
     settings = ServingConfig.from_file(Path(args.settings or os.environ.get("SPECDEC_SETTINGS") or SERVED_SETTINGS))
-    tokenizer = load_tokenizer(resolve_model_dir(args.model_dir or settings.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.model_dir or settings.model_dir)))
     frontend = Frontend(args.triton, Served.from_settings(settings, args.model_name), tokenizer)
     uvicorn.run(create_app(frontend), host=args.host, port=args.port, log_level="info")
     return 0
