@@ -150,7 +150,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # TensorRT-LLM's logits rules, applied to the target's logits at every tree node before
-    # temperature (specdec/logits_processing.py); what the drafters propose is unchanged.
+    # temperature (specdec/engine/logits_processing.py); what the drafters propose is unchanged.
     min_length: int = 0  # no end token before this many output tokens
     end_id: int | None = None  # the token that ends a sequence (default: the model's EOS ids)
     pad_id: int | None = None  # accepted for TensorRT-LLM clients: one beam, never padded
@@ -231,7 +231,7 @@ class SpeculativeConfig:
     draft_len_schedule: Mapping[int, int] | None = None
     # Instead of those static tables: choose every step's draft and verification budget
     # (max_total_draft_tokens at most, 0 included) from measured costs and acceptance
-    # (specdec/planner.py), per batch.
+    # (specdec/engine/planner.py), per batch.
     adaptive: bool = False
     # EAGLE-3 only: merge the n-gram lookup's continuation (prompt_lookup_min/max) into the
     # head's tree, one tree and one verification, shared prefixes deduplicated. Greedy and

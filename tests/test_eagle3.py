@@ -294,7 +294,7 @@ def test_load_controls_skip_drafting_and_stay_lossless(tiny):
     assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
 
 
-def _loop_generate(backend, prompt, method, schedule=lambda step: True, keepalive=60.0, colocated=True):
+def _loop_generate(backend, prompt, method, keepalive=60.0, colocated=True):
     import asyncio
 
     from specdec.serving.loop import run_loop
@@ -303,9 +303,7 @@ def _loop_generate(backend, prompt, method, schedule=lambda step: True, keepaliv
     async def go():
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         req = RequestState("r", list(prompt), params, method, 5, 128, frozenset())
-        steps = iter(range(10**6))
-        async for _ in run_loop(req, backend, not colocated, scheduled=lambda n: n if schedule(next(steps)) else 0,
-                                drafter_keepalive_s=keepalive, colocated=colocated):
+        async for _ in run_loop(req, backend, not colocated, drafter_keepalive_s=keepalive, colocated=colocated):
             pass
         return req.output_ids
 
@@ -324,8 +322,8 @@ def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
     class Counting(InProcessBackend):  # counts verify calls; start_drafter / draft would raise
         calls: list[int] = []
 
-        async def verify(self, tree, num_draft_tokens, want_hidden):
-            out = await super().verify(tree, num_draft_tokens, want_hidden)
+        async def verify(self, tree, want_hidden):
+            out = await super().verify(tree, want_hidden)
             self.calls.append(out.draft_tokens)
             return out
 
@@ -341,8 +339,9 @@ def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
 
 
 def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
-    """A drafter served apart, with a schedule that drafts every third step only: the
-    drafter gets the skipped replies merged, and greedy output equals plain decoding."""
+    """A drafter served apart, with a verifier that budgets every third step only: the
+    drafter drafts what the verifier's reply allows, gets the skipped replies merged, and
+    greedy output equals plain decoding."""
     from specdec.engine.drafters.service import DraftService
     from specdec.serving.inprocess import InProcessBackend
     from specdec.serving.loop import merge_replies
@@ -351,7 +350,19 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)
     drafts = DraftService(engine.drafts.drafters)
-    speculator = Speculator(target, engine.config, {}, apart_tap_layers=drafts.tap_layers)
+
+    class Scheduled(Speculator):
+        """Budgets only the steps `schedule` picks (counted from the prefill's decision)."""
+
+        schedule, decisions = (lambda step: True), 0
+
+        def _decide_budget(self, seq):
+            budget = super()._decide_budget(seq) if self.schedule(self.decisions) else 0
+            self.decisions += 1
+            seq.budget = budget
+            return budget
+
+    speculator = Scheduled(target, engine.config, {}, apart_tap_layers=drafts.tap_layers)
 
     class Separate(InProcessBackend):
         def __init__(self):
@@ -363,14 +374,14 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
             self.verified += out.emitted
             return out
 
-        async def draft(self, last, budget):
+        async def draft(self, last, num_draft_tokens):
             self.drafted.append(len(last.emitted))
-            tree = await super().draft(last, budget)
+            tree = await super().draft(last, num_draft_tokens)
             assert drafts._get(self.seq_id).output_ids == self.verified  # nothing lost or doubled
             return tree
 
-        async def verify(self, tree, num_draft_tokens, want_hidden):
-            out = await super().verify(tree, num_draft_tokens, want_hidden)
+        async def verify(self, tree, want_hidden):
+            out = await super().verify(tree, want_hidden)
             self.verified += out.emitted
             return out
 
@@ -378,11 +389,13 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     for p in ps:
         plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
         backend = Separate()
-        assert _loop_generate(backend, p, "eagle3", lambda step: step % 3 == 0, colocated=False) == plain
+        speculator.schedule, speculator.decisions = (lambda step: step % 3 == 0), 0
+        assert _loop_generate(backend, p, "eagle3", colocated=False) == plain
         assert backend.drafted and max(backend.drafted) >= 3  # three steps' tokens arrived at once
     # Never drafting, but a keep-alive of 0 s: the drafter still hears of every step.
     backend = Separate()
-    out = _loop_generate(backend, ps[0], "eagle3", lambda step: False, keepalive=0.0, colocated=False)
+    speculator.schedule = lambda step: False
+    out = _loop_generate(backend, ps[0], "eagle3", keepalive=0.0, colocated=False)
     assert out == run_all(engine, [ps[0]], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
     assert len(backend.drafted) == 22 and set(backend.drafted) == {1}  # 23 verify steps, the first one after start_drafter
     assert speculator.active == 0 and drafts.active == 0

@@ -58,7 +58,7 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
     assert speculator.verifier.cache.num_free == 0 and speculator.drafts.active == 2
 
     clock.now += IDLE_S - 1
-    speculator.step([StepItem("live", 3)])  # the live client keeps stepping
+    speculator.step([StepItem("live")])  # the live client keeps stepping
     assert speculator.release_idle(IDLE_S) == []  # nobody is idle for IDLE_S yet
 
     clock.now += 2  # the abandoned one: IDLE_S + 1 since its START; the live one: 2 s
@@ -66,9 +66,9 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
     assert "abandoned" not in speculator and "abandoned" not in speculator.verifier and "abandoned" not in speculator.drafts
     assert speculator.verifier.cache.num_free == 1 and speculator.drafts.active == 1
     with pytest.raises(UnknownSequenceError) as err:  # its client coming back hears why
-        speculator.step([StepItem("abandoned", 3)])
+        speculator.step([StepItem("abandoned")])
     assert err.value.field == "sequence_id"
-    assert speculator.step([StepItem("live", 3)])[0].emitted  # the live one carries on
+    assert speculator.step([StepItem("live")])[0].emitted  # the live one carries on
     # The freed slot serves a new sequence.
     speculator.prefill([StartItem("next", PROMPT, params, "ngram", 3)])
     assert speculator.verifier.cache.num_free == 0

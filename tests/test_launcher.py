@@ -1,4 +1,4 @@
-"""Tests of triton_launcher: locating Triton, preparing the backend dir, running the real server."""
+"""Tests of specdec.launcher: locating Triton, preparing the backend dir, running the real server."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ needs_triton = pytest.mark.skipif(not _triton_available(), reason="no tritonserv
 
 def test_module_import_is_light():
     code = (
-        "import sys, triton_launcher; "
+        "import sys, specdec.launcher; "
         "bad = [m for m in ('tritonclient', 'triton_python_backend_utils', 'pytriton', 'torch') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )
@@ -175,7 +175,7 @@ def test_serve_main_accepts_leading_double_dash(tmp_path, capsys):
 
 def test_default_model_repository_is_under_repo_root():
     assert L.DEFAULT_MODEL_REPOSITORY == L.REPO_ROOT / "model_repository"
-    assert (L.REPO_ROOT / "triton_launcher" / "server.py").is_file()
+    assert (L.REPO_ROOT / "specdec" / "launcher" / "server.py").is_file()
 
 
 # ------------------------------------------------------------------------ real server
@@ -345,7 +345,7 @@ def test_serve_main_runs_until_sigint(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "triton_launcher",
+        "specdec.launcher",
         "--model-repository",
         str(FIXTURE_REPO),
         "--http-port",

@@ -1,4 +1,4 @@
-"""The budget planner (specdec/planner.py): measured costs, acceptance estimates, and the
+"""The budget planner (specdec/engine/planner.py): measured costs, acceptance estimates, and the
 per-step choice of what to verify. Losslessness with planning on is tested with the other
 speculative tests (test_speculative.py: greedy identity and chi-square cases `adaptive_*`)."""
 from __future__ import annotations

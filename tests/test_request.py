@@ -1,4 +1,4 @@
-"""The one request parser (specdec.request): every entry point reads requests through it."""
+"""The one request parser (specdec.serving.request): every entry point reads requests through it."""
 from __future__ import annotations
 
 import numpy as np

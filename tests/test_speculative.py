@@ -66,7 +66,7 @@ def test_greedy_speculative_equals_plain_tiny(tiny_target):
         "ngram-tree": NgramDrafter(SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3)),
         "chain": ScriptedDrafter(reference, VOCAB, tree=False),
         "tree": ScriptedDrafter(reference, VOCAB, tree=True),
-        # The planner chooses each step's drafts and verified nodes (specdec/planner.py).
+        # The planner chooses each step's drafts and verified nodes (specdec/engine/planner.py).
         "ngram-adaptive": NgramDrafter(SpeculativeConfig(max_draft_len=6, adaptive=True)),
         "tree-adaptive": ScriptedDrafter(reference, VOCAB, tree=True, adaptive=True),
     }
@@ -242,7 +242,7 @@ CASES["tree_with_draft_probs_top_p"] = dict(CASES["tree_with_draft_probs"], para
 CASES["adaptive_chain_one_hot_top_p"] = dict(iid=False, branches=1, depth=4, adaptive=True, params=SamplingParams(
     max_tokens=8, temperature=1.1, top_k=8, top_p=0.9, ignore_eos=True))
 
-# TensorRT-LLM's logits rules, applied per tree node (specdec/logits_processing.py): every
+# TensorRT-LLM's logits rules, applied per tree node (specdec/engine/logits_processing.py): every
 # penalty, min_length on the toy's EOS (0; ignore_eos keeps going after it), a one-token and
 # a two-token bad word ("2 after 7": the second token of the prompt, and reachable after t1 = 7).
 RULES = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True, repetition_penalty=1.4, presence_penalty=0.5,

@@ -2,7 +2,7 @@
 clients send them (JSON to /v2/models/ensemble/generate, TensorRT-LLM's names): each one
 changes the output as TensorRT-LLM's does, and speculation keeps greedy output identical
 to the matched baseline with the same settings (the rules shape the target's logits at
-every tree node; specdec/logits_processing.py)."""
+every tree node; specdec/engine/logits_processing.py)."""
 from __future__ import annotations
 
 import json

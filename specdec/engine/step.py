@@ -8,11 +8,15 @@ drafter that is a separate model (served apart) hands its tree in with the step 
 (`StepItem.tree`). The in-process engine (SpecEngine) and the Triton `verifier` model both
 drive this class; neither knows which drafter runs.
 
-Budgets: the caller passes the draft tokens it wants for the next tree (its method's load
-controls already applied); the speculator cuts them to the sequence's room here, the one
-place that knows how many tokens the step emitted. For adaptive methods the planner
-(specdec/planner.py) then decides, for the whole batch, how deep to draft and which drafted
-nodes to verify, from costs it measures here (a start-up microbenchmark, then every step).
+The draft budget is decided here and nowhere else: a sequence starts with the request's
+num_draft_tokens (its most per step); after every step this class, which sees the true
+batch (every sequence holding a slot), applies the method's load controls
+(draft_len_schedule, max_concurrency) and cuts to the room the sequence has left. That
+budget sizes the co-located drafter's next tree, and is answered to the caller
+(StepResult.num_draft_tokens) so a drafter served apart drafts no more; a tree handed in is
+cut to it. For adaptive methods the planner (specdec/engine/planner.py) then decides, for
+the whole batch, how deep to draft and which drafted nodes to verify, from costs it measures
+here (a start-up microbenchmark, then every step).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from torch import Tensor
 
 import specdec_wire as P
 
-from specdec.config import METHOD_NONE, EngineConfig, SamplingParams
+from specdec.config import METHOD_NONE, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.service import DraftService
 from specdec.errors import ConfigError, InvalidRequestError
@@ -41,16 +45,15 @@ class StartItem:
     seq_id: Hashable
     prompt_ids: Sequence[int]
     params: SamplingParams
-    method: str = METHOD_NONE  # a co-located drafter, or none (plain, or drafted elsewhere)
-    num_draft_tokens: int = 0  # wanted for the first tree (cut to the room here)
+    method: str = METHOD_NONE  # the served method (drafted beside the target or apart); none = plain
+    num_draft_tokens: int = 0  # the request's most per step; 0 = plain decoding (the baseline)
     want_hidden: bool = False  # return the prompt's taps (for a drafter served apart)
 
 
 @dataclass(frozen=True)
 class StepItem:
     seq_id: Hashable
-    num_draft_tokens: int = 0  # wanted for the next tree; 0 = do not draft this step
-    tree: DraftTree | None = None  # drafted elsewhere; None = the co-located drafter's
+    tree: DraftTree | None = None  # drafted apart (cut to the budget); None = the co-located drafter's
     want_hidden: bool = False
 
 
@@ -64,6 +67,7 @@ class StepResult:
     verify_seconds: float = 0.0  # the batch's, shared by its sequences
     draft_seconds: float = 0.0
     log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
+    num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
 
 
 @dataclass
@@ -71,7 +75,9 @@ class _Sequence:
     method: str
     prompt_len: int
     max_tokens: int
+    num_draft_tokens: int  # the request's most per step
     generated: int = 0
+    budget: int = 0  # decided for the next tree
     next_tree: DraftTree = field(default_factory=DraftTree)
 
 
@@ -81,12 +87,15 @@ class Speculator(KeyedSequences[_Sequence]):
     where = "verifier"
 
     def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
-                 apart_tap_layers: Sequence[int] = ()):
-        """apart_tap_layers: target layers a drafter served apart needs (returned on request);
+                 apart_tap_layers: Sequence[int] = (), methods: Mapping[str, SpeculativeConfig] | None = None):
+        """drafters: the co-located ones (their configs carry their load controls); methods:
+        every served method's config, those drafted apart included (for theirs);
+        apart_tap_layers: target layers a drafter served apart needs (returned on request);
         they must agree with the co-located drafters' (one forward taps them)."""
         super().__init__()
         self.config = config
         self.drafts = DraftService(drafters or {})
+        self.methods = dict(methods or {})
         taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
         if taps and apart and taps != apart:
             raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
@@ -126,19 +135,25 @@ class Speculator(KeyedSequences[_Sequence]):
         self.planner.verify_cost.fit()
 
     def check_method(self, method: str) -> None:
-        if method != METHOD_NONE and method not in self.drafts.drafters:
-            available = ", ".join(self.drafts.drafters) or "none"
-            raise InvalidRequestError(P.SPECULATIVE_METHOD, f"no co-located drafter {method!r}; available: {available}")
+        """For internal callers (the request parsers check clients): a method this target serves."""
+        if method != METHOD_NONE and method not in self.drafts.drafters and method not in self.methods:
+            available = ", ".join(dict.fromkeys([*self.drafts.drafters, *self.methods])) or "none"
+            raise InvalidRequestError(P.SPECULATIVE_METHOD, f"no method {method!r} here; available: {available}")
 
-    def _budget(self, seq: _Sequence, wanted: int) -> int:
-        return draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+    def _decide_budget(self, seq: _Sequence) -> int:
+        """The next tree's draft tokens: the request's, under its method's load controls at
+        the true batch (every sequence holding a slot), cut to the room the sequence has left."""
+        drafter = self.drafts.drafters.get(seq.method)
+        spec = drafter.config if drafter is not None and drafter.config is not None else self.methods.get(seq.method)
+        wanted = seq.num_draft_tokens if spec is None else spec.scheduled_draft_tokens(seq.num_draft_tokens, self.active)
+        seq.budget = draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+        return seq.budget
 
     # ---- the two calls --------------------------------------------------------------------
     def prefill(self, items: Sequence[StartItem]) -> list[StepResult]:
         """Start sequences: prefill their prompts in one forward, sample the first token, and
-        draft the first tree of those with a co-located drafter. Nothing changes on error."""
-        for item in items:
-            self.check_method(item.method)
+        draft the first tree of those with a co-located drafter. Nothing changes on error.
+        Methods are the caller's to check (check_method)."""
         want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
         t0 = time.perf_counter()
         outs = self.verifier.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
@@ -146,8 +161,10 @@ class Speculator(KeyedSequences[_Sequence]):
         results = []
         try:
             for item, out in zip(items, outs):
-                self._seqs[item.seq_id] = _Sequence(item.method, len(item.prompt_ids), item.params.max_tokens, generated=1)
-                if item.method != METHOD_NONE:
+                speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
+                self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
+                                                    item.params.max_tokens, item.num_draft_tokens if speculative else 0, generated=1)
+                if speculative and item.method in self.drafts.drafters:
                     self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
                 results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
                                           verify_seconds=t1 - t0, log_probs=out.log_probs))
@@ -164,7 +181,7 @@ class Speculator(KeyedSequences[_Sequence]):
         trees = []
         for item, seq in zip(items, seqs):
             tree = item.tree if item.tree is not None else seq.next_tree
-            trees.append(tree.truncated(self._budget(seq, len(tree))))
+            trees.append(tree.truncated(seq.budget))
             seq.next_tree = DraftTree()
         if self.adaptive:
             trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
@@ -181,7 +198,7 @@ class Speculator(KeyedSequences[_Sequence]):
             seq.generated += len(emitted)
             if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
-            if seq.method != METHOD_NONE:  # every step, drafting or not: the drafter sees every token once
+            if item.seq_id in self.drafts:  # every step, drafting or not: the drafter sees every token once
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
             results.append(StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
@@ -200,14 +217,15 @@ class Speculator(KeyedSequences[_Sequence]):
         self._last_verify = (t0, t1 - t0)
 
     def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult], first: bool = False) -> None:
-        """One batched propose per drafter (one head pass per draft depth for all sequences).
-        first: the sequences' first drafts (the drafter catches up on whole prompts, which
-        says nothing about a step's drafting cost)."""
+        """Decide every sequence's next budget, then one batched propose per co-located
+        drafter (one head pass per draft depth for all sequences). first: the sequences'
+        first drafts (the drafter catches up on whole prompts, which says nothing about a
+        step's drafting cost)."""
         wanted = []
-        for n, item in enumerate(items):
+        for n, (item, result) in enumerate(zip(items, results)):
             seq = self._seqs[item.seq_id]
-            budget = self._budget(seq, item.num_draft_tokens) if seq.method != METHOD_NONE else 0
-            if budget > 0:
+            result.num_draft_tokens = budget = self._decide_budget(seq)
+            if budget > 0 and item.seq_id in self.drafts:
                 wanted.append((n, item.seq_id, budget))
         wanted = self._worth_drafting(wanted)
         if not wanted:

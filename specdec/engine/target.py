@@ -33,7 +33,7 @@ class _TargetSequence:
     root_token: int = -1
     last_used: float = 0.0
     # prompt + every emitted token (the root last), kept only when the request's logits
-    # rules need the context (specdec/logits_processing.py)
+    # rules need the context (specdec/engine/logits_processing.py)
     context: list[int] | None = None
 
     def processed(self, logits: Tensor, tree: DraftTree | None = None) -> Tensor:

@@ -312,7 +312,9 @@ def server_environment(install: TritonInstall, base: Optional[Mapping[str, str]]
     prepend("LD_LIBRARY_PATH", [install.libs_dir, libdir])
     bin_dirs = [Path(sys.prefix) / "bin", Path(sys.executable).parent]
     prepend("PATH", [d for d in bin_dirs if (d / "python3").exists() or (d / "python").exists()] or bin_dirs[:1])
-    prepend("PYTHONPATH", [REPO_ROOT])
+    # The checkout's packages for the python stubs: specdec at its root, the wire contract
+    # (specdec_wire) beside the client in client/.
+    prepend("PYTHONPATH", [REPO_ROOT, REPO_ROOT / "client"])
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("PYTHONHOME", None)
     return env

@@ -1,4 +1,4 @@
-"""`specdec serve` (or `python -m triton_launcher`): run Triton on the model repository
+"""`specdec serve` (or `python -m specdec.launcher`): run Triton on the model repository
 until SIGINT/SIGTERM."""
 
 from __future__ import annotations

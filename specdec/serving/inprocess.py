@@ -1,4 +1,4 @@
-"""The serving loop's backend in process: the hooks of specdec.loop over a Speculator (and,
+"""The serving loop's backend in process: the hooks of specdec.serving.loop over a Speculator (and,
 for a drafter served apart, a DraftService), the role TensorRT-LLM's MockDecoder plays for
 its BLS. Tests drive run_loop with it exactly as Triton's speculative_loop does."""
 from __future__ import annotations
@@ -22,17 +22,17 @@ class InProcessBackend(LoopBackend):
                            want_hidden: bool) -> StepResult:
         return self.speculator.prefill([StartItem(self.seq_id, prompt_ids, params, method, num_draft_tokens, want_hidden)])[0]
 
-    async def verify(self, tree: DraftTree | None, num_draft_tokens: int, want_hidden: bool) -> StepResult:
-        return self.speculator.step([StepItem(self.seq_id, num_draft_tokens, tree, want_hidden)])[0]
+    async def verify(self, tree: DraftTree | None, want_hidden: bool) -> StepResult:
+        return self.speculator.step([StepItem(self.seq_id, tree, want_hidden)])[0]
 
     async def start_drafter(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams, method: str,
-                            hidden: Tensor | None, budget: int) -> DraftTree:
+                            hidden: Tensor | None, num_draft_tokens: int) -> DraftTree:
         self.drafts.start(self.seq_id, prompt_ids, first_token, params, method, hidden)
-        return self.drafts.propose([(self.seq_id, budget)])[0]
+        return self.drafts.propose([(self.seq_id, num_draft_tokens)])[0]
 
-    async def draft(self, last: StepResult, budget: int) -> DraftTree:
+    async def draft(self, last: StepResult, num_draft_tokens: int) -> DraftTree:
         self.drafts.advance(self.seq_id, last.emitted, last.accepted, last.hidden)
-        return self.drafts.propose([(self.seq_id, budget)])[0]
+        return self.drafts.propose([(self.seq_id, num_draft_tokens)])[0]
 
     async def release(self, target_started: bool, drafter_started: bool) -> None:
         if target_started:

@@ -2,10 +2,12 @@
 
 The Triton `speculative_loop` model implements the hooks with BLS calls to the `verifier`
 model (one call per step: it hosts the co-located drafters) and, for a drafter served
-apart, the `drafter` model; `specdec.inprocess.InProcessBackend` implements them over a
+apart, the `drafter` model; `specdec.serving.inprocess.InProcessBackend` implements them over a
 Speculator (tests, and the in-process CLI). The loop owns the request-level
-rules (stop conditions, draft budget, text, stats) through RequestState, and always
-releases what it started, whatever happens (finish, error, cancellation).
+rules (stop conditions, text, stats) through RequestState, and always releases what it
+started, whatever happens (finish, error, cancellation). The draft budget is not the loop's:
+the verifier decides it every step (specdec.engine.step) and says it in its reply, which
+the loop hands to a drafter served apart.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 from torch import Tensor
 
-from specdec.config import METHOD_NONE, SamplingParams
+from specdec.config import SamplingParams
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.step import StepResult
 from specdec.engine.tree import DraftTree
@@ -51,7 +53,7 @@ def merge_replies(replies: Sequence[StepResult]) -> StepResult:
     hidden = [r.hidden for r in replies if r.hidden is not None]
     return StepResult(
         [t for r in replies for t in r.emitted], sum(r.accepted for r in replies),
-        hidden=torch.cat(hidden) if len(hidden) == len(replies) else None,
+        hidden=torch.cat(hidden) if len(hidden) == len(replies) else None, num_draft_tokens=replies[-1].num_draft_tokens,
     )
 
 
@@ -63,25 +65,22 @@ class LoopBackend(ABC):
     async def start_target(
         self, prompt_ids: Sequence[int], params: SamplingParams, method: str, num_draft_tokens: int, want_hidden: bool,
     ) -> StepResult:
-        """Prefill; with a co-located `method` the verifier also drafts the first tree."""
+        """Prefill (num_draft_tokens: the request's most per step); with a co-located
+        `method` the verifier also drafts the first tree."""
 
     @abstractmethod
-    async def verify(self, tree: DraftTree | None, num_draft_tokens: int, want_hidden: bool) -> StepResult:
+    async def verify(self, tree: DraftTree | None, want_hidden: bool) -> StepResult:
         """One step: verify `tree` (None: the tree the verifier's co-located drafter made last
-        step), then let that drafter draft the next tree with `num_draft_tokens`."""
+        step), then decide the next budget and let that drafter draft the next tree."""
 
     async def start_drafter(
         self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams, method: str,
-        hidden: Tensor | None, budget: int,
+        hidden: Tensor | None, num_draft_tokens: int,
     ) -> DraftTree:
         raise NotImplementedError("this backend has no drafter served apart")
 
-    async def draft(self, last: StepResult, budget: int) -> DraftTree:
+    async def draft(self, last: StepResult, num_draft_tokens: int) -> DraftTree:
         raise NotImplementedError("this backend has no drafter served apart")
-
-    async def verify_and_draft(self, num_draft_tokens: int) -> StepResult:
-        """The co-located step: ONE call."""
-        return await self.verify(None, num_draft_tokens, False)
 
     @abstractmethod
     async def release(self, target_started: bool, drafter_started: bool) -> None: ...
@@ -97,19 +96,20 @@ class _SeparateDrafter:
         self.unsent: list[StepResult] = []  # verifier replies the drafter has not seen yet
         self.last_call = time.monotonic()
 
-    async def tree(self, reply: StepResult, budget: int) -> DraftTree:
-        req, tree = self.req, None
+    async def tree(self, reply: StepResult) -> DraftTree:
+        """The next tree, of at most the verifier's decided reply.num_draft_tokens."""
+        req, tree, n = self.req, None, reply.num_draft_tokens
         if not self.started:
-            tree = await self.backend.start_drafter(req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, budget)
+            tree = await self.backend.start_drafter(req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, n)
             self.started = True
             self.last_call = time.monotonic()
         else:
             self.unsent.append(reply)
-            if budget > 0 or time.monotonic() - self.last_call > self.keepalive_s:
-                tree = await self.backend.draft(merge_replies(self.unsent), budget)
+            if n > 0 or time.monotonic() - self.last_call > self.keepalive_s:
+                tree = await self.backend.draft(merge_replies(self.unsent), n)
                 self.unsent = []
                 self.last_call = time.monotonic()
-        return (tree or DraftTree()).truncated(budget)
+        return tree or DraftTree()
 
 
 async def run_loop(
@@ -117,24 +117,21 @@ async def run_loop(
     backend: LoopBackend,
     want_hidden: bool = False,
     is_cancelled: Callable[[], bool] = lambda: False,
-    scheduled: Callable[[int], int] = lambda requested: requested,
     drafter_keepalive_s: float = 60.0,
     colocated: bool = True,
 ) -> AsyncIterator[LoopUpdate]:
-    """Yield one update per verification step until the request finishes. `scheduled` maps
-    the request's draft tokens to this step's (the method's load controls under the current
-    load). With `colocated` (the drafter lives beside the target) each step is ONE call:
-    verify, then draft the next tree. Otherwise the drafter served apart drafts first; in a
-    step whose budget is 0 it is not called, and what the verifier kept is handed to it,
-    merged, at the next drafting step (or, without one for `drafter_keepalive_s`, with a
-    budget of 0, so it never drops the sequence as idle). `want_hidden`: the drafter served
-    apart needs the target's hidden taps."""
+    """Yield one update per verification step until the request finishes. With `colocated`
+    (the drafter lives beside the target) each step is ONE call: verify, then draft the next
+    tree. Otherwise the drafter served apart drafts first, as many tokens as the verifier's
+    last reply allows; in a step whose budget is 0 it is not called, and what the verifier
+    kept is handed to it, merged, at the next drafting step (or, without one for
+    `drafter_keepalive_s`, with a budget of 0, so it never drops the sequence as idle).
+    `want_hidden`: the drafter served apart needs the target's hidden taps."""
     separate = _SeparateDrafter(backend, req, drafter_keepalive_s) if req.speculative and not colocated else None
     target_started = False
     try:
-        wanted = scheduled(req.num_draft_tokens) if req.speculative and colocated else 0
-        method = req.method if separate is None else METHOD_NONE
-        reply = await backend.start_target(req.prompt_ids, req.params, method, wanted, want_hidden and separate is not None)
+        reply = await backend.start_target(req.prompt_ids, req.params, req.method, req.num_draft_tokens,
+                                           want_hidden and separate is not None)
         target_started = True
         tokens, text = req.accept(reply.emitted, reply.log_probs)
         yield LoopUpdate(tokens, text, req.finished, req.finish_reason, log_probs=_kept(reply.log_probs, tokens))
@@ -144,14 +141,13 @@ async def run_loop(
                 yield LoopUpdate([], "", True, FINISH_CANCELLED)
                 return
             t0 = time.perf_counter()
-            wanted = scheduled(req.num_draft_tokens) if req.speculative else 0
             if separate is None:
-                reply = await backend.verify_and_draft(wanted)
+                reply = await backend.verify(None, False)
                 draft_s = reply.draft_seconds
             else:
-                tree = await separate.tree(reply, req.draft_budget(wanted))
+                tree = await separate.tree(reply)
                 draft_s = time.perf_counter() - t0
-                reply = await backend.verify(tree, 0, want_hidden)
+                reply = await backend.verify(tree, want_hidden)
                 reply.draft_depth, reply.draft_tokens = max(tree.depths(), default=0), len(tree)
             step_s = time.perf_counter() - t0
             req.stats.draft_seconds += draft_s

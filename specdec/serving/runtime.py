@@ -80,7 +80,8 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     target = load_target(model_dir, settings.engine)
     drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, model_dir, embed=target.embed)
     # Drafters served apart may need hidden taps too (returned on request).
-    return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)))
+    return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)),
+                      methods=settings.methods)
 
 
 def build_engine(

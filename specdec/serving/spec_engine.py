@@ -45,9 +45,9 @@ def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
 
 
 class SpecEngine:
-    """A thin driver over the Speculator: request bookkeeping (stop rules, text, stats) and
-    the methods' load controls; the step itself (verify, commit, draft the next trees) is
-    the Speculator's, exactly as the Triton verifier runs it."""
+    """A thin driver over the Speculator: request bookkeeping (stop rules, text, stats); the
+    step itself (verify, commit, decide the budgets, draft the next trees) is the
+    Speculator's, exactly as the Triton verifier runs it."""
 
     def __init__(
         self,
@@ -132,18 +132,12 @@ class SpecEngine:
             outputs += self._decode(running)
         return outputs
 
-    def _scheduled(self, req: RequestState) -> int:
-        """The request's draft tokens under its method's load controls (batch = running sequences)."""
-        if not req.speculative:
-            return 0
-        return self.drafts.scheduled_draft_tokens(req.method, req.num_draft_tokens, len(self.sequences))
-
     def _prefill(self, reqs: list[RequestState]) -> list[StepOutput]:
-        items = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, self._scheduled(r)) for r in reqs]
+        items = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens) for r in reqs]
         return [self._emit(req, res.emitted) for req, res in zip(reqs, self.speculator.prefill(items))]
 
     def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
-        results = self.speculator.step([StepItem(r.request_id, self._scheduled(r)) for r in reqs])
+        results = self.speculator.step([StepItem(r.request_id) for r in reqs])
         if results:
             self.stats.draft_seconds += results[0].draft_seconds
             self.stats.verify_seconds += results[0].verify_seconds

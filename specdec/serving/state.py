@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from specdec.config import SamplingParams
 from specdec.serving.detok import IncrementalDetokenizer
 from specdec.serving.stats import SpecStats
-from specdec.engine.sequences import draft_budget, room_left
+from specdec.engine.sequences import room_left
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -24,7 +24,7 @@ class RequestState:
     prompt_ids: list[int]
     params: SamplingParams
     method: str
-    num_draft_tokens: int  # draft budget per step; 0 = plain decoding (the baseline)
+    num_draft_tokens: int  # the most per step (the verifier decides each step's); 0 = plain decoding (the baseline)
     max_seq_len: int
     eos_token_ids: frozenset[int]
     detok: IncrementalDetokenizer | None = None
@@ -42,11 +42,6 @@ class RequestState:
     def room(self) -> int:
         """Tokens this request may still emit (max_tokens and the context both bound it)."""
         return room_left(self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
-
-    def draft_budget(self, requested: int | None = None) -> int:
-        """Draft no more than could be emitted, leaving room for the bonus token."""
-        wanted = self.num_draft_tokens if requested is None else requested
-        return draft_budget(wanted, self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
     def accept(self, tokens: list[int], log_probs: list[float] | None = None) -> tuple[list[int], str]:
         """Apply EOS / stop strings / max_tokens / context to newly emitted tokens, one token

@@ -22,12 +22,12 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record_step(self, draft_depth: int, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(self, draft_depth: int, draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
         self.steps += 1
         self.emitted_tokens += num_emitted
-        if num_draft_tokens:
+        if draft_tokens:
             self.drafts += 1
-            self.draft_tokens += num_draft_tokens
+            self.draft_tokens += draft_tokens
             self.accepted_tokens += num_accepted
         grow = draft_depth - len(self.drafted_per_position)
         if grow > 0:

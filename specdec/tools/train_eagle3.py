@@ -385,7 +385,7 @@ Trained on this repository's CPU by:
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; features recorded while
   generating, loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 - initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
-- labels: the target's own argmax next token at every position (features and labels from `specdec.models.llama`)
+- labels: the target's own argmax next token at every position (features and labels from `specdec.engine.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
   {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}

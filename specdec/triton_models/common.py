@@ -1,5 +1,5 @@
 """The one shared helper of the Triton Python models: settings, tensor I/O, errors and
-metrics (requests are parsed by specdec.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
+metrics (requests are parsed by specdec.serving.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
 from __future__ import annotations
 
 import ctypes
@@ -73,7 +73,7 @@ def strings(request, name: str) -> list[str]:
 
 
 def inputs_of(request, names: Iterable[str]) -> dict[str, np.ndarray | None]:
-    """name -> array (None when absent): what specdec.request.parse_request reads."""
+    """name -> array (None when absent): what specdec.serving.request.parse_request reads."""
     return {name: array(request, name) for name in names}
 
 

@@ -12,8 +12,8 @@ from specdec.config import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.triton_models.keys import INTERNAL_KEY, INTERNAL_KEY_ENV  # noqa: F401 - part of the contract
 
-# Draft tokens wanted for the next tree: the verifier's co-located drafter drafts that many
-# after this step; for a drafter served apart, the verifier answers how many it may draft.
+# The draft budget, one name everywhere: at the verifier's START, the request's most per
+# step; to the drafter, how many it may draft now (the verifier's decision, STEP_STATS).
 NUM_DRAFT_TOKENS = W.NUM_DRAFT_TOKENS
 NUM_ACCEPTED = "num_accepted"
 DRAFT_TOKENS = "draft_tokens"
@@ -29,7 +29,9 @@ BAD_WORDS_SEPARATOR = -1
 RETURN_HIDDEN = "return_hidden"
 # The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
 STEP_STATS = "step_stats"
-STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds")
+# num_draft_tokens: the budget the verifier decided for the next tree (a drafter served
+# apart drafts no more).
+STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds", "num_draft_tokens")
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"

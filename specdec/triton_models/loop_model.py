@@ -1,5 +1,5 @@
 """The speculative loop as a Triton model: a decoupled BLS model that runs
-specdec.loop.run_loop per request, with the verifier (and, for drafters served apart, the
+specdec.serving.loop.run_loop per request, with the verifier (and, for drafters served apart, the
 drafter) model as its backend (one correlation id per request). Streams text as it is
 accepted; every request ends with exactly one final response.
 
@@ -87,7 +87,7 @@ class BLSBackend(LoopBackend):
             out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
             self._hidden(out[C.HIDDEN_STATES]) if C.HIDDEN_STATES in out else None,
             stats["verify_seconds"], stats["draft_seconds"],
-            out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None,
+            out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None, int(stats["num_draft_tokens"]),
         )
 
     @staticmethod
@@ -101,10 +101,8 @@ class BLSBackend(LoopBackend):
             inputs.update({P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])})
         return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden), START))
 
-    async def verify(self, tree, num_draft_tokens, want_hidden):
+    async def verify(self, tree, want_hidden):
         inputs = {}
-        if num_draft_tokens:
-            inputs[C.NUM_DRAFT_TOKENS] = np.int32([num_draft_tokens])
         if tree is not None and len(tree):
             inputs.update({C.DRAFT_TOKENS: np.int32(tree.tokens), C.DRAFT_PARENTS: np.int32(tree.parents)})
             if tree.draft_probs is not None:
@@ -120,15 +118,16 @@ class BLSBackend(LoopBackend):
     def _outputs(self, want_hidden):
         return self.target_out + [C.HIDDEN_STATES] if want_hidden else self.target_out
 
-    async def start_drafter(self, prompt_ids, first_token, params, method, hidden, budget):
-        inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), C.NUM_DRAFT_TOKENS: np.int32([budget]),
+    async def start_drafter(self, prompt_ids, first_token, params, method, hidden, num_draft_tokens):
+        inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens]),
                   P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **encode_sampling(params)}
         if hidden is not None:
             inputs[C.HIDDEN_STATES] = hidden.numpy()
         return self._tree(await self._call("drafter", inputs, DRAFT_OUT, START))
 
-    async def draft(self, last, budget):
-        inputs = {P.INPUT_IDS: np.int32(last.emitted), C.NUM_ACCEPTED: np.int32([last.accepted]), C.NUM_DRAFT_TOKENS: np.int32([budget])}
+    async def draft(self, last, num_draft_tokens):
+        inputs = {P.INPUT_IDS: np.int32(last.emitted), C.NUM_ACCEPTED: np.int32([last.accepted]),
+                  C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])}
         if last.hidden is not None:
             inputs[C.HIDDEN_STATES] = last.hidden.numpy()
         return self._tree(await self._call("drafter", inputs, DRAFT_OUT))
@@ -158,7 +157,6 @@ class TritonPythonModel:
         self.key = internal_key()
         self.metrics = Metrics(P.LOOP_METRICS)
         self._live_cids: set[int] = set()
-        self._decoding = 0  # requests in their decode loop: the batch size the load controls see
         self._executor_set = False
 
     async def execute(self, requests):
@@ -172,7 +170,7 @@ class TritonPythonModel:
         return None
 
     def _parse(self, request):
-        """The one request parser (specdec.request), then the prompt's tokens."""
+        """The one request parser (specdec.serving.request), then the prompt's tokens."""
         req = parse_request(inputs_of(request, self.inputs), self.offer)
         prompt = list(req.prompt_ids) if req.prompt_ids is not None else encode_prompt(
             self.tokenizer, req.prompt, chat=req.apply_chat_template)
@@ -233,11 +231,9 @@ class TritonPythonModel:
         stream = parsed.stream
         pieces = []
         spec = self.settings.methods.get(req.method)
-        self._decoding += 1
         try:
             backend = BLSBackend(int(req.request_id), self.key, req.params.return_log_probs)
-            scheduled = (lambda n: spec.scheduled_draft_tokens(n, self._decoding)) if spec is not None else (lambda n: n)
-            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled, scheduled,
+            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled,
                                drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)
             async with contextlib.aclosing(updates):  # leaving early still releases the slots
                 async for update in updates:
@@ -260,7 +256,6 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
         finally:
-            self._decoding -= 1
             self.metrics.flush()
 
     @staticmethod

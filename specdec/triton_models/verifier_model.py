@@ -1,6 +1,6 @@
 """verifier: the target model and the drafters that live beside it (EAGLE-3 heads, n-gram
 lookup), stateful per sequence (KV-cache slot keyed by CORRID). One call = one speculation
-step (specdec.speculator.Speculator): verify, commit, draft the next tree.
+step (specdec.engine.step.Speculator): verify, commit, draft the next tree.
 
 One execute() receives the requests of many sequences (sequence batcher, `oldest`): START
 requests are prefilled together in one forward, the others' trees are verified together
@@ -63,13 +63,12 @@ class TritonPythonModel:
             try:
                 seq_id = request.correlation_id()
                 want_hidden = scalar(request, C.RETURN_HIDDEN, False, bool)
-                budget = self._check_budget(scalar(request, C.NUM_DRAFT_TOKENS, 0, int))
                 if control(request, C.CONTROL_START):
-                    starts.append((i, self._start_item(request, seq_id, budget, want_hidden)))
+                    starts.append((i, self._start_item(request, seq_id, want_hidden)))
                 elif array(request, C.DRAFT_TOKENS) is not None or not control(request, C.CONTROL_END):
                     if seq_id not in self.speculator:
                         raise SpecDecError(f"sequence {seq_id} has no KV-cache slot (expired or never started)")
-                    steps.append((i, StepItem(seq_id, budget, self._tree(request), want_hidden)))
+                    steps.append((i, StepItem(seq_id, self._tree(request), want_hidden)))
             except SpecDecError as exc:
                 responses[i] = error_response(exc)
         free = self.speculator.verifier.cache.num_free
@@ -85,7 +84,7 @@ class TritonPythonModel:
         self._update_gauge()
         return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
 
-    def _start_item(self, request, seq_id, budget, want_hidden):
+    def _start_item(self, request, seq_id, want_hidden):
         prompt = array(request, P.INPUT_IDS)
         prompt = [] if prompt is None else prompt.reshape(-1).tolist()
         self.speculator.verifier.check_prompt(prompt)
@@ -95,7 +94,8 @@ class TritonPythonModel:
         vocab = self.speculator.verifier.target.cfg.vocab_size
         check_token_ids(C.END_IDS, params.end_ids, vocab)  # before they index a batch's logits
         check_token_ids(C.BAD_WORDS_IDS, [t for word in params.bad_word_ids for t in word], vocab)
-        return StartItem(seq_id, prompt, params, method, budget, want_hidden)
+        num_draft_tokens = self._check_budget(scalar(request, C.NUM_DRAFT_TOKENS, 0, int))
+        return StartItem(seq_id, prompt, params, method, num_draft_tokens, want_hidden)
 
     @staticmethod
     def _run(call, indexed, responses):

@@ -21,10 +21,7 @@ class Drafter(ABC):
     name: str = "drafter"
     # Target layers whose hidden states the drafter needs (EAGLE-3); empty for most.
     tap_layers: tuple[int, ...] = ()
-    config: SpeculativeConfig | None = None  # its load controls apply when set
-
-    def scheduled_draft_tokens(self, requested: int, batch_size: int) -> int:
-        return requested if self.config is None else self.config.scheduled_draft_tokens(requested, batch_size)
+    config: SpeculativeConfig | None = None  # its method's settings (load controls, adaptive) when served
 
     @abstractmethod
     def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int],

@@ -78,11 +78,6 @@ class DraftService(KeyedSequences[SequenceState]):
                 trees[i] = tree.truncated(budget)
         return trees
 
-    def scheduled_draft_tokens(self, method: str, requested: int, batch_size: int) -> int:
-        """The method's load controls (draft_len_schedule, max_concurrency) applied to a step."""
-        drafter = self.drafters.get(method)
-        return requested if drafter is None else drafter.scheduled_draft_tokens(requested, batch_size)
-
     def advance(self, seq_id: Hashable, emitted: Sequence[int], accepted: int, hidden: Tensor | None = None) -> None:
         """Tell the drafter what the verifier kept: `accepted` draft tokens, then the
         bonus/recovered token, i.e. `emitted` (accepted + 1 tokens)."""
