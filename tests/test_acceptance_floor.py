@@ -63,7 +63,7 @@ def test_greedy_and_sampled_requests_in_one_step(smol_model, smol_tokenizer, shi
     """Two greedy and two sampled requests per method, added together so every verification
     batch holds both kinds: the greedy ones equal plain decoding token for token, the sampled
     ones run to max_tokens."""
-    import specdec.engine.target as verifier_module
+    import specdec.engine.target as target_module
 
     settings, config = shipped
     drafters = build_drafters(smol_model.cfg, {m: settings.methods[m] for m in MIXED}, config, embed=smol_model.embed)
@@ -72,13 +72,13 @@ def test_greedy_and_sampled_requests_in_one_step(smol_model, smol_tokenizer, shi
     plain = run_all(engine, prompts[:2], greedy, METHOD_NONE, 0, concurrent=2)
 
     batches: list[set[bool]] = []  # per verification: which kinds (greedy?) it held
-    verify = verifier_module.TargetVerifier.verify
+    verify = target_module.TargetPass.verify
 
     def recording(self, items, want_hidden=False):
         batches.append({self._get(seq_id).params.greedy for seq_id, _ in items})
         return verify(self, items, want_hidden)
 
-    monkeypatch.setattr(verifier_module.TargetVerifier, "verify", recording)
+    monkeypatch.setattr(target_module.TargetPass, "verify", recording)
     for method in MIXED:
         batches.clear()
         k = settings.default_draft_tokens(method)

@@ -55,7 +55,7 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
                             {"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=3))})
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     speculator.prefill([StartItem("abandoned", PROMPT, params, "ngram", 3), StartItem("live", PROMPT, params, "ngram", 3)])
-    assert speculator.verifier.cache.num_free == 0 and speculator.drafts.active == 2
+    assert speculator.target_pass.cache.num_free == 0 and speculator.drafts.active == 2
 
     clock.now += IDLE_S - 1
     speculator.step([StepItem("live")])  # the live client keeps stepping
@@ -63,19 +63,19 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
 
     clock.now += 2  # the abandoned one: IDLE_S + 1 since its START; the live one: 2 s
     assert speculator.release_idle(IDLE_S) == ["abandoned"]
-    assert "abandoned" not in speculator and "abandoned" not in speculator.verifier and "abandoned" not in speculator.drafts
-    assert speculator.verifier.cache.num_free == 1 and speculator.drafts.active == 1
+    assert "abandoned" not in speculator and "abandoned" not in speculator.target_pass and "abandoned" not in speculator.drafts
+    assert speculator.target_pass.cache.num_free == 1 and speculator.drafts.active == 1
     with pytest.raises(UnknownSequenceError) as err:  # its client coming back hears why
         speculator.step([StepItem("abandoned")])
     assert err.value.field == "sequence_id"
     assert speculator.step([StepItem("live")])[0].emitted  # the live one carries on
     # The freed slot serves a new sequence.
     speculator.prefill([StartItem("next", PROMPT, params, "ngram", 3)])
-    assert speculator.verifier.cache.num_free == 0
+    assert speculator.target_pass.cache.num_free == 0
 
     clock.now += IDLE_S + 1
     assert sorted(speculator.release_idle(IDLE_S)) == ["live", "next"]
-    assert speculator.active == 0 and speculator.verifier.cache.num_free == 2
+    assert speculator.active == 0 and speculator.target_pass.cache.num_free == 2
 
 
 def test_the_drafter_reaps_an_abandoned_sequence_and_frees_its_draft_slot(clock, target_dir, tmp_path):

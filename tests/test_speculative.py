@@ -381,5 +381,5 @@ def test_a_failed_start_holds_no_slot(tiny_target):
     items = [StartItem("a", [5, 6, 7], SamplingParams(max_tokens=8), "ngram", 4), StartItem("b", [5, 6], SamplingParams(max_tokens=8), "broken", 4)]
     with pytest.raises(RuntimeError):
         speculator.prefill(items)
-    assert speculator.active == 0 and speculator.verifier.cache.num_free == 4 and speculator.drafts.active == 0
-    assert len(speculator.prefill(items[:1])) == 1 and speculator.verifier.cache.num_free == 3
+    assert speculator.active == 0 and speculator.target_pass.cache.num_free == 4 and speculator.drafts.active == 0
+    assert len(speculator.prefill(items[:1])) == 1 and speculator.target_pass.cache.num_free == 3

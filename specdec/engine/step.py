@@ -37,7 +37,7 @@ from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
 from specdec.engine.sequences import draft_budget
 from specdec.engine.sequences import KeyedSequences
 from specdec.engine.tree import DraftTree
-from specdec.engine.target import TargetVerifier
+from specdec.engine.target import TargetPass
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Speculator(KeyedSequences[_Sequence]):
         taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
         if taps and apart and taps != apart:
             raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
-        self.verifier = TargetVerifier(target, config, tap_layers=taps or apart)
+        self.target_pass = TargetPass(target, config, tap_layers=taps or apart)
         self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
         self.planner = BudgetPlanner()
         self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
@@ -112,26 +112,26 @@ class Speculator(KeyedSequences[_Sequence]):
         sequences (larger batches' token counts). Skipped where the context is too short to
         hold it (the table is then learnt from served steps alone)."""
         width = self.config.max_num_draft_tokens
-        batch = min(4, self.config.max_batch_size, self.verifier.cache.num_free)
+        batch = min(4, self.config.max_batch_size, self.target_pass.cache.num_free)
         params = SamplingParams(max_tokens=1)
-        vocab = self.verifier.target.cfg.vocab_size
+        vocab = self.target_pass.target.cfg.vocab_size
         for sequences, widths in ((1, range(width + 1)), (batch, sorted({0, width // 4, width // 2, width}))):
             room = self.config.max_seq_len - sum(w + 1 for w in widths) - 1  # each verification commits <= w + 1
             if room < 1:
                 return
             ids = [("calibration", n) for n in range(sequences)]
             for repeat in range(2):  # the first round warms up
-                self.verifier.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
+                self.target_pass.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
                 try:
                     for w in widths:
                         tree = DraftTree.chain([(13 * j + 5) % vocab for j in range(w)])
                         t0 = time.perf_counter()
-                        self.verifier.verify([(i, tree) for i in ids])
+                        self.target_pass.verify([(i, tree) for i in ids])
                         if repeat:
                             self.planner.observe_verify(sequences * (1 + w), sequences, time.perf_counter() - t0)
                 finally:
                     for i in ids:
-                        self.verifier.release(i)
+                        self.target_pass.release(i)
         self.planner.verify_cost.fit()
 
     def check_method(self, method: str) -> None:
@@ -156,7 +156,7 @@ class Speculator(KeyedSequences[_Sequence]):
         Methods are the caller's to check (check_method)."""
         want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
         t0 = time.perf_counter()
-        outs = self.verifier.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
+        outs = self.target_pass.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
         t1 = time.perf_counter()
         results = []
         try:
@@ -188,7 +188,7 @@ class Speculator(KeyedSequences[_Sequence]):
                                          for i, s, t in zip(items, seqs, trees)])
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
         t0 = time.perf_counter()
-        outs = self.verifier.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
+        outs = self.target_pass.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
         t1 = time.perf_counter()
         if self.adaptive:
             self._observe_timing(sum(1 + len(t) for t in trees), len(items), t0, t1)
@@ -262,15 +262,15 @@ class Speculator(KeyedSequences[_Sequence]):
     def _drop(self, seq_id: Hashable) -> None:
         self._seqs.pop(seq_id, None)
         self.planner.forget(seq_id)
-        if seq_id in self.verifier:
-            self.verifier.release(seq_id)
+        if seq_id in self.target_pass:
+            self.target_pass.release(seq_id)
         if seq_id in self.drafts:
             self.drafts.release(seq_id)
 
     def release_idle(self, max_idle_s: float) -> list[Hashable]:
         """Free sequences nobody has touched for max_idle_s (a client that vanished): the
         verifier records every touch."""
-        stale = self.verifier.idle(max_idle_s)
+        stale = self.target_pass.idle(max_idle_s)
         for seq_id in stale:
             self.release(seq_id)
         return stale

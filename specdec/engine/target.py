@@ -1,7 +1,8 @@
-"""The target side: KV-cache slots per sequence, batched prefill, batched tree verification.
+"""The target pass: KV-cache slots per sequence, batched prefill, batched tree verification
+(the acceptance rules themselves are specdec.engine.acceptance's).
 
-Keyed by sequence id so it can live in its own process (the Triton `verifier` model) or
-in process beside the drafters (SpecEngine). It remembers each sequence's root token (the
+Keyed by sequence id so it runs inside the Triton `verifier` model or in process beside
+the drafters (SpecEngine). It remembers each sequence's root token (the
 last emitted token, not yet in the cache), its sampling settings and its generator.
 """
 from __future__ import annotations
@@ -61,8 +62,8 @@ class VerifyOutput:
     log_probs: list[float] | None = None  # of result.emitted, with return_log_probs
 
 
-class TargetVerifier(KeyedSequences[_TargetSequence]):
-    where = "verifier"
+class TargetPass(KeyedSequences[_TargetSequence]):
+    where = "verifier"  # the Triton model it serves in (named in errors)
 
     def __init__(self, target: Transformer, config: EngineConfig, tap_layers: Sequence[int] = ()):
         super().__init__()

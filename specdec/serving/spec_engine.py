@@ -69,12 +69,12 @@ class SpecEngine:
         return self.speculator.drafts
 
     @property
-    def verifier(self):
-        return self.speculator.verifier
+    def target_pass(self):
+        return self.speculator.target_pass
 
     @property
     def cache(self):
-        return self.verifier.cache
+        return self.target_pass.cache
 
     @property
     def offer(self) -> ServedOffer:
@@ -94,10 +94,10 @@ class SpecEngine:
         if request_id in self.sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         prompt_ids = [int(t) for t in prompt_ids]
-        self.verifier.check_prompt(prompt_ids)
+        self.target_pass.check_prompt(prompt_ids)
         params.validate(self.config.max_tokens_limit)
         tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
-        params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.verifier.target.cfg.vocab_size, tokenize)
+        params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
         method, budget = resolve_method(method, num_draft_tokens, self.offer)
         if len(self.sequences) >= self.config.max_batch_size:
             raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")

@@ -71,7 +71,7 @@ class TritonPythonModel:
                     steps.append((i, StepItem(seq_id, self._tree(request), want_hidden)))
             except SpecDecError as exc:
                 responses[i] = error_response(exc)
-        free = self.speculator.verifier.cache.num_free
+        free = self.speculator.target_pass.cache.num_free
         for i, _ in starts[free:]:
             responses[i] = error_response(CapacityError("no free KV-cache slot (max_batch_size sequences are running)"))
         if starts[:free]:
@@ -87,11 +87,11 @@ class TritonPythonModel:
     def _start_item(self, request, seq_id, want_hidden):
         prompt = array(request, P.INPUT_IDS)
         prompt = [] if prompt is None else prompt.reshape(-1).tolist()
-        self.speculator.verifier.check_prompt(prompt)
+        self.speculator.target_pass.check_prompt(prompt)
         method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
         self.speculator.check_method(method)
         params = decode_sampling(lambda name: array(request, name)).validate(self.settings.engine.max_tokens_limit)
-        vocab = self.speculator.verifier.target.cfg.vocab_size
+        vocab = self.speculator.target_pass.target.cfg.vocab_size
         check_token_ids(C.END_IDS, params.end_ids, vocab)  # before they index a batch's logits
         check_token_ids(C.BAD_WORDS_IDS, [t for word in params.bad_word_ids for t in word], vocab)
         num_draft_tokens = self._check_budget(scalar(request, C.NUM_DRAFT_TOKENS, 0, int))
@@ -139,7 +139,7 @@ class TritonPythonModel:
     def _check_tree(self, tree: DraftTree) -> DraftTree:
         """A tree from outside (a drafter served apart) must fit the budget and the
         vocabulary before it joins a batch: a bad one is refused alone, naming the field."""
-        limit, vocab = self.speculator.config.max_num_draft_tokens, self.speculator.verifier.target.cfg.vocab_size
+        limit, vocab = self.speculator.config.max_num_draft_tokens, self.speculator.target_pass.target.cfg.vocab_size
         if len(tree) > limit:
             raise InvalidRequestError(C.DRAFT_TOKENS, f"at most {limit} draft tokens (max_num_draft_tokens), got {len(tree)}")
         if tree.tokens and not (0 <= min(tree.tokens) and max(tree.tokens) < vocab):

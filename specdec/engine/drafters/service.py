@@ -1,6 +1,6 @@
 """The draft side: per-sequence drafter state keyed by sequence id, drafts batched per method.
 
-Like TargetVerifier it can live in its own process (the Triton `drafter` model). It keeps
+Like the target pass it can live in its own process (the Triton `drafter` model). It keeps
 each sequence's tokens (prompt + emitted) because n-gram lookup needs them and EAGLE needs
 to know which tokens its hidden states belong to.
 """
