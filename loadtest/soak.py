@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
-from specdec_client import protocol as P
+import specdec_wire as P
 
 MALFORMED = [  # (what, request fields, the field its refusal must name)
     ("empty prompt", dict(prompt=""), P.TEXT_INPUT),
@@ -166,7 +166,7 @@ class Soak:
                 "rss_mib": self.rss.sample() / 2**20, "first_errors": errors[:3]}
 
     def _pids(self) -> list[int]:
-        from triton_launcher.processes import group_members
+        from specdec.launcher.processes import group_members
 
         return group_members(self.server.pgid)
 
@@ -202,7 +202,7 @@ def _url(server, protocol: str) -> str:
 async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -> dict:
     """n streams through `model`, each cancelled after its first chunk: how long until every
     verifier slot is free again, and the server's memory before, after and at its peak."""
-    from triton_launcher.processes import group_members
+    from specdec.launcher.processes import group_members
 
     def active() -> float:
         samples = promtext.scrape(server.endpoints.metrics_url)
@@ -233,7 +233,7 @@ async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -
 
 async def crash_drill(server, prompt: str, args) -> dict:
     """Kill the verifier's stub while streams run: every stream must end (with an error)."""
-    from triton_launcher.processes import _proc_cmdline, group_members
+    from specdec.launcher.processes import _proc_cmdline, group_members
 
     async def stream_once(client):
         t0 = time.monotonic()
@@ -275,8 +275,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from specdec.config import ServingConfig
-    from specdec.data import sharegpt_prompts
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from specdec.tools.sharegpt import sharegpt_prompts
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     args.out.mkdir(parents=True, exist_ok=True)
     methods = ["baseline", *ServingConfig.from_file(DEFAULT_MODEL_REPOSITORY / "specdec.json").methods]

@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/stress"))
     args = p.parse_args(argv)
 
-    from specdec.data import sharegpt_prompts
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from specdec.tools.sharegpt import sharegpt_prompts
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = sharegpt_prompts(8, seed=3, max_tokens=100)

@@ -1,4 +1,5 @@
-"""`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report."""
+"""`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report.
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec_client, specdec_openai, trtllm_repository."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,8 @@ import logging
 import sys
 import time
 
-from .config import METHOD_NONE, EngineConfig
-from .errors import SpecDecError
+from specdec.config import METHOD_NONE, EngineConfig
+from specdec.errors import SpecDecError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from .models.loading import cache_is_valid, prepare_default_model
+    from specdec.engine.models.loading import cache_is_valid, prepare_default_model
 
     path = prepare_default_model(args.model_dir, force=args.force)
     print(f"model ready: {path} (verified: {cache_is_valid(path, full_hash=args.verify)})")
@@ -34,7 +35,7 @@ def request_inputs(args: argparse.Namespace) -> dict:
     """The CLI's flags as the ensemble's tensors: the same parser then reads them as the server's."""
     import numpy as np
 
-    from . import protocol as P
+    import specdec_wire as P
 
     inputs = {
         P.TEXT_INPUT: np.array([args.prompt], dtype=object), P.MAX_TOKENS: np.int32([args.max_tokens]),
@@ -49,9 +50,10 @@ def request_inputs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .config import ServingConfig
-    from .request import parse_request, served_offer
-    from .runtime import SERVED_SETTINGS, build_engine, encode_prompt
+    from specdec.config import ServingConfig
+    from specdec.serving.request import parse_request, served_offer
+    from specdec.config import SERVED_SETTINGS
+    from specdec.serving.runtime import build_engine, encode_prompt
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
     engine = build_engine(args.model_dir, _engine_config(args))
@@ -97,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from .bench_engine import run_engine_bench
+    from specdec.tools.bench_engine import run_engine_bench
 
     run_engine_bench(args)
     return 0
@@ -153,17 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that own their flags: name -> (module, function taking the remaining argv).
 OWN_FLAGS = {
-    "serve": ("triton_launcher", "serve_main"),  # the launcher passes extras to tritonserver
-    "train-eagle3": ("specdec.train_eagle3", "main"),
-    "train-draft": ("specdec.train_draft", "main"),
-    "openai": ("specdec.openai_server", "main"),
-    "bench-openai": ("specdec.bench_openai", "main"),
-    "bench-aiperf": ("specdec.bench_aiperf", "main"),
-    "bench-draft": ("specdec.bench_draft", "main"),
-    "bench-serving": ("specdec.bench_serving", "main"),
-    "check-stops": ("specdec.check_stops", "main"),
+    "serve": ("specdec.launcher", "serve_main"),  # the launcher passes extras to tritonserver
+    "train-eagle3": ("specdec.tools.train_eagle3", "main"),
+    "train-draft": ("specdec.tools.train_draft", "main"),
+    "openai": ("specdec_openai.frontend", "main"),
+    "bench-openai": ("specdec.tools.bench_openai", "main"),
+    "bench-aiperf": ("specdec.tools.bench_aiperf", "main"),
+    "bench-draft": ("specdec.tools.bench_draft", "main"),
+    "bench-serving": ("specdec.tools.bench_serving", "main"),
+    "check-stops": ("specdec.tools.check_stops", "main"),
     "trtllm-config": ("trtllm_repository", "main"),
-    "demo": ("specdec.demo", "main"),
+    "demo": ("specdec.tools.demo", "main"),
 }
 
 

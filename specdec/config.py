@@ -7,22 +7,44 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError, InvalidRequestError
+from specdec.errors import ConfigError, InvalidRequestError
 
 # Architectures the decoder implements (HF `model_type` -> notes). All are Llama-shaped:
 # RMSNorm, RoPE, GQA, SwiGLU; qwen2 adds a bias on q/k/v.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-METHOD_NONE = "none"
+from specdec_wire import METHOD_NONE  # the baseline: one name, defined by the wire contract
 METHOD_NGRAM = "ngram"
 METHOD_EAGLE3 = "eagle3"
 METHOD_EAGLE3_TREE = "eagle3-tree"
 METHOD_DRAFT_MODEL = "draft_model"
 ALL_METHODS = (METHOD_NONE, METHOD_NGRAM, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_DRAFT_MODEL)
+
+
+# Where things are: the checkout (the model repository and the shipped drafters live in it)
+# and the cache the default target is prepared into (SPECDEC_CACHE_DIR).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVED_SETTINGS = REPO_ROOT / "model_repository" / "specdec.json"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR", Path.home() / ".cache" / "specdec"))
+
+
+def default_model_dir() -> Path:
+    """The prepared default target (`specdec prepare`)."""
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """A configured directory, or the prepared default target."""
+    return Path(model_dir) if model_dir else default_model_dir()
 
 
 @dataclass(frozen=True)
@@ -128,7 +150,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     # TensorRT-LLM's logits rules, applied to the target's logits at every tree node before
-    # temperature (specdec/logits_processing.py); what the drafters propose is unchanged.
+    # temperature (specdec/engine/logits_processing.py); what the drafters propose is unchanged.
     min_length: int = 0  # no end token before this many output tokens
     end_id: int | None = None  # the token that ends a sequence (default: the model's EOS ids)
     pad_id: int | None = None  # accepted for TensorRT-LLM clients: one beam, never padded
@@ -209,7 +231,7 @@ class SpeculativeConfig:
     draft_len_schedule: Mapping[int, int] | None = None
     # Instead of those static tables: choose every step's draft and verification budget
     # (max_total_draft_tokens at most, 0 included) from measured costs and acceptance
-    # (specdec/planner.py), per batch.
+    # (specdec/engine/planner.py), per batch.
     adaptive: bool = False
     # EAGLE-3 only: merge the n-gram lookup's continuation (prompt_lookup_min/max) into the
     # head's tree, one tree and one verification, shared prefixes deduplicated. Greedy and

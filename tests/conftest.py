@@ -38,21 +38,21 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    from specdec.models.loading import prepare_default_model
+    from specdec.engine.models.loading import prepare_default_model
 
     return prepare_default_model()
 
 
 @pytest.fixture(scope="session")
 def smol_model(smol_dir):
-    from specdec.models.loading import load_transformer
+    from specdec.engine.models.loading import load_transformer
 
     return load_transformer(smol_dir)
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir):
-    from specdec.runtime import load_tokenizer
+    from specdec.serving.runtime import load_tokenizer
 
     return load_tokenizer(smol_dir)
 
@@ -68,8 +68,8 @@ def triton_server(tmp_path_factory, smol_dir):
     that keep the KV cache small (max_seq_len 512)."""
     import json
 
-    from specdec.protocol import INTERNAL_KEY_ENV
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from specdec_wire import INTERNAL_KEY_ENV
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
     settings["engine"].update(max_seq_len=512, max_tokens_limit=512)

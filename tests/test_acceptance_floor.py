@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
-from specdec.engine import SpecEngine
-from specdec.runtime import SERVED_SETTINGS, build_drafters, encode_prompt
+from specdec.serving.spec_engine import SpecEngine
+from specdec.config import SERVED_SETTINGS
+from specdec.serving.runtime import build_drafters, encode_prompt
 
 from test_speculative import run_all
 
@@ -33,7 +34,7 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def prompts(smol_tokenizer):
-    from specdec.data import sharegpt_prompts
+    from specdec.tools.sharegpt import sharegpt_prompts
 
     texts = sharegpt_prompts(NUM_PROMPTS, seed=SEED, tokenizer=smol_tokenizer, max_tokens=128)
     assert len(texts) == NUM_PROMPTS
@@ -62,7 +63,7 @@ def test_greedy_and_sampled_requests_in_one_step(smol_model, smol_tokenizer, shi
     """Two greedy and two sampled requests per method, added together so every verification
     batch holds both kinds: the greedy ones equal plain decoding token for token, the sampled
     ones run to max_tokens."""
-    import specdec.verifier as verifier_module
+    import specdec.engine.target as target_module
 
     settings, config = shipped
     drafters = build_drafters(smol_model.cfg, {m: settings.methods[m] for m in MIXED}, config, embed=smol_model.embed)
@@ -71,13 +72,13 @@ def test_greedy_and_sampled_requests_in_one_step(smol_model, smol_tokenizer, shi
     plain = run_all(engine, prompts[:2], greedy, METHOD_NONE, 0, concurrent=2)
 
     batches: list[set[bool]] = []  # per verification: which kinds (greedy?) it held
-    verify = verifier_module.TargetVerifier.verify
+    verify = target_module.TargetPass.verify
 
     def recording(self, items, want_hidden=False):
         batches.append({self._get(seq_id).params.greedy for seq_id, _ in items})
         return verify(self, items, want_hidden)
 
-    monkeypatch.setattr(verifier_module.TargetVerifier, "verify", recording)
+    monkeypatch.setattr(target_module.TargetPass, "verify", recording)
     for method in MIXED:
         batches.clear()
         k = settings.default_draft_tokens(method)

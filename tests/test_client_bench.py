@@ -21,7 +21,7 @@ from specdec_client.bench import (
     BenchConfig, BenchConfigError, BenchResult, BlockResult, LoadPoint, RequestRecord, parse_modes, poisson_arrivals,
     schedule,
 )
-from specdec_client.cli import generation_stats, main
+from specdec_client.commands import generation_stats, main
 from specdec_client.summary import build_summary, read_requests, validate
 
 # ---- metrics --------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def test_generation_stats_line():
 
 
 def test_health_unreachable_exits_nonzero(capsys):
-    from triton_launcher import free_port
+    from specdec.launcher import free_port
 
     assert main(["health", "--url", f"127.0.0.1:{free_port()}"]) == 2
     assert main(["health", "--protocol", "http", "--url", f"127.0.0.1:{free_port()}"]) == 2
@@ -477,7 +477,7 @@ def test_cli_health_and_generate(triton_server, capsys):
 
 @pytest.mark.server
 def test_tiny_bench_summary_matches_requests(triton_server, tmp_path):
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY
 
     data = write_lines(tmp_path / "prompts.jsonl", [json.dumps({"prompt": p}) for p in PROMPTS])
     out = tmp_path / "bench"
@@ -539,7 +539,7 @@ def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():
     """specdec bench-aiperf's comparison: each (mode, c) of our summary next to aiperf's
     export, like with like (per-token ITL with inter_token_latency, chunk gaps with
     inter_chunk_latency), ratios per field, and each tool's own speedup over the baseline."""
-    from specdec.bench_aiperf import aiperf_point, client_point, compare, markdown
+    from specdec.tools.bench_aiperf import aiperf_point, client_point, compare, markdown
 
     def ours(mode, c, tok_s, ttft, itl, icl):
         run = {"mode": mode, "concurrency": c, "requests": 16, "output_tok_s": tok_s, "ttft_ms": {"p50": ttft},
@@ -575,8 +575,8 @@ def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
     import subprocess
     import sys
 
-    from specdec.bench_aiperf import cpu_use, server_view
-    from specdec_client import protocol as P
+    from specdec.tools.bench_aiperf import cpu_use, server_view
+    import specdec_wire as P
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(1)"
     with cpu_use(every_s=0.1) as cores:

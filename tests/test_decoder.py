@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from specdec.models.llama import build_batch
-from specdec.models.loading import load_transformer
-from specdec.tree import ROOT, DraftTree
+from specdec.engine.models.llama import build_batch
+from specdec.engine.models.loading import load_transformer
+from specdec.engine.tree import ROOT, DraftTree
 
 from conftest import save_tiny_hf
 

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import yaml
 
-from specdec import protocol as P
+import specdec_wire as P
 from trtllm_repository import generator as trtllm
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ModelConfig, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
-from triton_launcher.cli import _build_parser
+from specdec.launcher.serve import _build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -155,7 +155,7 @@ def test_expected_objects_in_each_overlay():
 
 # ---- one source of truth: ports, images, the NGC release ----------------------------------
 def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
-    from specdec import openai_server
+    from specdec_openai import frontend as openai_frontend
 
     ports = launcher_ports()
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -165,7 +165,7 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
         server = container(one(objects, "Deployment", "specdec-triton"), "triton")
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == ports
         service = one(objects, "Service", "specdec-triton")
-        openai_port = openai_server.build_parser().get_default("port")
+        openai_port = openai_frontend.build_parser().get_default("port")
         assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
             **{n: (v, n) for n, v in ports.items()}, "openai": (openai_port, "openai")}
         # The OpenAI front end beside the server: Triton's HTTP port on localhost, its own default port.
@@ -188,12 +188,12 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
 def test_compose_openai_front_end_targets_the_servers_http_port():
     """`specdec openai` forwards over Triton's HTTP port (safe cancellation) and publishes its
     own default port; the images install its extra."""
-    from specdec import openai_server
+    from specdec_openai import frontend as openai_frontend
 
     service = compose()["services"]["openai"]
     args = service["command"]
     assert args[0] == "openai" and args[args.index("--triton") + 1] == f"triton:{launcher_ports()['http']}"
-    default_port = openai_server.build_parser().get_default("port")
+    default_port = openai_frontend.build_parser().get_default("port")
     assert args[args.index("--port") + 1] == str(default_port) and service["ports"] == [f"{default_port}:{default_port}"]
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         assert re.search(r'pip install "/opt/specdec\[[^\]]*openai', (DEPLOY / "docker" / dockerfile).read_text()), dockerfile
@@ -482,13 +482,13 @@ def test_dockerfiles_install_the_project_as_documented():
     # The build contexts carry what the images and manifests use.
     for name, needed in (("Dockerfile", ("model_repository", "deploy/settings", "loadtest")), ("Dockerfile.gpu", ("model_repository", "deploy/settings", "deploy/trtllm"))):
         allowed = (DEPLOY / "docker" / f"{name}.dockerignore").read_text().split()
-        for path in ("pyproject.toml", "specdec", "specdec_triton", "client", *needed):
+        for path in ("pyproject.toml", "specdec", "specdec_openai", "client", *needed):
             assert f"!{path}" in allowed, f"{name}.dockerignore drops {path}"
 
 
 def test_the_client_installs_on_its_own_without_the_engine(tmp_path):
     """client/pyproject.toml: the client, its benchmark and Locust, not torch or transformers;
-    its modules import nothing of the engine (the wire contract lives in the client)."""
+    its modules import nothing of the server (the wire contract, specdec_wire, ships with it)."""
     import subprocess
     import sys
     import tomllib
@@ -503,10 +503,10 @@ def test_the_client_installs_on_its_own_without_the_engine(tmp_path):
     code = ("import sys\n"
             "class Absent:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('torch', 'transformers', 'specdec', 'triton_launcher'):\n"
+            "        if name.split('.')[0] in ('torch', 'transformers', 'specdec'):\n"
             "            raise ImportError(name)\n"
             "sys.meta_path.insert(0, Absent())\n" + "".join(f"import specdec_client.{m}\n" for m in modules) +
-            "from specdec_client import protocol as P\n"
+            "import specdec_wire as P\n"
             "assert P.MODELS['ensemble'][0]['text_input'].dtype == 'TYPE_STRING'")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -515,8 +515,8 @@ def test_the_client_installs_on_its_own_without_the_engine(tmp_path):
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("specdec_client-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "specdec_client/protocol.py" in names and "specdec_client/summary.schema.json" in names
-    assert {n.split("/")[0] for n in names if not n.startswith("specdec_client-")} == {"specdec_client"}
+    assert "specdec_wire/__init__.py" in names and "specdec_client/summary.schema.json" in names
+    assert {n.split("/")[0] for n in names if not n.startswith("specdec_client-")} == {"specdec_client", "specdec_wire"}
 
 
 def test_trtllm_extra_is_declared_but_never_installed_by_setup_or_ci():
@@ -887,9 +887,12 @@ def test_trtllm_perf_counts_follow_our_definitions():
 
 @pytest.mark.parametrize("model", sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt")))
 def test_every_model_repository_config_matches_the_protocol(model):
-    """Each tensor name, type, shape and optionality is defined once (specdec.protocol)."""
+    """Each tensor name, type, shape and optionality is defined once: the public models' in
+    specdec_wire, the internal ones' in specdec.triton_models.contract."""
+    from specdec.triton_models import contract
+
     text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
     assert re.search(rf'^name: "{model}"$', text, re.M)
-    inputs, outputs = P.MODELS[model]
+    inputs, outputs = {**P.MODELS, **contract.MODELS}[model]
     assert _pbtxt_tensors(text, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
     assert _pbtxt_tensors(text, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}

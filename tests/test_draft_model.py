@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.engine import SpecEngine
+from specdec.serving.spec_engine import SpecEngine
 from specdec.errors import ConfigError
-from specdec.models.loading import load_transformer
-from specdec.runtime import build_drafters
+from specdec.engine.models.loading import load_transformer
+from specdec.serving.runtime import build_drafters
 
 from conftest import save_tiny_hf
 from test_speculative import prompts, run_all
@@ -113,7 +113,7 @@ def test_train_draft_quick_mode_writes_a_loadable_draft(tmp_path, smol_dir, smol
     """specdec train-draft end to end on a tiny budget: the written draft (bf16, reduced
     output vocabulary, the target's embedding shared) loads through the same path as any
     draft and leaves greedy output unchanged."""
-    from specdec.train_draft import main as train_main
+    from specdec.tools.train_draft import main as train_main
 
     out = tmp_path / "draft"
     assert train_main(["--quick", "--layers", "1", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0
@@ -135,7 +135,7 @@ def test_a_gguf_file_drafts_through_the_same_path(smol_dir, smol_model):
     """speculative_model may be a .gguf file (converted once into the cache). The embedded
     target's own GGUF as its draft: same weights, so nearly every draft token is accepted,
     and the output still equals plain decoding."""
-    from specdec.models.loading import default_gguf_path
+    from specdec.engine.models.loading import default_gguf_path
 
     cfg = EngineConfig(max_batch_size=2, max_seq_len=512, draft_dtype="float32")
     methods = {"self": SpeculativeConfig(method="draft_model", speculative_model=str(default_gguf_path()), max_draft_len=4)}

@@ -23,13 +23,13 @@ from specdec.config import (
     ServingConfig,
     SpeculativeConfig,
 )
-from specdec.drafters.eagle3 import Eagle3Drafter, _HeadState
-from specdec.engine import SpecEngine
-from specdec.tree import DraftTree
+from specdec.engine.drafters.eagle3 import Eagle3Drafter, _HeadState
+from specdec.serving.spec_engine import SpecEngine
+from specdec.engine.tree import DraftTree
 from specdec.errors import ConfigError
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
-from specdec.models.loading import load_transformer
-from specdec.sequence import SequenceState
+from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
+from specdec.engine.models.loading import load_transformer
+from specdec.engine.sequences import SequenceState
 
 
 def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab=96, draft_vocab=40, taps=(0, 1, 2)):
@@ -209,7 +209,7 @@ def test_serving_config_checks_eagle_budgets():
 def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     """The whole training pipeline on a tiny budget: features, vocabulary, TTT training,
     held-out evaluation, a head in the published layout with its model card."""
-    from specdec.train_eagle3 import main as train_main
+    from specdec.tools.train_eagle3 import main as train_main
 
     out = tmp_path / "head"
     assert train_main(["--quick", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0
@@ -226,7 +226,7 @@ def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model,
     """Features recorded while the target answers (taps the verifier hands to drafters)
     are the ones a separate teacher-forced pass computes, labels are the target's argmax on
     the answer and absent on the prompt, and benchmark prompts are never used."""
-    from specdec.train_eagle3 import (
+    from specdec.tools.train_eagle3 import (
         benchmark_prompt_texts,
         self_distilled_features,
         target_features,
@@ -294,18 +294,16 @@ def test_load_controls_skip_drafting_and_stay_lossless(tiny):
     assert all(d.cache.num_free == 8 for d in engine.drafts.drafters.values())
 
 
-def _loop_generate(backend, prompt, method, schedule=lambda step: True, keepalive=60.0, colocated=True):
+def _loop_generate(backend, prompt, method, keepalive=60.0, colocated=True):
     import asyncio
 
-    from specdec.loop import run_loop
-    from specdec.sequence import RequestState
+    from specdec.serving.loop import run_loop
+    from specdec.serving.state import RequestState
 
     async def go():
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         req = RequestState("r", list(prompt), params, method, 5, 128, frozenset())
-        steps = iter(range(10**6))
-        async for _ in run_loop(req, backend, not colocated, scheduled=lambda n: n if schedule(next(steps)) else 0,
-                                drafter_keepalive_s=keepalive, colocated=colocated):
+        async for _ in run_loop(req, backend, not colocated, drafter_keepalive_s=keepalive, colocated=colocated):
             pass
         return req.output_ids
 
@@ -316,7 +314,7 @@ def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
     """The serving loop over the in-process backend, drafters beside the target: every step
     is ONE verify call (the drafter is never called apart), greedy output equals plain
     decoding, and the slots are freed."""
-    from specdec.inprocess import InProcessBackend
+    from specdec.serving.inprocess import InProcessBackend
 
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)
@@ -324,8 +322,8 @@ def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
     class Counting(InProcessBackend):  # counts verify calls; start_drafter / draft would raise
         calls: list[int] = []
 
-        async def verify(self, tree, num_draft_tokens, want_hidden):
-            out = await super().verify(tree, num_draft_tokens, want_hidden)
+        async def verify(self, tree, want_hidden):
+            out = await super().verify(tree, want_hidden)
             self.calls.append(out.draft_tokens)
             return out
 
@@ -341,17 +339,30 @@ def test_run_loop_colocated_is_one_call_per_step_and_lossless(tiny):
 
 
 def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
-    """A drafter served apart, with a schedule that drafts every third step only: the
-    drafter gets the skipped replies merged, and greedy output equals plain decoding."""
-    from specdec.drafting import DraftService
-    from specdec.inprocess import InProcessBackend
-    from specdec.loop import merge_replies
-    from specdec.speculator import Speculator, StepResult
+    """A drafter served apart, with a verifier that budgets every third step only: the
+    drafter drafts what the verifier's reply allows, gets the skipped replies merged, and
+    greedy output equals plain decoding."""
+    from specdec.engine.drafters.service import DraftService
+    from specdec.serving.inprocess import InProcessBackend
+    from specdec.serving.loop import merge_replies
+    from specdec.engine.step import Speculator, StepResult
 
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)
     drafts = DraftService(engine.drafts.drafters)
-    speculator = Speculator(target, engine.config, {}, apart_tap_layers=drafts.tap_layers)
+
+    class Scheduled(Speculator):
+        """Budgets only the steps `schedule` picks (counted from the prefill's decision)."""
+
+        schedule, decisions = (lambda step: True), 0
+
+        def _decide_budget(self, seq):
+            budget = super()._decide_budget(seq) if self.schedule(self.decisions) else 0
+            self.decisions += 1
+            seq.budget = budget
+            return budget
+
+    speculator = Scheduled(target, engine.config, {}, apart_tap_layers=drafts.tap_layers)
 
     class Separate(InProcessBackend):
         def __init__(self):
@@ -363,14 +374,14 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
             self.verified += out.emitted
             return out
 
-        async def draft(self, last, budget):
+        async def draft(self, last, num_draft_tokens):
             self.drafted.append(len(last.emitted))
-            tree = await super().draft(last, budget)
+            tree = await super().draft(last, num_draft_tokens)
             assert drafts._get(self.seq_id).output_ids == self.verified  # nothing lost or doubled
             return tree
 
-        async def verify(self, tree, num_draft_tokens, want_hidden):
-            out = await super().verify(tree, num_draft_tokens, want_hidden)
+        async def verify(self, tree, want_hidden):
+            out = await super().verify(tree, want_hidden)
             self.verified += out.emitted
             return out
 
@@ -378,11 +389,13 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     for p in ps:
         plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
         backend = Separate()
-        assert _loop_generate(backend, p, "eagle3", lambda step: step % 3 == 0, colocated=False) == plain
+        speculator.schedule, speculator.decisions = (lambda step: step % 3 == 0), 0
+        assert _loop_generate(backend, p, "eagle3", colocated=False) == plain
         assert backend.drafted and max(backend.drafted) >= 3  # three steps' tokens arrived at once
     # Never drafting, but a keep-alive of 0 s: the drafter still hears of every step.
     backend = Separate()
-    out = _loop_generate(backend, ps[0], "eagle3", lambda step: False, keepalive=0.0, colocated=False)
+    speculator.schedule = lambda step: False
+    out = _loop_generate(backend, ps[0], "eagle3", keepalive=0.0, colocated=False)
     assert out == run_all(engine, [ps[0]], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
     assert len(backend.drafted) == 22 and set(backend.drafted) == {1}  # 23 verify steps, the first one after start_drafter
     assert speculator.active == 0 and drafts.active == 0
@@ -394,8 +407,8 @@ def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
     """The SHIPPED head (not a random one) on 16 ShareGPT first turns: token ids equal plain
     decoding's, batched, with every draft position accepted at least once (so the deep
     acceptance path runs with real drafts)."""
-    from specdec.data import sharegpt_prompts
-    from specdec.runtime import build_drafters, encode_prompt
+    from specdec.tools.sharegpt import sharegpt_prompts
+    from specdec.serving.runtime import build_drafters, encode_prompt
 
     cfg = EngineConfig(max_batch_size=4, max_seq_len=1024, max_num_draft_tokens=8)
     spec = {"eagle3": SpeculativeConfig(method="eagle3", max_draft_len=5)}
@@ -431,8 +444,8 @@ def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     with draft probabilities, which take no n-gram continuation (a deterministic branch
     cannot join i.i.d. draws). "dynamic_tree": the same with EAGLE-2 trees, deterministic
     under sampling, so the n-gram continuations ARE merged and verified by the one-hot rule."""
-    from specdec.runtime import served_methods
-    from specdec.tree import DraftTree
+    from specdec.serving.runtime import served_methods
+    from specdec.engine.tree import DraftTree
 
     target, head = toy_eagle
     spec = served_methods()["eagle3-hybrid"]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.engine import SpecEngine
+from specdec.serving.spec_engine import SpecEngine
 from specdec.errors import CapacityError, InvalidRequestError, UnknownSequenceError
-from specdec.runtime import encode_prompt
+from specdec.serving.runtime import encode_prompt
 
 PROMPTS = [
     "What is the capital of France?",
@@ -38,7 +38,7 @@ def test_greedy_equals_transformers_generate(smol_dir, smol_model, smol_tokenize
 
 
 def make_tiny_engine(tiny_llama_dir, **cfg):
-    from specdec.models.loading import load_transformer
+    from specdec.engine.models.loading import load_transformer
 
     return SpecEngine(load_transformer(tiny_llama_dir), EngineConfig(**{"max_batch_size": 2, "max_seq_len": 64, "max_tokens_limit": 32, **cfg}))
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-import specdec.drafting
-import specdec.sequence
-import specdec.verifier
+import specdec.engine.drafters.service
+import specdec.engine.sequences
+import specdec.engine.target
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.drafters.ngram import NgramDrafter
-from specdec.drafting import DraftService
+from specdec.engine.drafters.ngram import NgramDrafter
+from specdec.engine.drafters.service import DraftService
 from specdec.errors import UnknownSequenceError
-from specdec.models.loading import load_transformer
-from specdec.runtime import build_drafters
-from specdec.speculator import Speculator, StartItem, StepItem
+from specdec.engine.models.loading import load_transformer
+from specdec.serving.runtime import build_drafters
+from specdec.engine.step import Speculator, StartItem, StepItem
 
 from conftest import save_tiny_hf
 
@@ -39,7 +39,7 @@ class FakeClock:
 @pytest.fixture()
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    for module in (specdec.sequence, specdec.verifier, specdec.drafting):
+    for module in (specdec.engine.sequences, specdec.engine.target, specdec.engine.drafters.service):
         monkeypatch.setattr(module, "time", fake)
     return fake
 
@@ -55,32 +55,32 @@ def test_the_verifier_reaps_an_abandoned_sequence_and_keeps_the_live_one(clock, 
                             {"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=3))})
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     speculator.prefill([StartItem("abandoned", PROMPT, params, "ngram", 3), StartItem("live", PROMPT, params, "ngram", 3)])
-    assert speculator.verifier.cache.num_free == 0 and speculator.drafts.active == 2
+    assert speculator.target_pass.cache.num_free == 0 and speculator.drafts.active == 2
 
     clock.now += IDLE_S - 1
-    speculator.step([StepItem("live", 3)])  # the live client keeps stepping
+    speculator.step([StepItem("live")])  # the live client keeps stepping
     assert speculator.release_idle(IDLE_S) == []  # nobody is idle for IDLE_S yet
 
     clock.now += 2  # the abandoned one: IDLE_S + 1 since its START; the live one: 2 s
     assert speculator.release_idle(IDLE_S) == ["abandoned"]
-    assert "abandoned" not in speculator and "abandoned" not in speculator.verifier and "abandoned" not in speculator.drafts
-    assert speculator.verifier.cache.num_free == 1 and speculator.drafts.active == 1
+    assert "abandoned" not in speculator and "abandoned" not in speculator.target_pass and "abandoned" not in speculator.drafts
+    assert speculator.target_pass.cache.num_free == 1 and speculator.drafts.active == 1
     with pytest.raises(UnknownSequenceError) as err:  # its client coming back hears why
-        speculator.step([StepItem("abandoned", 3)])
+        speculator.step([StepItem("abandoned")])
     assert err.value.field == "sequence_id"
-    assert speculator.step([StepItem("live", 3)])[0].emitted  # the live one carries on
+    assert speculator.step([StepItem("live")])[0].emitted  # the live one carries on
     # The freed slot serves a new sequence.
     speculator.prefill([StartItem("next", PROMPT, params, "ngram", 3)])
-    assert speculator.verifier.cache.num_free == 0
+    assert speculator.target_pass.cache.num_free == 0
 
     clock.now += IDLE_S + 1
     assert sorted(speculator.release_idle(IDLE_S)) == ["live", "next"]
-    assert speculator.active == 0 and speculator.verifier.cache.num_free == 2
+    assert speculator.active == 0 and speculator.target_pass.cache.num_free == 2
 
 
 def test_the_drafter_reaps_an_abandoned_sequence_and_frees_its_draft_slot(clock, target_dir, tmp_path):
     """The `drafter` model's state (a draft model served apart holds a KV slot per sequence)."""
-    from specdec.models.loading import read_model_config
+    from specdec.engine.models.loading import read_model_config
 
     draft_dir = save_tiny_hf(tmp_path / "draft", seed=1, num_hidden_layers=1)
     spec = SpeculativeConfig(method="draft_model", speculative_model=str(draft_dir), max_draft_len=3, colocated=False)

@@ -1,4 +1,4 @@
-"""Tests of triton_launcher: locating Triton, preparing the backend dir, running the real server."""
+"""Tests of specdec.launcher: locating Triton, preparing the backend dir, running the real server."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import triton_launcher as L
-from triton_launcher import install as L_install
-from triton_launcher import processes as L_processes
+import specdec.launcher as L
+from specdec.launcher import install as L_install
+from specdec.launcher import processes as L_processes
 
 FIXTURE_REPO = Path(__file__).parent / "fixtures" / "echo_repository"
 READY_TIMEOUT = 120
@@ -40,7 +40,7 @@ needs_triton = pytest.mark.skipif(not _triton_available(), reason="no tritonserv
 
 def test_module_import_is_light():
     code = (
-        "import sys, triton_launcher; "
+        "import sys, specdec.launcher; "
         "bad = [m for m in ('tritonclient', 'triton_python_backend_utils', 'pytriton', 'torch') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )
@@ -175,7 +175,7 @@ def test_serve_main_accepts_leading_double_dash(tmp_path, capsys):
 
 def test_default_model_repository_is_under_repo_root():
     assert L.DEFAULT_MODEL_REPOSITORY == L.REPO_ROOT / "model_repository"
-    assert (L.REPO_ROOT / "triton_launcher" / "server.py").is_file()
+    assert (L.REPO_ROOT / "specdec" / "launcher" / "server.py").is_file()
 
 
 # ------------------------------------------------------------------------ real server
@@ -207,7 +207,7 @@ def test_server_ready_and_models_loaded(echo_server):
     assert echo_server.log_path.is_file()
     assert "successfully loaded 'echo'" in echo_server.log_path.read_text()
     # The python backend's pool is sized not to grow in normal use (issue 22's crash).
-    from triton_launcher.install import PYTHON_SHM_BYTES
+    from specdec.launcher.install import PYTHON_SHM_BYTES
 
     for name in ("shm-default-byte-size", "shm-growth-byte-size"):
         assert f"--backend-config=python,{name}={PYTHON_SHM_BYTES}" in echo_server.command
@@ -345,7 +345,7 @@ def test_serve_main_runs_until_sigint(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "triton_launcher",
+        "specdec.launcher",
         "--model-repository",
         str(FIXTURE_REPO),
         "--http-port",
@@ -395,7 +395,7 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
     """make run shows the method bench-serving measured fastest at c=1, among those served."""
     import json
 
-    from specdec.demo import fastest_measured
+    from specdec.tools.demo import fastest_measured
 
     modes = {
         "baseline": {"method": "none", "num_draft_tokens": 0, "triton_over_baseline": 1.0},
@@ -412,7 +412,7 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
 
 
 def test_serve_binds_this_machine_only_unless_asked():
-    from triton_launcher.cli import _build_parser
+    from specdec.launcher.serve import _build_parser
 
     assert _build_parser().parse_args([]).address == "127.0.0.1"
     assert _build_parser().parse_args(["--address", "0.0.0.0"]).address == "0.0.0.0"

@@ -16,9 +16,9 @@ import json
 
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
 from specdec.config import METHOD_NONE
-from specdec.runtime import SERVED_SETTINGS
+from specdec.config import SERVED_SETTINGS
 from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
 
 # Slow (about 5 min on a quiet 2-core machine, 11-20 min on a busy one) and the adaptive

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from specdec.config import ServingConfig
-from specdec.openai_server import Frontend, Served, create_app
-from specdec.runtime import load_tokenizer
+from specdec_openai.frontend import Frontend, Served, create_app
+from specdec.serving.runtime import load_tokenizer
 from specdec_client import GenerateRequest
 
 from test_serving import metric
@@ -27,8 +27,8 @@ def api(triton_server, smol_dir):
     """The front end on a free port, in this process (uvicorn in a thread)."""
     import uvicorn
 
-    from specdec.runtime import SERVED_SETTINGS
-    from triton_launcher import free_ports
+    from specdec.config import SERVED_SETTINGS
+    from specdec.launcher import free_ports
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
     frontend = Frontend(triton_server.endpoints.http, Served.from_settings(settings, BASE), load_tokenizer(smol_dir))

@@ -1,4 +1,4 @@
-"""The budget planner (specdec/planner.py): measured costs, acceptance estimates, and the
+"""The budget planner (specdec/engine/planner.py): measured costs, acceptance estimates, and the
 per-step choice of what to verify. Losslessness with planning on is tested with the other
 speculative tests (test_speculative.py: greedy identity and chi-square cases `adaptive_*`)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.planner import EXPLORE_EVERY, BudgetPlanner, DraftCost, DraftCut, PlanItem, VerifyCost, _isotonic
-from specdec.tree import IID_SAMPLED, ROOT, DraftTree
+from specdec.engine.planner import EXPLORE_EVERY, BudgetPlanner, DraftCost, DraftCut, PlanItem, VerifyCost, _isotonic
+from specdec.engine.tree import IID_SAMPLED, ROOT, DraftTree
 
 
 def test_isotonic_pools_violators():

@@ -1,16 +1,16 @@
-"""The one request parser (specdec.request): every entry point reads requests through it."""
+"""The one request parser (specdec.serving.request): every entry point reads requests through it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
+from specdec.triton_models import contract as C
 from specdec.config import METHOD_NONE, SamplingParams
 from specdec.errors import InvalidRequestError
-from specdec.request import (
-    resolve_token_rules,
-    ServedOffer, check_prompt_ids, decode_sampling, draft_budget, encode_sampling, parse_request, resolve_method,
-)
+from specdec.engine.sequences import check_prompt_ids, draft_budget
+from specdec.serving.request import ServedOffer, parse_request, resolve_method, resolve_token_rules
+from specdec.triton_models.contract import decode_sampling, encode_sampling
 
 OFFER = ServedOffer({"eagle3": 5, "ngram": 4}, "eagle3", max_num_draft_tokens=16, max_tokens_limit=512)
 
@@ -107,8 +107,8 @@ def test_logits_rules_travel_to_the_verifier_only():
     plain = encode_sampling(SamplingParams(max_tokens=4), rules=True)  # nothing extra when no rule is set
     assert set(plain) == {P.MAX_TOKENS, P.TEMPERATURE, P.TOP_K, P.TOP_P}
     with pytest.raises(InvalidRequestError) as err:
-        decode_sampling({P.BAD_WORDS_IDS: np.int32([5, 6])}.get)  # no closing separator
-    assert err.value.field == P.BAD_WORDS_IDS
+        decode_sampling({C.BAD_WORDS_IDS: np.int32([5, 6])}.get)  # no closing separator
+    assert err.value.field == C.BAD_WORDS_IDS
 
 
 def test_token_rules_resolve_end_ids_and_bad_words():
@@ -127,8 +127,8 @@ def test_token_rules_resolve_end_ids_and_bad_words():
 def test_the_in_process_cli_reads_requests_through_the_same_parser():
     from specdec.cli import build_parser, request_inputs
     from specdec.config import ServingConfig
-    from specdec.request import served_offer
-    from specdec.runtime import SERVED_SETTINGS
+    from specdec.serving.request import served_offer
+    from specdec.config import SERVED_SETTINGS
 
     offer = served_offer(ServingConfig.from_file(SERVED_SETTINGS))
     args = build_parser().parse_args(["generate", "--prompt", "Hi", "--method", "ngram", "--stop", "END"])
@@ -145,7 +145,7 @@ def test_the_in_process_cli_reads_requests_through_the_same_parser():
 def test_openai_bodies_are_validated_naming_the_parameter():
     """specdec openai's request parsing (no server needed): OpenAI's parameter names in every
     refusal, model ids per method, and Triton's field names mapped back to them."""
-    from specdec.openai_server import OpenAIError, Served, parse_job, triton_error
+    from specdec_openai.frontend import OpenAIError, Served, parse_job, triton_error
 
     class Tokenizer:  # the chat template and token counts are the target's; a stand-in here
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):

@@ -10,9 +10,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
+from specdec.triton_models import contract as C
 from specdec.errors import InvalidRequestError
-from specdec.request import ServedOffer, parse_request
+from specdec.serving.request import ServedOffer, parse_request
 
 from conftest import TEST_INTERNAL_KEY
 
@@ -73,13 +74,13 @@ def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, gr
     seq = 4242
     first = call(seq, start=True, **{P.INPUT_IDS: [1, 2, 3, 4]}).as_numpy(P.OUTPUT_IDS)
     assert first.size == 1
-    for tokens, parents, field in (([10**8], [-1], P.DRAFT_TOKENS), ([5, 6], [-1, 7], P.DRAFT_PARENTS),
-                                   (list(range(5, 5 + 40)), list(range(-1, 39)), P.DRAFT_TOKENS)):
+    for tokens, parents, field in (([10**8], [-1], C.DRAFT_TOKENS), ([5, 6], [-1, 7], C.DRAFT_PARENTS),
+                                   (list(range(5, 5 + 40)), list(range(-1, 39)), C.DRAFT_TOKENS)):
         with pytest.raises(Exception, match=field):
-            call(seq, **{P.DRAFT_TOKENS: tokens, P.DRAFT_PARENTS: parents})
-    with pytest.raises(Exception, match=P.DRAFT_BUDGET):  # a drafting budget beyond the engine's bound
-        call(seq, **{P.DRAFT_BUDGET: [10**6]})
-    ok = call(seq, **{P.DRAFT_TOKENS: [5], P.DRAFT_PARENTS: [-1]}).as_numpy(P.OUTPUT_IDS)
+            call(seq, **{C.DRAFT_TOKENS: tokens, C.DRAFT_PARENTS: parents})
+    with pytest.raises(Exception, match=C.NUM_DRAFT_TOKENS):  # a drafting budget beyond the engine's bound
+        call(seq, **{C.NUM_DRAFT_TOKENS: [10**6]})
+    ok = call(seq, **{C.DRAFT_TOKENS: [5], C.DRAFT_PARENTS: [-1]}).as_numpy(P.OUTPUT_IDS)
     assert 1 <= ok.size <= 2
     call(seq, end=True)
     client.close()
@@ -96,7 +97,7 @@ def _verifier_caller(client, key: str | None):
             tensor.set_data_from_numpy(np.int32(value)[None])
             tensors.append(tensor)
         if key is not None:
-            tensor = grpcclient.InferInput(P.INTERNAL_KEY, [1, 1], "BYTES")
+            tensor = grpcclient.InferInput(C.INTERNAL_KEY, [1, 1], "BYTES")
             tensor.set_data_from_numpy(np.array([[key.encode()]], dtype=object))
             tensors.append(tensor)
         return client.infer("verifier", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
@@ -142,13 +143,13 @@ def _drafter_caller(client, key: str | None):
             tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
             tensor.set_data_from_numpy(np.int32(value)[None])
             tensors.append(tensor)
-        for name, value in ((P.SPECULATIVE_METHOD, method), (P.INTERNAL_KEY, key)):
+        for name, value in ((P.SPECULATIVE_METHOD, method), (C.INTERNAL_KEY, key)):
             if value is not None:
                 tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
                 tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=object))
                 tensors.append(tensor)
         return client.infer("drafter", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
-                            outputs=[grpcclient.InferRequestedOutput(P.DRAFT_TOKENS)])
+                            outputs=[grpcclient.InferRequestedOutput(C.DRAFT_TOKENS)])
 
     return call
 
@@ -161,20 +162,20 @@ def test_the_drafter_refuses_callers_without_the_servers_key(triton_server):
 
     client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
     loop, stranger, guesser = (_drafter_caller(client, key) for key in (TEST_INTERNAL_KEY, None, "guess"))
-    start = {P.INPUT_IDS: [1, 2, 3, 4], P.DRAFT_BUDGET: [3]}  # prompt 1 2 3, first token 4
-    assert loop(881, start=True, method="draft-tiny", **start).as_numpy(P.DRAFT_TOKENS).size >= 1
+    start = {P.INPUT_IDS: [1, 2, 3, 4], C.NUM_DRAFT_TOKENS: [3]}  # prompt 1 2 3, first token 4
+    assert loop(881, start=True, method="draft-tiny", **start).as_numpy(C.DRAFT_TOKENS).size >= 1
     assert _active_sequences(triton_server, "drafter") == 1
     for caller in (stranger, guesser):
         with pytest.raises(Exception, match="speculative loop only"):
             caller(882, start=True, method="draft-tiny", **start)
         with pytest.raises(Exception, match="speculative loop only"):
-            caller(881, **{P.INPUT_IDS: [5, 6], P.NUM_ACCEPTED: [1], P.DRAFT_BUDGET: [3]})
+            caller(881, **{P.INPUT_IDS: [5, 6], C.NUM_ACCEPTED: [1], C.NUM_DRAFT_TOKENS: [3]})
     assert _active_sequences(triton_server, "drafter") == 1  # only the loop's own
     # Its state did not move either: its next draft is a twin sequence's that no stranger touched.
-    step = {P.INPUT_IDS: [5], P.NUM_ACCEPTED: [0], P.DRAFT_BUDGET: [3]}
-    drafted = loop(881, **step).as_numpy(P.DRAFT_TOKENS)
+    step = {P.INPUT_IDS: [5], C.NUM_ACCEPTED: [0], C.NUM_DRAFT_TOKENS: [3]}
+    drafted = loop(881, **step).as_numpy(C.DRAFT_TOKENS)
     loop(883, start=True, method="draft-tiny", **start)
-    assert drafted.size >= 1 and drafted.tolist() == loop(883, **step).as_numpy(P.DRAFT_TOKENS).tolist()
+    assert drafted.size >= 1 and drafted.tolist() == loop(883, **step).as_numpy(C.DRAFT_TOKENS).tolist()
     loop(883, end=True)
     with pytest.raises(Exception, match="speculative loop only"):
         stranger(881, end=True)
@@ -248,7 +249,7 @@ def two_slot_server(tmp_path_factory, smol_dir):
     import re
     import shutil
 
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     root = tmp_path_factory.mktemp("two_slots")
     repo = root / "model_repository"
@@ -294,7 +295,7 @@ def test_shared_slots_are_one_pool_across_processes_and_freed_when_a_holder_dies
     import asyncio
     import multiprocessing
 
-    from specdec_triton.slots import SharedSlots
+    from specdec.triton_models.slots import SharedSlots
 
     mine = SharedSlots(2, server_id=4242)
     ctx = multiprocessing.get_context("spawn")
@@ -309,7 +310,7 @@ def test_shared_slots_are_one_pool_across_processes_and_freed_when_a_holder_dies
 
 
 def _hold_a_slot(server_id):
-    import specdec_triton.slots as slots
+    import specdec.triton_models.slots as slots
 
     global _KEEP
     _KEEP = slots.SharedSlots(2, server_id=server_id)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
 from specdec_client import GenerateRequest, ServerError, SpecDecClient
 
 pytestmark = pytest.mark.server
@@ -209,7 +209,8 @@ def test_sampled_requests_through_the_server_equal_the_in_process_engine(triton_
     the in-process engine: with a seed, the served text equals the engine's, for chains with
     draft probabilities (eagle3), trees (eagle3-tree) and one-hot drafts (ngram)."""
     from specdec.config import SamplingParams, ServingConfig
-    from specdec.runtime import SERVED_SETTINGS, build_engine, encode_prompt
+    from specdec.config import SERVED_SETTINGS
+    from specdec.serving.runtime import build_engine, encode_prompt
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
     engine = build_engine(smol_dir, settings.engine, settings.methods)

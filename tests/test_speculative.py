@@ -10,14 +10,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdec.verifier as verifier_module
+import specdec.engine.target as verifier_module
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.drafters.ngram import NgramDrafter, build_trie, find_continuations
-from specdec.engine import SpecEngine
+from specdec.engine.drafters.ngram import NgramDrafter, build_trie, find_continuations
+from specdec.serving.spec_engine import SpecEngine
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.models.llama import build_batch
-from specdec.models.loading import load_transformer
-from specdec.verify import VerifyResult
+from specdec.engine.models.llama import build_batch
+from specdec.engine.models.loading import load_transformer
+from specdec.engine.acceptance import VerifyResult
 
 from conftest import save_tiny_hf
 from toy import BigramDrafter, ScriptedDrafter
@@ -66,7 +66,7 @@ def test_greedy_speculative_equals_plain_tiny(tiny_target):
         "ngram-tree": NgramDrafter(SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=3)),
         "chain": ScriptedDrafter(reference, VOCAB, tree=False),
         "tree": ScriptedDrafter(reference, VOCAB, tree=True),
-        # The planner chooses each step's drafts and verified nodes (specdec/planner.py).
+        # The planner chooses each step's drafts and verified nodes (specdec/engine/planner.py).
         "ngram-adaptive": NgramDrafter(SpeculativeConfig(max_draft_len=6, adaptive=True)),
         "tree-adaptive": ScriptedDrafter(reference, VOCAB, tree=True, adaptive=True),
     }
@@ -81,7 +81,7 @@ def test_greedy_speculative_equals_plain_tiny(tiny_target):
 
 
 def test_greedy_speculative_equals_plain_smollm2(smol_model, smol_tokenizer):
-    from specdec.runtime import encode_prompt
+    from specdec.serving.runtime import encode_prompt
 
     texts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown",
              "List the numbers from 1 to 20 separated by commas.",
@@ -242,7 +242,7 @@ CASES["tree_with_draft_probs_top_p"] = dict(CASES["tree_with_draft_probs"], para
 CASES["adaptive_chain_one_hot_top_p"] = dict(iid=False, branches=1, depth=4, adaptive=True, params=SamplingParams(
     max_tokens=8, temperature=1.1, top_k=8, top_p=0.9, ignore_eos=True))
 
-# TensorRT-LLM's logits rules, applied per tree node (specdec/logits_processing.py): every
+# TensorRT-LLM's logits rules, applied per tree node (specdec/engine/logits_processing.py): every
 # penalty, min_length on the toy's EOS (0; ignore_eos keeps going after it), a one-token and
 # a two-token bad word ("2 after 7": the second token of the prompt, and reachable after t1 = 7).
 RULES = SamplingParams(max_tokens=8, temperature=0.9, ignore_eos=True, repetition_penalty=1.4, presence_penalty=0.5,
@@ -272,7 +272,7 @@ def toy_draft_dir(tmp_path_factory):
 def test_sampling_with_a_draft_model_is_lossless(toy_pair, toy_draft_dir, tree):
     """method draft_model: sampled chains carry the draft LM's processed distribution q
     (min(1, p/q)); trees are its top-k children (one-hot rule)."""
-    from specdec.runtime import build_drafters
+    from specdec.serving.runtime import build_drafters
 
     target, _ = toy_pair
     spec = SpeculativeConfig(method="draft_model", speculative_model=str(toy_draft_dir), max_draft_len=3,
@@ -367,8 +367,8 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
 
 def test_a_failed_start_holds_no_slot(tiny_target):
     """Prefill is all or nothing: a drafter that fails to start leaves every slot free."""
-    from specdec.drafters.base import Drafter
-    from specdec.speculator import Speculator, StartItem
+    from specdec.engine.drafters.base import Drafter
+    from specdec.engine.step import Speculator, StartItem
 
     class Broken(Drafter):
         def propose(self, seqs, budgets):
@@ -381,5 +381,5 @@ def test_a_failed_start_holds_no_slot(tiny_target):
     items = [StartItem("a", [5, 6, 7], SamplingParams(max_tokens=8), "ngram", 4), StartItem("b", [5, 6], SamplingParams(max_tokens=8), "broken", 4)]
     with pytest.raises(RuntimeError):
         speculator.prefill(items)
-    assert speculator.active == 0 and speculator.verifier.cache.num_free == 4 and speculator.drafts.active == 0
-    assert len(speculator.prefill(items[:1])) == 1 and speculator.verifier.cache.num_free == 3
+    assert speculator.active == 0 and speculator.target_pass.cache.num_free == 4 and speculator.drafts.active == 0
+    assert len(speculator.prefill(items[:1])) == 1 and speculator.target_pass.cache.num_free == 3

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from specdec.check_stops import Case, Outcome, check, compare, engine_runner, expected_text, passed, server_runner, stop_sets
+from specdec.tools.check_stops import Case, Outcome, check, compare, engine_runner, expected_text, passed, server_runner, stop_sets
 from specdec.config import SamplingParams
-from specdec.detok import IncrementalDetokenizer
-from specdec.sequence import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestState
+from specdec.serving.detok import IncrementalDetokenizer
+from specdec.serving.state import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestState
 
 TEXTS = [
     "import React from 'react-dom';\nimport { useState } from 'react';",
@@ -149,14 +149,15 @@ ENGINE_METHODS = ("ngram", "eagle3-hybrid", "eagle3-tree-adaptive", "draft_model
 
 @pytest.fixture(scope="module")
 def chat_prompts(smol_tokenizer):
-    from specdec.data import sharegpt_prompts
+    from specdec.tools.sharegpt import sharegpt_prompts
 
     return sharegpt_prompts(3, seed=7, tokenizer=smol_tokenizer, max_tokens=40)
 
 
 def test_every_method_stops_where_the_baseline_stops_in_process(smol_tokenizer, chat_prompts):
     from specdec.config import ServingConfig
-    from specdec.runtime import SERVED_SETTINGS, encode_prompt
+    from specdec.config import SERVED_SETTINGS
+    from specdec.serving.runtime import encode_prompt
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
     run = engine_runner(settings, concurrency=8)

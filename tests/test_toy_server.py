@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import TEST_INTERNAL_KEY, save_tiny_hf
-from specdec import protocol as P
+import specdec_wire as P
+from specdec.triton_models import contract as C
 from specdec.config import SamplingParams
 from test_speculative import chi_square_p, reference_probs
 
@@ -52,7 +53,7 @@ def save_word_tokenizer(path) -> None:
 
 @pytest.fixture(scope="module")
 def toy_server(tmp_path_factory):
-    from triton_launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+    from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                  initializer_range=0.3, eos_token_id=0, bos_token_id=0, max_position_embeddings=128)
@@ -69,7 +70,7 @@ def toy_server(tmp_path_factory):
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=tmp_path_factory.mktemp("toy_triton") / "triton.log")
     server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                 env={"SPECDEC_SETTINGS": str(path), P.INTERNAL_KEY_ENV: TEST_INTERNAL_KEY})
+                 env={"SPECDEC_SETTINGS": str(path), C.INTERNAL_KEY_ENV: TEST_INTERNAL_KEY})
     try:
         server.wait_ready(timeout=300)
         yield server, target

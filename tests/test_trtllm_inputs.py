@@ -2,7 +2,7 @@
 clients send them (JSON to /v2/models/ensemble/generate, TensorRT-LLM's names): each one
 changes the output as TensorRT-LLM's does, and speculation keeps greedy output identical
 to the matched baseline with the same settings (the rules shape the target's logits at
-every tree node; specdec/logits_processing.py)."""
+every tree node; specdec/engine/logits_processing.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from specdec import protocol as P
+import specdec_wire as P
 
 pytestmark = pytest.mark.server
 
@@ -108,7 +108,7 @@ def test_log_probs_are_the_targets(triton_server, smol_dir, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime import encode_prompt
+    from specdec.serving.runtime import encode_prompt
 
     base = generate(triton_server, "speculative_loop", num_draft_tokens=0, return_log_probs=True)
     log_probs = np.asarray(base[P.OUTPUT_LOG_PROBS], dtype=np.float64).reshape(-1)

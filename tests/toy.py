@@ -8,10 +8,10 @@ from typing import Sequence
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.drafters.base import Drafter
-from specdec.sampling import logits_to_probs
-from specdec.sequence import SequenceState
-from specdec.tree import DETERMINISTIC, IID_SAMPLED, ROOT, DraftTree
+from specdec.engine.drafters.base import Drafter
+from specdec.engine.sampling import logits_to_probs
+from specdec.engine.sequences import SequenceState
+from specdec.engine.tree import DETERMINISTIC, IID_SAMPLED, ROOT, DraftTree
 
 
 class ScriptedDrafter(Drafter):

@@ -1,5 +1,5 @@
-"""The TensorRT-LLM LLM-API variant of the model repository (deploy/trtllm): the config
-generator (`specdec trtllm-config`) and the request mapping its Triton model uses."""
+"""The TensorRT-LLM LLM-API variant of the model repository (deploy/trtllm): the config generator (`specdec trtllm-config`) and the request mapping its Triton model uses.
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving."""
 from .generator import (
     BASELINE,
     DEFAULT_CONFIG_FILE,

@@ -17,13 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import protocol as P
+import specdec_wire as P
 
-from . import promtext
-from .client import AsyncSpecDecClient, GenerateRequest
-from .datasets import Prompt
-from .errors import SpecDecClientError
-from .metrics import Trace
+from specdec_client import promtext
+from specdec_client.client import AsyncSpecDecClient, GenerateRequest
+from specdec_client.datasets import Prompt
+from specdec_client.errors import SpecDecClientError
+from specdec_client.metrics import Trace
 
 BASELINE = "baseline"
 METHOD_NONE = "none"  # the server's method label for plain decoding

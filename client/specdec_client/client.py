@@ -2,7 +2,7 @@
 HTTP (generate / generate_stream SSE), sync and asyncio. Streaming yields text chunks with
 their arrival times; every failure becomes a specific exception carrying the server's text.
 
-Tensor names come from specdec.protocol (the TensorRT-LLM ensemble's names), so this
+Tensor names come from specdec_wire (the TensorRT-LLM ensemble's names), so this
 client drives either this server or a TensorRT-LLM one.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
-from . import protocol as P
+import specdec_wire as P
 
-from .errors import ClientConnectionError, RequestTimeoutError, ServerError
+from specdec_client.errors import ClientConnectionError, RequestTimeoutError, ServerError
 
 PERF_FIELDS = (P.ACCEPTANCE_RATE, *[row[0] for row in P.PERF_COUNTS])
 

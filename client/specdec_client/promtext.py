@@ -7,10 +7,10 @@ import urllib.error
 import urllib.request
 from typing import Mapping
 
-from .errors import ClientConnectionError
+from specdec_client.errors import ClientConnectionError
 
-from .protocol import ACCEPTED_PER_POSITION_TOTAL as ACCEPTED_PER_POSITION
-from .protocol import DRAFTED_PER_POSITION_TOTAL as DRAFTED_PER_POSITION
+from specdec_wire import ACCEPTED_PER_POSITION_TOTAL as ACCEPTED_PER_POSITION
+from specdec_wire import DRAFTED_PER_POSITION_TOTAL as DRAFTED_PER_POSITION
 
 # name{label="value",...} value [timestamp]
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')

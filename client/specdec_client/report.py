@@ -5,7 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import metrics as M
+from specdec_client import metrics as M
 
 PLOTS = ("throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png", "inter_chunk_latency_cdf.png",
          "acceptance_by_position.png")

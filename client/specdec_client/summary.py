@@ -9,9 +9,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import metrics as M
-from . import promtext
-from .bench import BenchResult, BlockResult, LoadPoint, Mode
+from specdec_client import metrics as M
+from specdec_client import promtext
+from specdec_client.bench import BenchResult, BlockResult, LoadPoint, Mode
 
 SCHEMA_VERSION = 2  # 2: itl_ms is per token (was chunk gaps, now inter_chunk_latency_ms)
 MS = 1000.0

@@ -1,3 +1,3 @@
-"""The speculative loop (specdec_triton/loop_model.py); this directory's config.pbtxt
+"""The speculative loop (specdec.triton_models.loop_model); this directory's config.pbtxt
 chooses the contract it serves."""
-from specdec_triton.loop_model import TritonPythonModel  # noqa: F401
+from specdec.triton_models.loop_model import TritonPythonModel  # noqa: F401

@@ -23,7 +23,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from specdec import protocol as P
+import specdec_wire as P
 from specdec.errors import ConfigError
 from trtllm_repository import DEFAULT_CONFIG_FILE, parse_request, perf_counts, served_variant
 

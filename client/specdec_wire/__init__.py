@@ -1,0 +1,180 @@
+"""The wire contract: the public tensors of `ensemble` and `speculative_loop`, their perf outputs, the metric names, the admin-key header and the baseline's method name.
+May import: nothing of the project (standard library only).
+
+Defined once; the server, the client and the tests (which check every config.pbtxt against
+MODELS) read it. The client-facing names are those of the TensorRT-LLM backend's
+`ensemble`, so tools written for Triton + TensorRT-LLM (e.g. posting text_input /
+max_tokens / stream to /v2/models/ensemble/generate_stream) work unchanged. The models'
+internal contract (verifier, drafter) lives with the Triton glue
+(specdec.triton_models.contract).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- client-facing (ensemble) --------------------------------------------------------
+TEXT_INPUT = "text_input"
+MAX_TOKENS = "max_tokens"
+STREAM = "stream"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+RANDOM_SEED = "random_seed"
+# TensorRT-LLM ensembles renamed random_seed to seed in May 2025 (tensorrtllm_backend#749);
+# clients of either era send theirs, so the request accepts both.
+SEED = "seed"
+STOP_WORDS = "stop_words"
+NUM_DRAFT_TOKENS = "num_draft_tokens"
+RETURN_PERF_METRICS = "return_perf_metrics"
+# Ours (optional): which drafting method; absent = the server's default method.
+SPECULATIVE_METHOD = "speculative_method"
+# Ours (optional): apply the chat template to text_input (default from the server config).
+APPLY_CHAT_TEMPLATE = "apply_chat_template"
+IGNORE_EOS = "ignore_eos"
+# TensorRT-LLM ensemble inputs that shape the target's distribution or the output
+# (specdec.engine.logits_processing applies them to every tree node, so verification stays lossless).
+MIN_LENGTH = "min_length"
+BAD_WORDS = "bad_words"
+END_ID = "end_id"
+PAD_ID = "pad_id"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+RETURN_LOG_PROBS = "return_log_probs"
+REPETITION_PENALTY = "repetition_penalty"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
+
+# Ours: the speculative_method that turns speculation off (the matched baseline).
+METHOD_NONE = "none"
+
+# speculative_loop also takes and returns token ids (like TensorRT-LLM's tensorrt_llm_bls).
+INPUT_IDS = "input_ids"
+OUTPUT_IDS = "output_ids"
+
+TEXT_OUTPUT = "text_output"
+ACCEPTANCE_RATE = "acceptance_rate"
+TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"
+TOTAL_DRAFT_TOKENS = "total_draft_tokens"
+# Ours: verification steps so far (mean acceptance length = output tokens / steps).
+VERIFICATION_STEPS = "verification_steps"
+OUTPUT_TOKENS = "output_tokens"
+# Ours: why the request ended ("stop", "length", "eos", "cancelled"; "" until the last response).
+FINISH_REASON = "finish_reason"
+# TensorRT-LLM's log-prob outputs (with return_log_probs): per emitted token, and their sum.
+OUTPUT_LOG_PROBS = "output_log_probs"
+CUM_LOG_PROBS = "cum_log_probs"
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton config type, e.g. TYPE_INT32
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+def tensor_specs(*rows: tuple) -> dict[str, TensorSpec]:
+    return {row[0]: TensorSpec(*row) for row in rows}
+
+
+SAMPLING_INPUTS = (
+    (TEMPERATURE, "TYPE_FP32", (1,), True),
+    (TOP_K, "TYPE_INT32", (1,), True),
+    (TOP_P, "TYPE_FP32", (1,), True),
+    (RANDOM_SEED, "TYPE_UINT64", (1,), True),
+)
+PENALTY_INPUTS = (
+    (REPETITION_PENALTY, "TYPE_FP32", (1,), True),
+    (PRESENCE_PENALTY, "TYPE_FP32", (1,), True),
+    (FREQUENCY_PENALTY, "TYPE_FP32", (1,), True),
+)
+REQUEST_INPUTS = (
+    (MAX_TOKENS, "TYPE_INT32", (1,)),
+    (STREAM, "TYPE_BOOL", (1,), True),
+    *SAMPLING_INPUTS,
+    (SEED, "TYPE_UINT64", (1,), True),
+    (STOP_WORDS, "TYPE_STRING", (-1,), True),
+    (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
+    (RETURN_PERF_METRICS, "TYPE_BOOL", (1,), True),
+    (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+    (IGNORE_EOS, "TYPE_BOOL", (1,), True),
+    (MIN_LENGTH, "TYPE_INT32", (1,), True),
+    (BAD_WORDS, "TYPE_STRING", (-1,), True),
+    (END_ID, "TYPE_INT32", (1,), True),
+    (PAD_ID, "TYPE_INT32", (1,), True),
+    (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", (1,), True),
+    (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
+    *PENALTY_INPUTS,
+)
+# Running totals the loop reports with every response (and the rate derived from them).
+PERF_COUNTS = (
+    (TOTAL_ACCEPTED_DRAFT_TOKENS, "TYPE_INT32", (1,)),
+    (TOTAL_DRAFT_TOKENS, "TYPE_INT32", (1,)),
+    (VERIFICATION_STEPS, "TYPE_INT32", (1,)),
+    (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
+)
+PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS, (FINISH_REASON, "TYPE_STRING", (1,)))
+# With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).
+LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)))
+
+# model name -> (inputs, outputs); the tests compare each config.pbtxt with these.
+MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
+    "ensemble": (
+        tensor_specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
+        tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
+    ),
+    # The ensemble's contract plus token ids (like TensorRT-LLM's tensorrt_llm_bls); the
+    # same loop serves both names (specdec.triton_models.loop_model).
+    "speculative_loop": (
+        tensor_specs(
+            (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),
+            (INPUT_IDS, "TYPE_INT32", (-1,), True), *REQUEST_INPUTS,
+        ),
+        tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
+    ),
+}
+
+
+# Triton's administrative APIs are restricted (specdec.launcher.admin): callers send this
+# header with the server's admin key, which the client reads from SPECDEC_ADMIN_KEY.
+ADMIN_KEY_ENV = "SPECDEC_ADMIN_KEY"
+ADMIN_KEY_HEADER = "specdec-admin-key"
+ADMIN_KEY_GRPC_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # Triton's prefix for gRPC metadata
+
+
+# ---- Prometheus metrics on Triton's metrics port (served by the models, read by the client's
+# benchmark and the tests). Labels: method; position (per-position counters); length
+# (acceptance-length histogram); reason (requests); model (active sequences). ----------------
+DRAFT_TOKENS_TOTAL = "specdec_draft_tokens_total"
+ACCEPTED_TOKENS_TOTAL = "specdec_accepted_tokens_total"
+EMITTED_TOKENS_TOTAL = "specdec_emitted_tokens_total"
+VERIFICATION_STEPS_TOTAL = "specdec_verification_steps_total"
+DRAFTED_PER_POSITION_TOTAL = "specdec_drafted_per_position_total"
+ACCEPTED_PER_POSITION_TOTAL = "specdec_accepted_per_position_total"
+ACCEPTANCE_LENGTH_TOTAL = "specdec_acceptance_length_total"
+DRAFT_SECONDS_TOTAL = "specdec_draft_seconds_total"
+VERIFY_SECONDS_TOTAL = "specdec_verify_seconds_total"
+STEP_SECONDS_TOTAL = "specdec_step_seconds_total"
+REQUESTS_TOTAL = "specdec_requests_total"
+ACTIVE_SEQUENCES = "specdec_active_sequences"
+# The budget planner's current beliefs (adaptive methods; specdec.engine.planner), from the verifier.
+ACCEPTANCE_ESTIMATE = "specdec_acceptance_estimate"
+PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
+VERIFIER_METRICS = {
+    ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot"),
+    ACCEPTANCE_ESTIMATE: ("gauge", "Estimated chance that draft position `position` is accepted given the one before, per `method`"),
+    PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),
+}
+
+# name -> (kind, help) of what the speculative loop exports.
+LOOP_METRICS = {
+    DRAFT_TOKENS_TOTAL: ("counter", "Draft tokens proposed"),
+    ACCEPTED_TOKENS_TOTAL: ("counter", "Draft tokens accepted by the target"),
+    EMITTED_TOKENS_TOTAL: ("counter", "Tokens emitted (accepted + bonus/recovered)"),
+    VERIFICATION_STEPS_TOTAL: ("counter", "Target verification steps"),
+    DRAFTED_PER_POSITION_TOTAL: ("counter", "Drafts that reached draft position `position`"),
+    ACCEPTED_PER_POSITION_TOTAL: ("counter", "Drafts accepted at draft position `position`"),
+    ACCEPTANCE_LENGTH_TOTAL: ("counter", "Verification steps that emitted `length` tokens (histogram)"),
+    DRAFT_SECONDS_TOTAL: ("counter", "Time spent drafting (beside the target, or in the drafter model)"),
+    VERIFY_SECONDS_TOTAL: ("counter", "Time spent verifying (target forward + acceptance)"),
+    STEP_SECONDS_TOTAL: ("counter", "Wall time of verification steps as the loop sees them (calls included)"),
+    REQUESTS_TOTAL: ("counter", "Finished requests by finish reason"),
+}

@@ -1,0 +1,92 @@
+"""The draft side: per-sequence drafter state keyed by sequence id, drafts batched per method.
+
+Like the target pass it can live in its own process (the Triton `drafter` model). It keeps
+each sequence's tokens (prompt + emitted) because n-gram lookup needs them and EAGLE needs
+to know which tokens its hidden states belong to.
+"""
+from __future__ import annotations
+
+import time
+from typing import Hashable, Mapping, Sequence
+
+from torch import Tensor
+
+from specdec.config import SamplingParams
+from specdec.engine.drafters.base import Drafter
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.engine.sampling import make_generator
+from specdec.engine.sequences import KeyedSequences, SequenceState
+from specdec.engine.tree import DraftTree
+
+# Draft randomness uses its own stream so it never shifts the verifier's acceptance draws.
+_DRAFT_SEED_OFFSET = 0x5EED
+
+
+class DraftService(KeyedSequences[SequenceState]):
+    where = "drafter"
+
+    def __init__(self, drafters: Mapping[str, Drafter]):
+        super().__init__()
+        self.drafters = dict(drafters)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers (in order) whose outputs the drafters need; all must agree."""
+        wanted = {d.tap_layers for d in self.drafters.values() if d.tap_layers}
+        if len(wanted) > 1:
+            raise ConfigError("tap_layers", f"drafters need different target layers {sorted(wanted)}; serve them separately")
+        return next(iter(wanted), ())
+
+    def needs_hidden(self, method: str) -> bool:
+        drafter = self.drafters.get(method)
+        return bool(drafter and drafter.tap_layers)
+
+    def start(
+        self, seq_id: Hashable, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+        method: str, hidden: Tensor | None = None,
+    ) -> None:
+        if method not in self.drafters:
+            raise InvalidRequestError("method", f"no drafter {method!r}; available: {', '.join(self.drafters)}")
+        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
+        seq = SequenceState(
+            request_id=str(seq_id), prompt_ids=list(prompt_ids), output_ids=[first_token], params=params,
+            method=method, generator=make_generator(seed), last_used=time.monotonic(),
+        )
+        self._seqs[seq_id] = seq
+        self.drafters[method].on_prefill(seq, hidden)
+
+    def propose(self, items: Sequence[tuple[Hashable, int]], cut_for=None) -> list[DraftTree]:
+        """items: (seq_id, budget). Each drafter is called once for all of its sequences.
+        cut_for(method, seq_ids) -> a planner.DraftCut (or None): asked before each further
+        draft pass, and told the call's seconds."""
+        seqs = [self._get(seq_id) for seq_id, _ in items]
+        trees = [DraftTree() for _ in items]
+        by_method: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if items[i][1] > 0:  # a step without drafting (budget 0) costs the drafter nothing
+                by_method.setdefault(seq.method, []).append(i)
+        for method, idx in by_method.items():
+            budgets = [items[i][1] for i in idx]
+            cut = None if cut_for is None else cut_for(method, [items[i][0] for i in idx])
+            t0 = time.perf_counter()
+            if cut is None:
+                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
+            else:
+                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets, cut)
+                cut.finish(time.perf_counter() - t0)
+            for i, tree, budget in zip(idx, proposed, budgets):
+                trees[i] = tree.truncated(budget)
+        return trees
+
+    def advance(self, seq_id: Hashable, emitted: Sequence[int], accepted: int, hidden: Tensor | None = None) -> None:
+        """Tell the drafter what the verifier kept: `accepted` draft tokens, then the
+        bonus/recovered token, i.e. `emitted` (accepted + 1 tokens)."""
+        seq = self._get(seq_id)
+        seq.output_ids.extend(emitted)
+        seq.last_used = time.monotonic()
+        self.drafters[seq.method].on_verified(seq, list(emitted), accepted, hidden)
+
+    def release(self, seq_id: Hashable) -> None:
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        self.drafters[seq.method].on_finish(seq)

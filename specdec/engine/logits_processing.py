@@ -1,0 +1,98 @@
+"""A request's logits rules (TensorRT-LLM's min_length, end_id, bad_words and the
+repetition / presence / frequency penalties) applied to the target's logits at the root
+and at every node of a draft tree, each row with the context that row would have when
+decoding without speculation: the committed tokens plus the path from the root to it.
+
+That is what keeps verification lossless: the target's distribution at every node is
+exactly the one plain decoding would use at that position, so greedy picks the same
+tokens and rejection sampling reproduces the same distribution. The drafters need not
+know the rules (a draft the rules forbid is simply rejected).
+
+Semantics (vLLM's and OpenAI's): the repetition penalty (CTRL, arXiv 1909.05858) divides
+positive logits and multiplies negative ones of every token already in the prompt or the
+output; the presence penalty subtracts a constant from, and the frequency penalty
+subtracts its multiple of the count of, every token already in the output. A bad word
+bans its last token wherever the context ends with the rest of it; before min_length
+output tokens the end ids are banned. Penalties come first, then the bans.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.config import SamplingParams
+from specdec.engine.tree import DraftTree
+
+BANNED = float("-inf")
+
+
+def row_contexts(tree: DraftTree | None) -> list[list[int]]:
+    """Row r's tokens beyond the committed context: [] for the root, the path's tokens for
+    node r-1 (the tree's input rows are [root] + nodes)."""
+    if tree is None:
+        return [[]]
+    return [[]] + [[tree.tokens[n] for n in tree.path_to(node)] for node in range(len(tree))]
+
+
+def apply_rules(logits: Tensor, params: SamplingParams, prompt_len: int, context: Sequence[int],
+                tree: DraftTree | None = None) -> Tensor:
+    """[rows, V] logits -> processed copy. context: every token before the root row's
+    prediction (prompt, then the output so far); prompt_len: how many of them are prompt.
+    Row 0 predicts the token after `context`, row j+1 the token after tree node j."""
+    if not params.shapes_logits:
+        return logits
+    logits = logits.float().clone()
+    extras = row_contexts(tree)
+    assert len(extras) == len(logits), f"{len(logits)} logit rows for {len(extras)} tree rows"
+    if params.penalized:
+        _penalize(logits, params, prompt_len, context, extras)
+    generated = len(context) - prompt_len
+    if params.min_length and params.end_ids:
+        for r, extra in enumerate(extras):
+            if generated + len(extra) < params.min_length:
+                logits[r, list(params.end_ids)] = BANNED
+    for word in params.bad_word_ids:
+        *prefix, last = word
+        for r, extra in enumerate(extras):
+            if not prefix or _ends_with(context, extra, prefix):
+                logits[r, last] = BANNED
+    return logits
+
+
+def _penalize(logits: Tensor, params: SamplingParams, prompt_len: int, context: Sequence[int],
+              extras: list[list[int]]) -> None:
+    """In place. Counts per row = the output's counts + the row's path (one small matrix)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    output = torch.as_tensor(list(context[prompt_len:]), dtype=torch.long, device=device)
+    counts = torch.bincount(output, minlength=vocab).float().expand(rows, vocab).clone()
+    for r, extra in enumerate(extras):
+        if extra:
+            counts[r].index_add_(0, torch.as_tensor(extra, device=device), torch.ones(len(extra), device=device))
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.as_tensor(list(context[:prompt_len]), dtype=torch.long, device=device)] = True
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+
+
+def _ends_with(context: Sequence[int], extra: list[int], suffix: list[int]) -> bool:
+    """Whether context + extra ends with suffix (without building the whole list)."""
+    k = len(suffix)
+    tail = list(context[max(0, len(context) - max(0, k - len(extra))):]) + extra
+    return len(tail) >= k and tail[-k:] == suffix
+
+
+def token_log_probs(logits: Tensor, params: SamplingParams, rows: Sequence[int], tokens: Sequence[int]) -> list[float]:
+    """log p(token) for each (row, token): the processed logits at the request's temperature
+    (1 for greedy), before top-k / top-p truncation (a truncated set would give -inf to
+    tokens another setting would keep)."""
+    scale = params.temperature if not params.greedy else 1.0
+    picked = torch.log_softmax(logits[list(rows)].float() / scale, dim=-1)
+    return picked[torch.arange(len(rows)), torch.as_tensor(list(tokens))].tolist()

@@ -1,0 +1,274 @@
+"""The EAGLE-3 draft head (arXiv 2503.01840; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`).
+
+taps of 3 target layers [.., 3H] --fc--> H ("fused"), or the head's own previous output (H)
+x = [input_layernorm(embed(token)); hidden_norm(hidden)]        (2H: embedding first)
+h = hidden + attn(x)   (q/k/v from 2H)
+h = h + mlp(post_attention_layernorm(h))
+draft logits = lm_head(norm(h)) over a reduced vocabulary; target id = draft id + d2t[draft id]
+
+A pair (hidden of position t, embedding of token t+1) predicts token t+2. The embedding
+matrix is the target's (frozen, not stored in the checkpoint). Checkpoints use the
+published layout: config.json + weights `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from specdec.config import ModelConfig
+from specdec.errors import ModelLoadError
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.models.llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, onednn_supports, prepare_step, rope_inv_freq, rope_tables
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tap_layers: tuple[int, ...] = ()  # target layers whose outputs are concatenated
+
+    @staticmethod
+    def for_target(target: ModelConfig, draft_vocab_size: int, tap_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
+        return Eagle3Config(
+            hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads, head_dim=target.head_dim,
+            vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta, rope_scaling=dict(target.rope_scaling) if target.rope_scaling else None,
+            max_position_embeddings=target.max_position_embeddings,
+            tap_layers=tuple(tap_layers or target.eagle3_tap_layers()),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The published EAGLE-3 config.json (LlamaForCausalLMEagle3) plus our tap layers."""
+        d = asdict(self)
+        taps = d.pop("tap_layers")
+        d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                 eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps)})
+        return d
+
+    @staticmethod
+    def from_hf_dict(raw: dict[str, Any], target: ModelConfig | None = None) -> "Eagle3Config":
+        heads = raw["num_attention_heads"]
+        taps = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not taps:
+            if target is None:
+                raise ModelLoadError("EAGLE-3 config has no eagle_aux_hidden_state_layer_ids and no target was given")
+            taps = target.eagle3_tap_layers()
+        return Eagle3Config(
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=raw.get("rope_theta", 10000.0), rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
+        )
+
+    def as_model_config(self) -> ModelConfig:
+        """The shapes Attention / MLP / RMSNorm take."""
+        return ModelConfig(
+            model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=False, qkv_bias=False, rope_scaling=self.rope_scaling,
+        )
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config, embed: nn.Embedding):
+        super().__init__()
+        self.cfg = cfg
+        mcfg = cfg.as_model_config()
+        H = cfg.hidden_size
+        self.embed = embed  # the target's, frozen
+        self.fc = Linear(len(cfg.tap_layers) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.attn = Attention(mcfg, 0, in_features=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(mcfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(mcfg), persistent=False)
+
+    @property
+    def draft_to_target(self) -> Tensor:
+        """[Vd] target id of each draft id."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, max_slots, c.num_key_value_heads, max_seq_len, c.head_dim, max_new_per_step,
+                       dtype=torch.float32, device=self.d2t.device)
+
+    def fuse(self, hidden: Tensor) -> Tensor:
+        """Target taps (3H) go through fc; the head's own outputs (H) pass as they are."""
+        return self.fc(hidden).float() if hidden.shape[-1] != self.cfg.hidden_size else hidden
+
+    def _mix(self, hidden: Tensor, tokens: Tensor) -> Tensor:
+        emb = self.embed(tokens).float()
+        return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+
+    def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
+        h = hidden + attn_out
+        h = h + self.mlp(self.post_attention_layernorm(h)).float()
+        return h, self.lm_head(self.norm(h)).float()
+
+    @torch.inference_mode()
+    def forward(self, hidden: Tensor, batch: ForwardBatch, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """hidden: [B, N, 3H or H]; batch.tokens: the paired next tokens. Returns the
+        output hidden [B, N, H] (input of the next draft step) and draft logits [B, N, Vd]."""
+        hidden = self.fuse(hidden.float())
+        step = prepare_step(batch, self.inv_freq, torch.float32)
+        attn_out = self.attn(self._mix(hidden, batch.tokens), step, cache).float()
+        return self._finish(hidden, attn_out)
+
+    # ---- training: training-time test (TTT) -------------------------------------------
+    def ttt_forward(self, taps: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
+        """Unroll the head `steps` times on its own outputs over whole sequences, as drafting
+        does. taps: [B, T, 3H] target features at positions t; next_tokens: [B, T + steps]
+        tokens x_{t+1}... Step k at position t pairs the step k-1 output with the embedding
+        of x_{t+k+1}, sits at RoPE position t+k, and attends to the step-0 keys of positions
+        <= t (the committed prefix) plus its own keys of steps 1..k at t (its draft path).
+        Returns the draft logits [B, T, Vd] of each step (step k predicts x_{t+k+2})."""
+        B, T, _ = taps.shape
+        a = self.attn
+        h_heads, kvh, hd = a.n_heads, a.n_kv, a.hd
+        group = h_heads // kvh
+        hidden = self.fuse(taps)
+        positions = torch.arange(T, device=taps.device)[None].expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=taps.device).tril()
+        keys, values, outputs = [], [], []
+        for k in range(steps):
+            x = self._mix(hidden, next_tokens[:, k : k + T])
+            qkv = a.wqkv(x).view(B, T, h_heads + 2 * kvh, hd)
+            cos, sin = rope_tables(positions + k, self.inv_freq, qkv.dtype)
+            qk = apply_rope(qkv[:, :, : h_heads + kvh], cos, sin)
+            q = qk[:, :, :h_heads].transpose(1, 2)  # [B, h, T, hd]
+            key = qk[:, :, h_heads:].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, h, T, hd]
+            val = qkv[:, :, h_heads + kvh :].transpose(1, 2).repeat_interleave(group, dim=1)
+            keys.append(key)
+            values.append(val)
+            scale = 1.0 / math.sqrt(hd)
+            prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
+            prefix = prefix.masked_fill(~causal, float("-inf"))
+            diag = [((q * kk).sum(-1) * scale)[..., None] for kk in keys[1:]]  # [B, h, T, 1] each
+            probs = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1)
+            out = probs[..., :T] @ values[0]
+            for j, vv in enumerate(values[1:]):
+                out = out + probs[..., T + j : T + j + 1] * vv
+            attn_out = a.wo(out.transpose(1, 2).reshape(B, T, h_heads * hd))
+            hidden, logits = self._finish(hidden, attn_out)
+            outputs.append(logits)
+        return outputs
+
+    # ---- checkpoints in the published layout ---------------------------------------------
+    def published_state_dict(self) -> dict[str, Tensor]:
+        H = self.cfg
+        q, k, v = self.attn.wqkv.weight.split(
+            [H.num_attention_heads * H.head_dim, H.num_key_value_heads * H.head_dim, H.num_key_value_heads * H.head_dim]
+        )
+        gate, up = self.mlp.w13.weight.chunk(2)
+        return {
+            "fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+            "d2t": self.d2t, "t2d": self.t2d,
+            "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+            "midlayer.input_layernorm.weight": self.input_layernorm.weight,
+            "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
+            "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
+            "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": self.attn.wo.weight,
+            "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
+            "midlayer.mlp.down_proj.weight": self.mlp.w2.weight,
+        }
+
+    def load_published(self, sd: dict[str, Tensor]) -> None:
+        def take(name: str) -> Tensor:
+            if name not in sd:
+                raise ModelLoadError(f"EAGLE-3 checkpoint lacks {name!r}")
+            return sd[name]
+
+        m = "midlayer."
+        own = {
+            "fc.weight": take("fc.weight"), "norm.weight": take("norm.weight"), "lm_head.weight": take("lm_head.weight"),
+            "hidden_norm.weight": take(m + "hidden_norm.weight"), "input_layernorm.weight": take(m + "input_layernorm.weight"),
+            "post_attention_layernorm.weight": take(m + "post_attention_layernorm.weight"),
+            "attn.wqkv.weight": torch.cat([take(m + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            "attn.wo.weight": take(m + "self_attn.o_proj.weight"),
+            "mlp.w13.weight": torch.cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]),
+            "mlp.w2.weight": take(m + "mlp.down_proj.weight"),
+            "d2t": take("d2t").long(), "t2d": take("t2d").bool(),
+        }
+        missing, unexpected = self.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in own.items()}, strict=False)
+        missing = [k for k in missing if not k.startswith("embed.")]
+        if missing or unexpected:
+            raise ModelLoadError(f"EAGLE-3 checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def cast_linears(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:
+    """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
+    where oneDNN has bf16 kernels), norms and activations stay float32."""
+    if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not onednn_supports(dtype):
+        return head
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.to(dtype)
+    return head
+
+
+def save_eagle3(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.float16, extra: dict | None = None) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous() for k, v in head.published_state_dict().items()}
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({**head.cfg.to_hf_dict(), **(extra or {})}, indent=2))
+
+
+def load_eagle3(head_dir: Path, target_embed: nn.Embedding, target_cfg: ModelConfig | None = None) -> Eagle3Head:
+    """Load a head in the published layout (safetensors or pytorch_model.bin)."""
+    head_dir = Path(head_dir)
+    cfg_path = head_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"missing file: {cfg_path}")
+    cfg = Eagle3Config.from_hf_dict(json.loads(cfg_path.read_text()), target_cfg)
+    if target_cfg is not None and (cfg.hidden_size != target_cfg.hidden_size or cfg.vocab_size != target_cfg.vocab_size):
+        raise ModelLoadError(f"EAGLE-3 head {head_dir} does not fit the target (hidden/vocab mismatch)")
+    weights = head_dir / "model.safetensors"
+    if weights.is_file():
+        sd = load_file(str(weights))
+    elif (head_dir / "pytorch_model.bin").is_file():
+        sd = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ModelLoadError(f"no model.safetensors or pytorch_model.bin in {head_dir}")
+    head = Eagle3Head(cfg, target_embed)
+    head.load_published(sd)
+    return head.eval()
+
+
+def mapped_logits(head: Eagle3Head, draft_logits: Tensor) -> Tensor:
+    """[..., Vd] draft logits -> [..., V] target-vocab logits (-inf outside the draft vocab)."""
+    full = torch.full((*draft_logits.shape[:-1], head.cfg.vocab_size), float("-inf"), device=draft_logits.device)
+    full[..., head.draft_to_target] = draft_logits
+    return full
+
+
+def draft_log_probs(draft_logits: Tensor) -> Tensor:
+    return F.log_softmax(draft_logits.float(), dim=-1)

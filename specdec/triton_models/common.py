@@ -1,0 +1,184 @@
+"""The one shared helper of the Triton Python models: settings, tensor I/O, errors and
+metrics (requests are parsed by specdec.serving.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
+from __future__ import annotations
+
+import ctypes
+import hmac
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specdec.triton_models import contract as C
+from specdec.config import ServingConfig
+from specdec.errors import ConfigError, InvalidRequestError
+
+SETTINGS_FILE = "specdec.json"
+
+
+def load_settings(args: dict[str, Any]) -> ServingConfig:
+    """The repository-wide settings file next to the model directories; a model's
+    config.pbtxt may point elsewhere with parameter `settings_file`."""
+    model_config = json.loads(args["model_config"])
+    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    default = Path(args["model_repository"]).resolve().parent / SETTINGS_FILE
+    path = Path(os.environ.get("SPECDEC_SETTINGS", params.get("settings_file") or default))
+    settings = ServingConfig.from_file(path)
+    threads = settings.threads.get(model_config["name"])
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    logging.getLogger("specdec").info("%s: settings from %s", model_config["name"], path)
+    return settings
+
+
+def check_max_batch_size(args: dict[str, Any], settings: ServingConfig) -> None:
+    """The sequence batcher and the KV-cache slots must agree, or sequences would queue
+    for slots that do not exist (or slots would sit idle)."""
+    model_config = json.loads(args["model_config"])
+    if model_config["max_batch_size"] != settings.engine.max_batch_size:
+        raise ConfigError(
+            "max_batch_size",
+            f"{model_config['name']}/config.pbtxt has {model_config['max_batch_size']} but specdec.json has "
+            f"engine.max_batch_size={settings.engine.max_batch_size}",
+        )
+
+
+# ---- tensor I/O ----------------------------------------------------------------------
+def array(request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def scalar(request, name: str, default: Any, cast=lambda v: v) -> Any:
+    value = array(request, name)
+    if value is None:
+        return default
+    if value.size != 1:
+        raise InvalidRequestError(name, f"expected one value, got shape {list(value.shape)}")
+    return cast(value.reshape(-1)[0])
+
+
+def strings(request, name: str) -> list[str]:
+    value = array(request, name)
+    if value is None:
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in value.reshape(-1)]
+
+
+def inputs_of(request, names: Iterable[str]) -> dict[str, np.ndarray | None]:
+    """name -> array (None when absent): what specdec.serving.request.parse_request reads."""
+    return {name: array(request, name) for name in names}
+
+
+def batched(name: str, value: np.ndarray) -> "pb_utils.Tensor":
+    """A tensor for a model with max_batch_size > 0: one request = batch of one."""
+    return pb_utils.Tensor(name, np.ascontiguousarray(value)[None])
+
+
+def text_tensor(name: str, text: str) -> "pb_utils.Tensor":
+    return batched(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def control(request, name: str) -> bool:
+    value = array(request, name)
+    return bool(value is not None and value.reshape(-1)[0])
+
+
+def internal_key() -> bytes | None:
+    """The per-server secret `specdec serve` puts in the environment (None: not set, e.g. a
+    plain `tritonserver` start; the internal models then accept any caller)."""
+    key = os.environ.get(C.INTERNAL_KEY_ENV)
+    return key.encode() if key else None
+
+
+def from_the_loop(request, key: bytes | None) -> bool:
+    """A call to an internal model carries the secret (compared in constant time)."""
+    if key is None:
+        return True
+    sent = array(request, C.INTERNAL_KEY)
+    value = sent.reshape(-1)[0] if sent is not None and sent.size == 1 else b""
+    return hmac.compare_digest(value if isinstance(value, bytes) else str(value).encode(), key)
+
+
+def refused() -> "pb_utils.InferenceResponse":
+    return error_response(PermissionError("the verifier and the drafter serve the speculative loop only"))
+
+
+def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
+
+
+# ---- metrics --------------------------------------------------------------------------
+class Metrics:
+    """Prometheus metrics on Triton's metrics port (pb_utils.MetricFamily), one metric per
+    label set, created lazily. Every metric update is a round trip from the stub to the
+    server process, so counter increments are summed here and sent at most every
+    `flush_every_s` (and on flush()); gauges are sent only when they change."""
+
+    def __init__(self, families: dict[str, tuple[str, str]], flush_every_s: float = 0.25):
+        # families: name -> (kind "counter" | "gauge", help)
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        self._families = {
+            name: pb_utils.MetricFamily(name=name, description=help_, kind=kinds[kind]) for name, (kind, help_) in families.items()
+        }
+        self._metrics: dict[tuple, Any] = {}
+        self._pending: dict[tuple, float] = {}  # (name, labels) -> increment not yet sent
+        self._gauges: dict[tuple, float] = {}
+        self._flush_every_s = flush_every_s
+        self._last_flush = time.monotonic()
+
+    def _metric(self, name: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = self._families[name].Metric(labels=labels)
+        return metric
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        if value:
+            key = (name, tuple(sorted(labels.items())))
+            self._pending[key] = self._pending.get(key, 0.0) + value
+            if time.monotonic() - self._last_flush > self._flush_every_s:
+                self.flush()
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for (name, labels), value in pending.items():
+            self._metric(name, dict(labels)).increment(value)
+        self._last_flush = time.monotonic()
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        if self._gauges.get(key) != value:
+            self._gauges[key] = value
+            self._metric(name, labels).set(value)
+
+
+class HeapTrimmer:
+    """Gives the models' freed heap back to the OS now and then. Every step allocates
+    transient tensors whose sizes vary with the batch (logits of [sequences, tree rows,
+    vocabulary]); glibc keeps the freed pages in its heaps, so a stub's RSS creeps up over a
+    long soak without any live object growing. malloc_trim(0) (glibc >= 2.8: also the free
+    pages inside the heap) costs milliseconds, so it runs at most every `every_s`."""
+
+    def __init__(self, every_s: float = 30.0):
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+            self._trim = None
+        self.every_s = every_s
+        self._last = time.monotonic()
+
+    def maybe_trim(self) -> bool:
+        if self._trim is None or time.monotonic() - self._last < self.every_s:
+            return False
+        self._trim(0)
+        self._last = time.monotonic()
+        return True

@@ -1,0 +1,139 @@
+"""The models' internal contract: what the speculative loop sends the `verifier` and the
+`drafter`, and what they answer. Not a public API (the public tensors are specdec_wire's);
+the tests check the verifier's and drafter's config.pbtxt against MODELS here."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+import specdec_wire as W
+from specdec.config import SamplingParams
+from specdec.errors import InvalidRequestError
+from specdec.triton_models.keys import INTERNAL_KEY, INTERNAL_KEY_ENV  # noqa: F401 - part of the contract
+
+# The draft budget, one name everywhere: at the verifier's START, the request's most per
+# step; to the drafter, how many it may draft now (the verifier's decision, STEP_STATS).
+NUM_DRAFT_TOKENS = W.NUM_DRAFT_TOKENS
+NUM_ACCEPTED = "num_accepted"
+DRAFT_TOKENS = "draft_tokens"
+DRAFT_PARENTS = "draft_parents"
+DRAFT_PROBS = "draft_probs"
+HIDDEN_STATES = "hidden_states"
+# The request's logits rules at token level, for the verifier only (the loop resolves them):
+# the ids that end a sequence (banned before min_length) and the bad words as token ids,
+# flattened with BAD_WORDS_SEPARATOR after each word.
+END_IDS = "end_ids"
+BAD_WORDS_IDS = "bad_words_ids"
+BAD_WORDS_SEPARATOR = -1
+RETURN_HIDDEN = "return_hidden"
+# The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
+STEP_STATS = "step_stats"
+# num_draft_tokens: the budget the verifier decided for the next tree (a drafter served
+# apart drafts no more).
+STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds", "num_draft_tokens")
+
+# Sequence-batcher control inputs of the stateful drafter and verifier.
+CONTROL_START = "START"
+CONTROL_END = "END"
+CONTROL_READY = "READY"
+CONTROL_CORRID = "CORRID"
+
+# Sampling settings as the loop sends them to the verifier and the drafter (encode_sampling).
+SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS)
+# ... and what only the verifier needs: the logits rules, and whether to return log probs.
+RULES_INPUTS = (
+    (W.MIN_LENGTH, "TYPE_INT32", (1,), True),
+    (END_IDS, "TYPE_INT32", (-1,), True),
+    (BAD_WORDS_IDS, "TYPE_INT32", (-1,), True),
+    *W.PENALTY_INPUTS,
+    (W.RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
+)
+
+# model name -> (inputs, outputs), as specdec_wire.MODELS.
+MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
+    # One speculation step per call: verify the tree (drafted beside the target last step,
+    # or handed in by a drafter served apart), then draft the next with the co-located drafter.
+    "verifier": (
+        W.tensor_specs(
+            (W.INPUT_IDS, "TYPE_INT32", (-1,), True),
+            (W.SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+            (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
+            (DRAFT_TOKENS, "TYPE_INT32", (-1,), True),
+            (DRAFT_PARENTS, "TYPE_INT32", (-1,), True),
+            (DRAFT_PROBS, "TYPE_FP32", (-1, -1), True),
+            (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
+            (INTERNAL_KEY, "TYPE_STRING", (1,), True),
+            *SAMPLING_INPUTS,
+            *RULES_INPUTS,
+        ),
+        W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
+                 (HIDDEN_STATES, "TYPE_FP32", (-1, -1)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
+    ),
+    "drafter": (
+        W.tensor_specs(
+            (W.INPUT_IDS, "TYPE_INT32", (-1,), True),
+            (NUM_ACCEPTED, "TYPE_INT32", (1,), True),
+            (HIDDEN_STATES, "TYPE_FP32", (-1, -1), True),
+            (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
+            (W.SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+            (INTERNAL_KEY, "TYPE_STRING", (1,), True),
+            *SAMPLING_INPUTS,
+        ),
+        W.tensor_specs((DRAFT_TOKENS, "TYPE_INT32", (-1,)), (DRAFT_PARENTS, "TYPE_INT32", (-1,)), (DRAFT_PROBS, "TYPE_FP32", (-1, -1))),
+    ),
+}
+
+
+# ---- sampling settings on the wire between the models: encoded once, decoded once ----------
+def encode_sampling(params: SamplingParams, rules: bool = False) -> dict[str, np.ndarray]:
+    """What the models need of a request's sampling settings (max_tokens bounds drafting);
+    `rules`: also the logits rules and log-prob flag, which only the verifier takes (sent
+    only when set, so a plain request's wire stays as small as it was)."""
+    out = {
+        W.MAX_TOKENS: np.int32([params.max_tokens]), W.TEMPERATURE: np.float32([params.temperature]),
+        W.TOP_K: np.int32([params.top_k]), W.TOP_P: np.float32([params.top_p]),
+    }
+    if params.seed is not None:
+        out[W.RANDOM_SEED] = np.uint64([params.seed])
+    if not rules:
+        return out
+    if params.min_length:
+        out[W.MIN_LENGTH] = np.int32([params.min_length])
+        out[END_IDS] = np.int32(params.end_ids)
+    if params.bad_word_ids:
+        out[BAD_WORDS_IDS] = np.int32([t for word in params.bad_word_ids for t in (*word, BAD_WORDS_SEPARATOR)])
+    for name, neutral in ((W.REPETITION_PENALTY, 1.0), (W.PRESENCE_PENALTY, 0.0), (W.FREQUENCY_PENALTY, 0.0)):
+        if getattr(params, name) != neutral:
+            out[name] = np.float32([getattr(params, name)])
+    if params.return_log_probs:
+        out[W.RETURN_LOG_PROBS] = np.bool_([True])
+    return out
+
+
+def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
+    """The inverse of encode_sampling; `read(name)` returns the tensor or None."""
+    def one(name: str, default, cast):
+        value = read(name)
+        return default if value is None else cast(value.reshape(-1)[0])
+
+    def ids(name: str) -> list[int]:
+        value = read(name)
+        return [] if value is None else [int(t) for t in value.reshape(-1)]
+
+    words, word = [], []
+    for token in ids(BAD_WORDS_IDS):
+        if token == BAD_WORDS_SEPARATOR:
+            words.append(tuple(word))
+            word = []
+        else:
+            word.append(token)
+    if word:
+        raise InvalidRequestError(BAD_WORDS_IDS, f"must end with the separator {BAD_WORDS_SEPARATOR}")
+    return SamplingParams(
+        max_tokens=one(W.MAX_TOKENS, 1, int), temperature=one(W.TEMPERATURE, 0.0, float), top_k=one(W.TOP_K, 0, int),
+        top_p=one(W.TOP_P, 1.0, float), seed=one(W.RANDOM_SEED, None, int),
+        min_length=one(W.MIN_LENGTH, 0, int), end_ids=tuple(ids(END_IDS)), bad_word_ids=tuple(w for w in words if w),
+        repetition_penalty=one(W.REPETITION_PENALTY, 1.0, float), presence_penalty=one(W.PRESENCE_PENALTY, 0.0, float),
+        frequency_penalty=one(W.FREQUENCY_PENALTY, 0.0, float), return_log_probs=one(W.RETURN_LOG_PROBS, False, bool),
+    )

@@ -1,0 +1,303 @@
+"""The speculative loop as a Triton model: a decoupled BLS model that runs
+specdec.serving.loop.run_loop per request, with the verifier (and, for drafters served apart, the
+drafter) model as its backend (one correlation id per request). Streams text as it is
+accepted; every request ends with exactly one final response.
+
+Served under two names (each model.py re-exports this class):
+  * `ensemble`: the TensorRT-LLM ensemble's contract (text_input in, text_output and the
+    perf outputs out). One decoupled model rather than Triton's ensemble scheduler, because
+    that scheduler (<= 2.51) checks a client's cancellation only between its steps and
+    never tells a running decoupled step: a cancelled stream would run to max_tokens.
+  * `speculative_loop`: the same, plus input_ids in and output_ids out (like TensorRT-LLM's
+    tensorrt_llm_bls).
+"""
+import asyncio
+import concurrent.futures
+import contextlib
+import secrets
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+import specdec_wire as P
+from specdec.triton_models import contract as C
+from specdec.config import METHOD_NONE
+from specdec.serving.detok import IncrementalDetokenizer
+from specdec.serving.spec_engine import eos_ids_of_config
+from specdec.errors import CapacityError, SpecDecError
+from specdec.serving.loop import LoopBackend, run_loop
+from specdec.engine.sequences import check_prompt_ids
+from specdec.serving.request import parse_request, resolve_token_rules, served_offer
+from specdec.triton_models.contract import encode_sampling
+from specdec.engine.step import StepResult
+from specdec.engine.models.loading import read_model_config
+from specdec.config import resolve_model_dir
+from specdec.serving.runtime import encode_prompt, load_tokenizer, tap_layers_of
+from specdec.serving.state import RequestState
+from specdec.engine.tree import DraftTree
+from specdec.triton_models.slots import SharedSlots
+from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+TARGET_OUT = [P.OUTPUT_IDS, C.STEP_STATS]
+DRAFT_OUT = [C.DRAFT_TOKENS, C.DRAFT_PARENTS, C.DRAFT_PROBS]
+LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
+
+
+def send(sender, response, flags) -> bool:
+    """Send a response; False when the client is gone (the sender refuses)."""
+    try:
+        sender.send(response, flags=flags)
+        return True
+    except Exception:  # noqa: BLE001 - a closed stream raises; the caller stops generating
+        return False
+
+
+class BLSBackend(LoopBackend):
+    """The loop's hooks as BLS calls: one verifier call per step for co-located drafters;
+    a drafter call before it for a drafter served apart."""
+
+    def __init__(self, cid, key, log_probs=False):
+        self.cid = cid
+        self.target_out = TARGET_OUT + [P.OUTPUT_LOG_PROBS] if log_probs else TARGET_OUT
+        # The per-server secret the internal models ask for (None when none was set).
+        self.key = None if key is None else np.array([key], dtype=np.object_)
+
+    async def _call(self, model, inputs, outputs, flags=0):
+        if self.key is not None:
+            inputs = {**inputs, C.INTERNAL_KEY: self.key}
+        request = pb_utils.InferenceRequest(
+            model_name=model, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
+            correlation_id=self.cid, flags=flags,
+        )
+        response = await request.async_exec()
+        if response.has_error():
+            raise SpecDecError(response.error().message())
+        return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0] for name in outputs}
+
+    @staticmethod
+    def _hidden(array_):
+        return torch.from_numpy(array_.copy()) if array_.size else None
+
+    def _reply(self, out):
+        stats = dict(zip(C.STEP_STATS_FIELDS, out[C.STEP_STATS].tolist()))
+        return StepResult(
+            out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
+            self._hidden(out[C.HIDDEN_STATES]) if C.HIDDEN_STATES in out else None,
+            stats["verify_seconds"], stats["draft_seconds"],
+            out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None, int(stats["num_draft_tokens"]),
+        )
+
+    @staticmethod
+    def _tree(out):
+        probs = out[C.DRAFT_PROBS]
+        return DraftTree.from_arrays(out[C.DRAFT_TOKENS], out[C.DRAFT_PARENTS], torch.from_numpy(probs.copy()) if probs.size else None)
+
+    async def start_target(self, prompt_ids, params, method, num_draft_tokens, want_hidden):
+        inputs = {P.INPUT_IDS: np.int32(prompt_ids), **encode_sampling(params, rules=True)}
+        if method != METHOD_NONE:
+            inputs.update({P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])})
+        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden), START))
+
+    async def verify(self, tree, want_hidden):
+        inputs = {}
+        if tree is not None and len(tree):
+            inputs.update({C.DRAFT_TOKENS: np.int32(tree.tokens), C.DRAFT_PARENTS: np.int32(tree.parents)})
+            if tree.draft_probs is not None:
+                inputs[C.DRAFT_PROBS] = tree.draft_probs.float().numpy()
+        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden)))
+
+    @staticmethod
+    def _hidden_inputs(inputs, want_hidden):
+        if want_hidden:
+            inputs[C.RETURN_HIDDEN] = np.bool_([True])
+        return inputs
+
+    def _outputs(self, want_hidden):
+        return self.target_out + [C.HIDDEN_STATES] if want_hidden else self.target_out
+
+    async def start_drafter(self, prompt_ids, first_token, params, method, hidden, num_draft_tokens):
+        inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens]),
+                  P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **encode_sampling(params)}
+        if hidden is not None:
+            inputs[C.HIDDEN_STATES] = hidden.numpy()
+        return self._tree(await self._call("drafter", inputs, DRAFT_OUT, START))
+
+    async def draft(self, last, num_draft_tokens):
+        inputs = {P.INPUT_IDS: np.int32(last.emitted), C.NUM_ACCEPTED: np.int32([last.accepted]),
+                  C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])}
+        if last.hidden is not None:
+            inputs[C.HIDDEN_STATES] = last.hidden.numpy()
+        return self._tree(await self._call("drafter", inputs, DRAFT_OUT))
+
+    async def release(self, target_started, drafter_started):
+        for model, started in (("drafter", drafter_started), ("verifier", target_started)):
+            if started:
+                await self._call(model, {}, [], END)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.inputs, outputs = P.MODELS[args["model_name"]]  # the served name's contract
+        # A step whose text is all held back (it may start a stop string) still streams its
+        # ids where ids are served, so a client's ids are complete; text-only clients hear
+        # only text (and the end).
+        self.streams_ids = P.OUTPUT_IDS in outputs
+        self.settings = load_settings(args)
+        model_dir = resolve_model_dir(self.settings.model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        target_cfg = read_model_config(model_dir)
+        self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
+        self.vocab_size = target_cfg.vocab_size
+        # Drafters served apart that need the target's hidden taps (co-located ones get them in place).
+        self.hidden_methods = {name for name, spec in self.settings.methods.items() if tap_layers_of(spec, target_cfg)}
+        self.offer = served_offer(self.settings)
+        self.key = internal_key()
+        self.metrics = Metrics(P.LOOP_METRICS)
+        self._live_cids: set[int] = set()
+        self._executor_set = False
+
+    async def execute(self, requests):
+        if not self._executor_set:  # each in-flight BLS call holds a pool thread; the default pool is tiny
+            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
+            # One permit per KV-cache slot, shared with the other served name's process.
+            self._slots = SharedSlots(self.settings.engine.max_batch_size)
+            self._executor_set = True
+        # One request's failure must never take the others (or the stub) down with it.
+        await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
+        return None
+
+    def _parse(self, request):
+        """The one request parser (specdec.serving.request), then the prompt's tokens."""
+        req = parse_request(inputs_of(request, self.inputs), self.offer)
+        prompt = list(req.prompt_ids) if req.prompt_ids is not None else encode_prompt(
+            self.tokenizer, req.prompt, chat=req.apply_chat_template)
+        limit = self.settings.engine.max_seq_len
+        check_prompt_ids(prompt, limit, self.vocab_size)
+        params, end_ids = resolve_token_rules(req.params, self.eos_ids, self.vocab_size, self._tokenize_word)
+        state = RequestState(
+            request_id=str(self._new_cid()), prompt_ids=prompt, params=params, method=req.method,
+            num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=end_ids,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+        )
+        return req, state
+
+    def _tokenize_word(self, word):
+        return self.tokenizer.encode(word, add_special_tokens=False)
+
+    async def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            parsed, req = self._parse(request)
+        except Exception as exc:  # noqa: BLE001 - every request ends with a final response
+            send(sender, error_response(exc), FINAL)
+            return
+        try:
+            slot = await self._admit(sender, req)
+            if slot is None:
+                return
+            try:
+                await self._generate(request, sender, parsed, req)
+            finally:
+                self._slots.release(slot)
+        finally:
+            self._live_cids.discard(int(req.request_id))
+
+    def _new_cid(self):
+        """A random 63-bit correlation id, unique among live requests: ids cannot be guessed,
+        so no client can aim a request (or an END) at someone else's sequence."""
+        while True:
+            cid = secrets.randbits(63) or 1
+            if cid not in self._live_cids:
+                self._live_cids.add(cid)
+                return cid
+
+    async def _admit(self, sender, req):
+        """Wait (bounded) for a free sequence slot (its permit); refuse as busy, None, when
+        none frees in time."""
+        timeout = self.settings.admission_timeout_s
+        slot = await self._slots.acquire(timeout)
+        if slot is None:
+            self.metrics.inc(P.REQUESTS_TOTAL, reason="busy", method=req.method)
+            self.metrics.flush()
+            limit = self.settings.engine.max_batch_size
+            busy = CapacityError(f"server busy: all {limit} sequence slots are in use; waited {timeout:g} s (admission_timeout_s)")
+            send(sender, error_response(busy), FINAL)
+        return slot
+
+    async def _generate(self, request, sender, parsed, req):
+        stream = parsed.stream
+        pieces = []
+        spec = self.settings.methods.get(req.method)
+        try:
+            backend = BLSBackend(int(req.request_id), self.key, req.params.return_log_probs)
+            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled,
+                               drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)
+            async with contextlib.aclosing(updates):  # leaving early still releases the slots
+                async for update in updates:
+                    self._record(req.method, update)
+                    pieces.append(update.text)
+                    if update.finished:  # counters are current before the client hears the end
+                        self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
+                        self.metrics.flush()
+                    if stream and (update.text or update.finished or (self.streams_ids and update.token_ids)):
+                        response = self._response(request, req, update.text, update.token_ids, update.log_probs)
+                        if not send(sender, response, FINAL if update.finished else 0):
+                            self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
+                            return  # nobody is listening any more: stop generating
+            if not stream:
+                text, ids = "".join(pieces), req.output_ids
+                if not parsed.exclude_input_in_output:  # TensorRT-LLM's default: the prompt, then the answer
+                    prompt_text = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                    text, ids = prompt_text + text, req.prompt_ids + ids
+                send(sender, self._response(request, req, text, ids, req.log_probs), FINAL)
+        except Exception as exc:  # noqa: BLE001 - every request must end with a final response
+            send(sender, error_response(exc), FINAL)
+        finally:
+            self.metrics.flush()
+
+    @staticmethod
+    def _response(request, req, text, token_ids, log_probs):
+        """Only the outputs the caller asked for (the ensemble asks for its own six); the
+        log-prob outputs, when nothing in particular was asked for, only with return_log_probs
+        (asked for without it they are zeros, as TensorRT-LLM's are)."""
+        stats = req.stats
+        wanted = set(request.requested_output_names())
+        with_log_probs = req.params.return_log_probs
+        if not with_log_probs or log_probs is None:
+            log_probs = [0.0] * len(token_ids)
+        values = {
+            P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
+            P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
+            P.ACCEPTANCE_RATE: lambda: batched(P.ACCEPTANCE_RATE, np.float32([stats.acceptance_rate])),
+            P.TOTAL_ACCEPTED_DRAFT_TOKENS: lambda: batched(P.TOTAL_ACCEPTED_DRAFT_TOKENS, np.int32([stats.accepted_tokens])),
+            P.TOTAL_DRAFT_TOKENS: lambda: batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
+            P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
+            P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+            P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
+            P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
+            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),
+        }
+        return pb_utils.InferenceResponse([
+            make() for name, make in values.items()
+            if name in wanted or (not wanted and (with_log_probs or name not in LOG_PROB_OUTPUTS))
+        ])
+
+    def _record(self, method, update):
+        if not update.verified:
+            return
+        m = self.metrics
+        m.inc(P.DRAFT_SECONDS_TOTAL, update.draft_seconds, method=method)
+        m.inc(P.VERIFY_SECONDS_TOTAL, update.verify_seconds, method=method)
+        m.inc(P.STEP_SECONDS_TOTAL, update.step_seconds, method=method)
+        m.inc(P.DRAFT_TOKENS_TOTAL, update.draft_tokens, method=method)
+        m.inc(P.ACCEPTED_TOKENS_TOTAL, update.accepted, method=method)
+        m.inc(P.EMITTED_TOKENS_TOTAL, len(update.token_ids), method=method)
+        m.inc(P.VERIFICATION_STEPS_TOTAL, 1, method=method)
+        m.inc(P.ACCEPTANCE_LENGTH_TOTAL, 1, method=method, length=str(update.accepted + 1))
+        for position in range(update.draft_depth):
+            m.inc(P.DRAFTED_PER_POSITION_TOTAL, 1, method=method, position=str(position))
+        for position in range(update.accepted):
+            m.inc(P.ACCEPTED_PER_POSITION_TOTAL, 1, method=method, position=str(position))

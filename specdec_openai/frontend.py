@@ -1,0 +1,372 @@
+"""`specdec openai`: an OpenAI-compatible HTTP front end for the Triton server.
+
+FastAPI + uvicorn in front of `speculative_loop` (the ensemble's contract plus token ids),
+reached over Triton's HTTP streaming endpoint: a client that goes away closes that stream
+and the loop stops at its next step (the bundled Triton's gRPC frontend aborts on concurrent
+client cancellations, server#7368, so HTTP is the safe transport here).
+
+Endpoints: POST /v1/chat/completions (messages rendered with the target's chat template:
+system prompt, multi-turn), POST /v1/completions (raw prompt), GET /v1/models, GET /health.
+`stream: true` answers with SSE chunks ending in `data: [DONE]`
+(`stream_options.include_usage` adds a usage chunk). Speculation: one model id per
+configured method (`<base>:<method>`, `<base>:none` = the matched baseline, `<base>` =
+the server's default method), or the extra body fields `speculative_method` and
+`num_draft_tokens` (0 = the baseline); what it did comes back in the `specdec` field.
+Errors use OpenAI's shape: 400 naming the parameter, 404 for an unknown model, 503 when
+Triton is not reachable or ready.
+"""
+
+import argparse
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping
+
+import specdec_wire as P
+from specdec.config import METHOD_NONE, ServingConfig
+
+DEFAULT_MAX_TOKENS = 256
+# Our tensor names -> the OpenAI parameter a client sent them as (for 400 errors).
+PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TOP_P: "top_p", P.TOP_K: "top_k",
+                  P.RANDOM_SEED: "seed", P.SEED: "seed", P.STOP_WORDS: "stop", P.SPECULATIVE_METHOD: "speculative_method",
+                  P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages",
+                  P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
+                  P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens"}
+# Accepted only at their neutral value (anything else would be silently different output).
+NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None,
+           "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What this front end offers: model ids -> (method, draft budget or None = configured)."""
+
+    base: str
+    methods: Mapping[str, str]  # model id -> speculative_method ("" = the server's default)
+
+    @staticmethod
+    def from_settings(settings: ServingConfig, base: str) -> "Served":
+        ids = {base: "", f"{base}:{METHOD_NONE}": METHOD_NONE}
+        ids.update({f"{base}:{name}": name for name in settings.methods})
+        return Served(base, ids)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated OpenAI request, as the Triton request it becomes."""
+
+    model: str
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    method: str | None
+    num_draft_tokens: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension (TensorRT-LLM's min_length)
+
+
+def _number(body: Mapping[str, Any], name: str, default, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise OpenAIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    return kind(value)
+
+
+def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
+    """Validate an OpenAI request body; every refusal names its parameter."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "model is required", "model")
+    if model not in served.methods:
+        raise OpenAIError(404, f"The model {model!r} does not exist; available: {', '.join(served.methods)}", "model",
+                          code="model_not_found")
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if not (value is None or value == neutral or (neutral is None and not value)):
+            raise OpenAIError(400, f"{name} is not supported (only {neutral!r})", name)
+    prompt = render_messages(body.get("messages"), tokenizer) if chat else _prompt_text(body.get("prompt"))
+    max_tokens = _number(body, "max_completion_tokens", None, int) if body.get("max_completion_tokens") is not None \
+        else _number(body, "max_tokens", DEFAULT_MAX_TOKENS, int)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise OpenAIError(400, "stop must be a non-empty string or a list of up to 4 of them", "stop")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise OpenAIError(400, "stream_options must be an object", "stream_options")
+    method = body.get("speculative_method", served.methods[model] or None)
+    if method is not None and not isinstance(method, str):
+        raise OpenAIError(400, "speculative_method must be a string", "speculative_method")
+    k = _number(body, "num_draft_tokens", None, int)
+    if k is None and method == METHOD_NONE:
+        k = 0
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _number(body, "seed", None, int)
+    return Job(model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
+               max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+               seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
+               include_usage=bool(stream_options.get("include_usage", False)),
+               ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, which benchmark tools send
+               presence_penalty=_number(body, "presence_penalty", 0.0), frequency_penalty=_number(body, "frequency_penalty", 0.0),
+               repetition_penalty=_number(body, "repetition_penalty", 1.0), min_tokens=_number(body, "min_tokens", 0, int))
+
+
+def render_messages(messages: Any, tokenizer) -> str:
+    """Chat messages through the target's chat template (system prompt, multi-turn)."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "messages must be a non-empty list", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
+            raise OpenAIError(400, f"messages[{i}] needs a role of system, user or assistant", f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise OpenAIError(400, "only text content parts are supported", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise OpenAIError(400, "content must be a string or a list of text parts", f"messages[{i}].content")
+        role = "system" if message["role"] == "developer" else message["role"]
+        rendered.append({"role": role, "content": content})
+    return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise OpenAIError(400, "prompt must be a non-empty string (one prompt per request)", "prompt")
+    return prompt
+
+
+def triton_error(message: str) -> OpenAIError:
+    """A Triton error as OpenAI's: the field our server named -> the client's parameter."""
+    text = message.strip()
+    named = [(text.find(f"{field}:"), param) for field, param in PARAM_OF_FIELD.items() if f"{field}:" in text]
+    if named:  # the first field the message names
+        return OpenAIError(400, text, min(named)[1])
+    if "busy" in text.lower():
+        return OpenAIError(503, text, kind="server_busy")
+    return OpenAIError(500, text, kind="server_error")
+
+
+class Frontend:
+    """The request path, apart from the web framework (so it is testable without one)."""
+
+    def __init__(self, triton_http: str, served: Served, tokenizer, timeout_s: float = 600.0):
+        self.triton_http, self.served, self.tokenizer, self.timeout_s = triton_http, served, tokenizer, timeout_s
+        self.client = None
+
+    async def start(self) -> None:
+        from specdec_client import AsyncSpecDecClient
+
+        self.client = AsyncSpecDecClient(self.triton_http, protocol="http", model="speculative_loop", timeout_s=self.timeout_s)
+        await self.client.__aenter__()
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def request(self, job: Job):
+        from specdec_client import GenerateRequest
+
+        return GenerateRequest(job.prompt, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed,
+                               stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False,
+                               ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
+                               presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
+                               repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None)
+
+    async def chunks(self, job: Job) -> AsyncIterator:
+        from specdec_client import ClientConnectionError, ServerError
+
+        try:
+            async for chunk in self.client.stream(self.request(job)):
+                yield chunk
+        except ClientConnectionError as exc:
+            raise OpenAIError(503, f"the Triton server is not reachable: {exc}", kind="service_unavailable") from exc
+        except ServerError as exc:
+            raise triton_error(str(exc)) from exc
+
+    async def ready(self) -> bool:
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                async with session.get(f"http://{self.triton_http}/v2/models/speculative_loop/ready") as resp:
+                    return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+
+def usage(job: Job, completion_tokens: int) -> dict:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens}
+
+
+def extension(perf: Mapping[str, float], job: Job) -> dict:
+    """What speculation did for this request (the `specdec` field)."""
+    return {"speculative_method": job.method or "(server default)", "acceptance_rate": perf.get(P.ACCEPTANCE_RATE, 0.0),
+            "accepted_draft_tokens": int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)),
+            "draft_tokens": int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)), "verification_steps": int(perf.get(P.VERIFICATION_STEPS, 0))}
+
+
+def finish_reason(server_reason: str | None) -> str:
+    """OpenAI's reason from the loop's: a stop string and the end token are both "stop"."""
+    return "length" if server_reason == "length" else "stop"
+
+
+def completion_tokens(perf: Mapping[str, float], streamed_ids: int) -> int:
+    """The server's count of output tokens (a step whose text is held back for a possible
+    stop string streams no chunk, so counting streamed ids could fall short)."""
+    return int(perf.get(P.OUTPUT_TOKENS, streamed_ids))
+
+
+def create_app(frontend: Frontend):
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await frontend.start()
+        yield
+        await frontend.stop()
+
+    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def _error(request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        ok = await frontend.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "specdec"}
+                                           for m in frontend.served.methods]}
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            raise OpenAIError(400, f"the request body is not JSON: {exc}") from exc
+        job = parse_job(body, frontend.served, frontend.tokenizer, chat)
+        if not await frontend.ready():
+            raise OpenAIError(503, "the Triton server is not ready", kind="service_unavailable")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if job.stream:
+            return StreamingResponse(_sse(frontend, job, rid, created, kind, chat), media_type="text/event-stream")
+        text, ids, perf, server_reason = [], [], {}, None
+        async for chunk in frontend.chunks(job):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+            perf.update(chunk.perf)
+            server_reason = chunk.finish_reason or server_reason
+        reason = finish_reason(server_reason)
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
+        return {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice],
+                "usage": usage(job, completion_tokens(perf, len(ids))), "specdec": extension(perf, job)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    return app
+
+
+async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, chat: bool) -> AsyncIterator[str]:
+    """OpenAI's streaming chunks. If the client goes away, Starlette cancels this generator,
+    which closes the Triton stream: the loop stops at its next step."""
+    obj = f"{kind}.chunk" if chat else kind
+
+    def event(choices: list, **extra) -> str:
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices, **extra}) + "\n\n"
+
+    def delta(text: str | None, reason: str | None = None, role: bool = False) -> dict:
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            return {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+
+    ids, perf, server_reason = 0, {}, None
+    try:
+        if chat:
+            yield event([delta(None, role=True)])
+        async for chunk in frontend.chunks(job):
+            ids += len(chunk.token_ids)
+            perf.update(chunk.perf)
+            server_reason = chunk.finish_reason or server_reason
+            if chunk.text:
+                yield event([delta(chunk.text)])
+        yield event([delta(None, finish_reason(server_reason))], specdec=extension(perf, job))
+        if job.include_usage:
+            yield event([], usage=usage(job, completion_tokens(perf, ids)))
+    except OpenAIError as exc:  # after the 200 header: the error travels in the stream, as OpenAI's does
+        yield "data: " + json.dumps(exc.body()) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec openai", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--triton", default="localhost:8000", help="Triton's HTTP endpoint (host:port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 inside a container)")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--settings", default=None, help="the served specdec.json (default: $SPECDEC_SETTINGS or the repository's)")
+    p.add_argument("--model-dir", default=None, help="the target's directory (its tokenizer and chat template)")
+    p.add_argument("--model-name", default="smollm2-135m-instruct", help="the base model id")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import os
+
+    import uvicorn
+
+    from transformers import AutoTokenizer
+
+    from specdec.config import SERVED_SETTINGS, resolve_model_dir
+
+    settings = ServingConfig.from_file(Path(args.settings or os.environ.get("SPECDEC_SETTINGS") or SERVED_SETTINGS))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.model_dir or settings.model_dir)))
+    frontend = Frontend(args.triton, Served.from_settings(settings, args.model_name), tokenizer)
+    uvicorn.run(create_app(frontend), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,143 @@
+"""The packages' import rules hold: every package's __init__ docstring says on a line
+`May import: ...` which of the project's packages its modules may import, and every import
+in the tree (module level or inside a function) is checked against the nearest such rule.
+The wire contract imports nothing but the standard library."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Top-level packages of the project and where they live.
+PACKAGES = {
+    "specdec": ROOT / "specdec",
+    "specdec_wire": ROOT / "client" / "specdec_wire",
+    "specdec_client": ROOT / "client" / "specdec_client",
+    "specdec_openai": ROOT / "specdec_openai",
+    "trtllm_repository": ROOT / "trtllm_repository",
+    "loadtest": ROOT / "loadtest",
+}
+RULE_PREFIX = "May import:"
+
+
+def module_name(path: Path, top: str) -> str:
+    rel = path.relative_to(PACKAGES[top]).with_suffix("")
+    parts = [top, *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p, top): p for top, root in PACKAGES.items() for p in sorted(root.rglob("*.py"))}
+
+
+def rule_of(path: Path) -> tuple[str, ...] | None:
+    """The `May import:` line of a module's docstring, as module-name prefixes."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    for line in doc.splitlines():
+        if line.startswith(RULE_PREFIX):
+            names = line[len(RULE_PREFIX):].strip().rstrip(".")
+            if names.startswith("nothing"):
+                return ()
+            return tuple(n.strip() for n in names.split(","))
+    return None
+
+
+def governing_rule(name: str, mods: dict[str, Path]) -> tuple[str, tuple[str, ...]]:
+    """(who states it, allowed prefixes): the module's own rule, else its nearest package's."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in mods:
+            rule = rule_of(mods[candidate])
+            if rule is not None:
+                return candidate, rule
+    raise AssertionError(f"{name}: no `{RULE_PREFIX}` line in its docstring or any package __init__ above it")
+
+
+def imports_of(path: Path, name: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            out.append((node.lineno, target))
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]  # `from pkg import module`
+    return out
+
+
+def is_within(target: str, prefix: str) -> bool:
+    return target == prefix or target.startswith(prefix + ".")
+
+
+def violations() -> list[str]:
+    mods = modules()
+    found = []
+    for name, path in mods.items():
+        owner, allowed = governing_rule(name, mods)
+        for line, target in imports_of(path, name):
+            top = target.split(".")[0]
+            if top not in PACKAGES:
+                continue
+            if not (target in mods or any(is_within(m, target) for m in mods)):
+                continue  # `from pkg import name`: the name is not a module
+            if is_within(target, owner) or any(is_within(target, prefix) for prefix in allowed):
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{line} imports {target} (rule of {owner}: {', '.join(allowed) or 'nothing'})")
+    return found
+
+
+def test_every_package_states_its_rule_in_two_lines():
+    for name, path in modules().items():
+        if path.name == "__init__.py" and name.count(".") <= 1:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            lines = doc.splitlines()
+            assert len(lines) >= 2 and lines[1].startswith(RULE_PREFIX) and (len(lines) == 2 or not lines[2]), f"{path.relative_to(ROOT)}: what lives here, then {RULE_PREFIX}"
+
+
+def test_no_package_imports_one_it_may_not():
+    assert violations() == []
+
+
+def test_the_wire_contract_is_standard_library_only():
+    path = PACKAGES["specdec_wire"] / "__init__.py"
+    outside = [t for _, t in imports_of(path, "specdec_wire") if t.split(".")[0] not in sys.stdlib_module_names | {"__future__"}
+               and t.split(".")[0] != "dataclasses"]
+    assert outside == [], f"specdec_wire imports {outside}"
+
+
+@pytest.mark.parametrize("package, forbidden", [("specdec.engine", "specdec.serving"), ("specdec_client", "specdec")])
+def test_a_forbidden_import_is_caught(tmp_path, monkeypatch, package, forbidden):
+    """Negative control: an arrow that runs back up is reported."""
+    parts = package.split(".")
+    root = PACKAGES[parts[0]].joinpath(*parts[1:])
+    probe = root / "_layering_probe.py"
+    probe.write_text(f"import {forbidden}\n")
+    try:
+        assert any("_layering_probe.py" in v and forbidden in v for v in violations())
+    finally:
+        probe.unlink()
+
+
+def test_module_names_are_not_repeated_across_packages_for_different_things():
+    """protocol, metrics, cli, GenerateRequest: one of each."""
+    leaves: dict[str, list[str]] = {}
+    for name in modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in ("__init__", "__main__") and "." in name:
+            leaves.setdefault(leaf, []).append(name)
+    # errors: each installable part's own exception types (the client is installed alone).
+    repeated = {leaf: names for leaf, names in leaves.items() if len(names) > 1 and leaf != "errors"}
+    assert repeated == {}
+    defined = [name for name, path in modules().items() if "class GenerateRequest" in path.read_text()]
+    assert defined == ["specdec_client.client"]
