@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-methods bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ generate: prepare
 
 test: prepare
 	$(BIN)/python -m pytest -q -x -m "not slow" tests
+
+# Everything, the slow tests too (the remaining statistical cases, every method through the server): ~45 min on 2 cores
+test-all: prepare
+	$(BIN)/python -m pytest -q tests
 
 # Every method in specdec.json through the real server at 1 and 8 streams vs the baseline (slow: outside make test)
 test-methods: prepare

@@ -68,7 +68,7 @@ def triton_server(tmp_path_factory, smol_dir):
     that keep the KV cache small (max_seq_len 512)."""
     import json
 
-    from specdec_wire import INTERNAL_KEY_ENV
+    from specdec.triton_models.keys import INTERNAL_KEY_ENV
     from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())

@@ -182,7 +182,7 @@ def toy_eagle(tmp_path_factory):
     return target, load_eagle3(root / "h", target.embed, target.cfg)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain_sampled", "dynamic_tree"])
+@pytest.mark.parametrize("tree", [pytest.param(False, marks=pytest.mark.slow, id="chain_sampled"), pytest.param(True, id="dynamic_tree")])
 def test_eagle3_sampling_is_lossless(toy_eagle, tree):
     target, head = toy_eagle
     spec = (SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2)
@@ -403,6 +403,7 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     assert merged.emitted == [1, 2, 3] and merged.accepted == 1 and merged.hidden.shape == (3, 3)
 
 
+@pytest.mark.slow  # ~1 min; the acceptance floor and test_methods_served hold the shipped head in make test
 def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
     """The SHIPPED head (not a random one) on 16 ShareGPT first turns: token ids equal plain
     decoding's, batched, with every draft position accepted at least once (so the deep
@@ -434,7 +435,7 @@ class _CountingEagle3(Eagle3Drafter):
         return trees
 
 
-@pytest.mark.parametrize("variant", ["shipped", "dynamic_tree"])
+@pytest.mark.parametrize("variant", ["shipped", pytest.param("dynamic_tree", marks=pytest.mark.slow)])
 def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     """The real eagle3-hybrid drafter (Eagle3Drafter with hybrid_ngram and the planner), not
     tests/toy.py's BigramDrafter copy, drafting for a toy target (the shipped head's
