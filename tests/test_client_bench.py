@@ -23,6 +23,7 @@ from specdec_client.bench import (
 )
 from specdec_client.commands import generation_stats, main
 from specdec_client.summary import build_summary, read_requests, validate
+import specdec_wire as P
 
 # ---- metrics --------------------------------------------------------------------------
 
@@ -465,10 +466,18 @@ def test_async_stream_and_cancel(triton_server, protocol):
 
 
 @pytest.mark.server
-def test_cli_health_and_generate(triton_server, capsys):
+def test_cli_health_and_generate(triton_server, capsys, monkeypatch):
+    # Without the admin key: the public models' readiness (health API, open to all).
+    monkeypatch.delenv(P.ADMIN_KEY_ENV, raising=False)
     assert main(["health", "--url", triton_server.endpoints.grpc]) == 0
     out = capsys.readouterr().out
-    assert "ready=True" in out and "ensemble" in out and "verifier" in out
+    assert "ready=True" in out and "ensemble" in out and "speculative_loop" in out and "verifier" not in out
+    # With it: the repository index, internal models included.
+    monkeypatch.setenv(P.ADMIN_KEY_ENV, triton_server.admin_key)
+    for url, protocol in ((triton_server.endpoints.grpc, "grpc"), (triton_server.endpoints.http, "http")):
+        assert main(["health", "--url", url, "--protocol", protocol]) == 0
+        out = capsys.readouterr().out
+        assert "ready=True" in out and "ensemble" in out and "verifier" in out and "drafter" in out
     assert main(["generate", PROMPTS[0], "--url", triton_server.endpoints.http, "--protocol", "http",
                  "--max-tokens", "8", "--method", "ngram"]) == 0
     captured = capsys.readouterr()
@@ -576,7 +585,6 @@ def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
     import sys
 
     from specdec.tools.bench_aiperf import cpu_use, server_view
-    import specdec_wire as P
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(1)"
     with cpu_use(every_s=0.1) as cores:

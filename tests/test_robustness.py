@@ -62,10 +62,10 @@ def test_malformed_strings_get_an_answer_naming_the_field(triton_server, model, 
 
 
 def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, grpc_client):
-    """Straight to the verifier: a tree with an out-of-vocabulary token, a bad parent, too
-    many nodes, or a drafting budget out of range is answered with an error naming the
-    field; the sequence still verifies a good tree afterwards and ordinary requests are
-    served."""
+    """Straight to the verifier: a tree with an out-of-vocabulary token, a bad parent or too
+    many nodes, or a START with a drafting budget out of range, is answered with an error
+    naming the field; the sequence still verifies a good tree afterwards, the refused START
+    takes no slot, and ordinary requests are served."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
@@ -78,11 +78,14 @@ def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, gr
                                    (list(range(5, 5 + 40)), list(range(-1, 39)), C.DRAFT_TOKENS)):
         with pytest.raises(Exception, match=field):
             call(seq, **{C.DRAFT_TOKENS: tokens, C.DRAFT_PARENTS: parents})
-    with pytest.raises(Exception, match=C.NUM_DRAFT_TOKENS):  # a drafting budget beyond the engine's bound
-        call(seq, **{C.NUM_DRAFT_TOKENS: [10**6]})
     ok = call(seq, **{C.DRAFT_TOKENS: [5], C.DRAFT_PARENTS: [-1]}).as_numpy(P.OUTPUT_IDS)
     assert 1 <= ok.size <= 2
     call(seq, end=True)
+    # The drafting budget comes with START: one beyond the engine's bound is refused and takes no slot.
+    active = _active_verifier_sequences(triton_server)
+    with pytest.raises(Exception, match=C.NUM_DRAFT_TOKENS):
+        call(seq + 1, start=True, **{P.INPUT_IDS: [1, 2, 3, 4], C.NUM_DRAFT_TOKENS: [10**6]})
+    assert _active_verifier_sequences(triton_server) == active
     client.close()
     assert grpc_client.generate(_request()).text
 

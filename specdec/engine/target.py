@@ -83,9 +83,10 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
     ) -> list[PrefillOutput]:
         """Start sequences: take a slot each, run their prompts in one forward, sample the
-        first token. Raises before changing anything if a prompt is invalid or slots run out."""
-        for seq_id, prompt, _ in items:
-            self.check_prompt(prompt)
+        first token. Prompts were checked at the trust boundary (check_prompt: the request
+        parser in process, the verifier's START in Triton). Raises before changing anything
+        if a sequence id is taken or slots run out."""
+        for seq_id, _, _ in items:
             if seq_id in self._seqs:
                 raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
         if len(items) > self.cache.num_free:

@@ -98,12 +98,12 @@ class SpecEngine:
         params.validate(self.config.max_tokens_limit)
         tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
         params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
-        method, budget = resolve_method(method, num_draft_tokens, self.offer)
+        method, num_draft_tokens = resolve_method(method, num_draft_tokens, self.offer)
         if len(self.sequences) >= self.config.max_batch_size:
             raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
         req = RequestState(
             request_id=request_id, prompt_ids=prompt_ids, params=params,
-            method=method, num_draft_tokens=budget,
+            method=method, num_draft_tokens=num_draft_tokens,
             max_seq_len=self.config.max_seq_len, eos_token_ids=end_ids,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
