@@ -91,6 +91,39 @@ def test_published_layout_loads_and_round_trips(tiny, tmp_path):
         load_eagle3(tmp_path / "bin", target.embed, target.cfg)
 
 
+def test_absorb_equals_the_last_position_of_a_padded_pass(tiny):
+    """The head's catch-up pass (packed rows, the draft vocabulary projected at each row's
+    last pair only) gives the hidden state and draft logits the full padded pass gives there,
+    and leaves the same keys in the head's cache."""
+    from specdec.engine.models.llama import build_batch
+
+    target, head_dir, _ = tiny
+    head = load_eagle3(head_dir, target.embed, target.cfg)
+    g = torch.Generator().manual_seed(1)
+    lengths = (5, 12, 1)
+    rows = [torch.randn(n, 3 * head.cfg.hidden_size, generator=g) for n in lengths]
+    tokens = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+    caches, outs = [], []
+    for packed in (True, False):
+        cache = head.new_cache(3, 64, 16)
+        slots = [cache.allocate() for _ in lengths]
+        batch = build_batch(slots, [0] * 3, tokens)
+        if packed:
+            outs.append(head.absorb(rows, batch, cache))
+        else:
+            padded = torch.zeros(3, max(lengths), rows[0].shape[-1])
+            for b, r in enumerate(rows):
+                padded[b, : len(r)] = r
+            hidden, logits = head(padded, batch, cache)
+            last = torch.tensor([n - 1 for n in lengths])
+            outs.append((hidden[torch.arange(3), last], logits[torch.arange(3), last]))
+        caches.append(cache)
+    (h_packed, l_packed), (h_padded, l_padded) = outs
+    assert torch.allclose(h_packed, h_padded, atol=1e-5) and torch.allclose(l_packed, l_padded, atol=1e-5)
+    for b, n in enumerate(lengths):
+        assert torch.allclose(caches[0].k[0][b, :, :n], caches[1].k[0][b, :, :n], atol=1e-5)
+
+
 def eagle_engine(target, head_dir, max_batch=8):
     cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=128, max_num_draft_tokens=8)
     head = load_eagle3(head_dir, target.embed, target.cfg)

@@ -30,6 +30,9 @@ from specdec.engine.drafters.registry import BuildContext, DrafterKind, register
 from specdec.engine.drafters.tree_search import Expansion, draft_pass_batch, dynamic_trees
 
 
+MAX_BACKLOG = 512  # pairs a sequence not drafting may hold back (3H floats each: 7 KB for SmolLM2)
+
+
 @dataclass
 class _HeadState:
     slot: int
@@ -69,7 +72,10 @@ class Eagle3Drafter(SlotCacheDrafter):
     # ---- drafting ---------------------------------------------------------------------------
     def propose(self, seqs: Sequence[SequenceState], budgets: Sequence[int], keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         states = [s.drafter_state[self.name] for s in seqs]
-        self._absorb_pending(states)
+        # Catch the head up only where it drafts now (or where the backlog grows long): under
+        # load the budget stays 0 for long stretches, and a sequence that never drafts again
+        # then never pays for the head's pass over its prompt and outputs.
+        self._absorb_pending([st for st, b in zip(states, budgets) if b > 0 or len(st.pending_tokens) >= MAX_BACKLOG])
         trees = [DraftTree() for _ in seqs]
         active = [i for i, b in enumerate(budgets) if b > 0]
         if not active:
@@ -101,17 +107,11 @@ class Eagle3Drafter(SlotCacheDrafter):
         todo = [s for s in states if s.pending_tokens]
         if not todo:
             return
-        hidden = [torch.cat(s.pending_hidden) for s in todo]
         batch = build_batch([s.slot for s in todo], [self.cache.lengths[s.slot] for s in todo], [s.pending_tokens for s in todo])
-        N = max(len(s.pending_tokens) for s in todo)
-        padded = torch.zeros(len(todo), N, hidden[0].shape[-1])
-        for b, h in enumerate(hidden):
-            padded[b, : h.shape[0]] = h
-        out_hidden, logits = self.head(padded, batch, self.cache)
+        last_hidden, last_logits = self.head.absorb([torch.cat(s.pending_hidden) for s in todo], batch, self.cache)
         for b, s in enumerate(todo):
-            n = len(s.pending_tokens)
-            self.cache.commit(s.slot, range(n))
-            s.last_hidden, s.last_logits = out_hidden[b, n - 1], logits[b, n - 1]
+            self.cache.commit(s.slot, range(len(s.pending_tokens)))
+            s.last_hidden, s.last_logits = last_hidden[b], last_logits[b]
             s.pending_hidden, s.pending_tokens = [], []
 
     def _step(self, states: list[_HeadState], hidden: Tensor, tokens: list[list[int]], offsets: list[int],

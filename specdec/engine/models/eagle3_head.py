@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +128,12 @@ class Eagle3Head(nn.Module):
         emb = self.embed(tokens).float()
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
 
-    def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
+    def _residual(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
         h = hidden + attn_out
-        h = h + self.mlp(self.post_attention_layernorm(h)).float()
+        return h + self.mlp(self.post_attention_layernorm(h)).float()
+
+    def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
+        h = self._residual(hidden, attn_out)
         return h, self.lm_head(self.norm(h)).float()
 
     @torch.inference_mode()
@@ -141,6 +144,27 @@ class Eagle3Head(nn.Module):
         step = prepare_step(batch, self.inv_freq, torch.float32)
         attn_out = self.attn(self._mix(hidden, batch.tokens), step, cache).float()
         return self._finish(hidden, attn_out)
+
+    @torch.inference_mode()
+    def absorb(self, rows: Sequence[Tensor], batch: ForwardBatch, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """Catch up on committed pairs (a prompt, or the tokens a step accepted): the same
+        pass as forward, but only each row's last position's hidden [B, H] and draft logits
+        [B, Vd] come out, the rows' real tokens run packed (no matmul on padding), and the
+        draft vocabulary's projection runs once per row instead of once per pair.
+        rows[b]: [n_b, 3H or H] the taps paired with row b's tokens in batch."""
+        step = prepare_step(batch, self.inv_freq, torch.float32, pack=True)
+        packing, tokens = step.packing, batch.tokens
+        if packing is not None:  # row-major real tokens: the rows' taps one after another
+            hidden, tokens = torch.cat(list(rows)).float(), packing.pack(tokens)
+        else:
+            hidden = torch.stack(list(rows)).float()  # equal lengths
+        hidden = self.fuse(hidden)
+        h = self._residual(hidden, self.attn(self._mix(hidden, tokens), step, cache).float())
+        if packing is not None:
+            last = h.index_select(0, packing.last)
+        else:
+            last = h[torch.arange(h.shape[0]), torch.tensor([n - 1 for n in batch.num_new])]
+        return last, self.lm_head(self.norm(last)).float()
 
     # ---- training: training-time test (TTT) -------------------------------------------
     def ttt_forward(self, taps: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
