@@ -31,6 +31,7 @@ class ForwardBatch:
     attn_mask: Tensor  # [B, 1, N, C] bool, True = may attend; C = max(prefix_len + N)
     num_new: list[int]  # n_b per row
     slot_start: int | None  # slots are slot_start..slot_start+B-1 -> the cache is a view
+    fresh_prompts: bool = False  # every row a causal chain from position 0 (a prefill wave)
 
     @property
     def context_len(self) -> int:
@@ -86,6 +87,7 @@ def build_batch(
         attn_mask=mask[:, None].to(device),
         num_new=n,
         slot_start=slots[0] if contiguous else None,
+        fresh_prompts=not any(prefix_lens) and depths is None and tree_masks is None and not sliding_window,
     )
 
 
@@ -165,6 +167,8 @@ class Attention(nn.Module):
         B, N = batch.tokens.shape
         h, kvh = self.n_heads, self.n_kv
         qkv = self.wqkv(x).to(x.dtype)  # to the cache dtype
+        if step.packing is not None and batch.fresh_prompts:
+            return self.wo(self._fresh_prompts(qkv, step, cache))
         if step.packing is not None:  # [T, D] real tokens -> [B, N, D] rows for attention
             qkv = step.packing.unpack(qkv)
         qkv = qkv.view(B, N, h + 2 * kvh, self.hd)
@@ -191,6 +195,27 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd)
         return self.wo(out if step.packing is None else step.packing.pack(out))
+
+    def _fresh_prompts(self, qkv: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        """A wave of prompts, packed [T, D]: each prompt attends causally to itself alone, so
+        attention runs per prompt on its own tokens (no padding, the causal half skipped)
+        instead of over [B, N, N] padded rows; keys and values go to the cache in one write."""
+        h, kvh, hd = self.n_heads, self.n_kv, self.hd
+        packing = step.packing
+        qkv = qkv.view(-1, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], packing.cos, packing.sin)  # [T, h+kvh, hd]
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
+        k_cache[packing.token_slot, :, packing.token_position] = k
+        v_cache[packing.token_slot, :, packing.token_position] = v
+        out = torch.empty(q.shape[0], h * hd, dtype=q.dtype, device=q.device)
+        for start, end in packing.spans:
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None],
+                is_causal=True, enable_gqa=True,
+            )  # [1, h, n, hd]
+            out[start:end] = o[0].transpose(0, 1).reshape(end - start, h * hd)
+        return out
 
 
 class MLP(nn.Module):
@@ -223,13 +248,19 @@ class Packing:
     attention. Worth it when rows differ in length: a prefill wave pads every prompt to the
     longest one (3x the tokens for 16 ShareGPT prompts)."""
 
-    def __init__(self, num_new: Sequence[int], N: int, device: torch.device):
-        B = len(num_new)
+    def __init__(self, batch: "ForwardBatch", cos: Tensor, sin: Tensor):
+        num_new, (B, N) = batch.num_new, batch.tokens.shape
+        device = batch.tokens.device
         real = torch.arange(N)[None, :] < torch.tensor(num_new)[:, None]  # [B, N]
         self.index = real.view(-1).nonzero().squeeze(1).to(device)  # row-major: row b's tokens in order
         self.rows = B * N
-        ends = torch.tensor(num_new).cumsum(0) - 1
-        self.last = ends.to(device)  # each row's last real token in packed order
+        ends = torch.tensor(num_new).cumsum(0)
+        self.last = (ends - 1).to(device)  # each row's last real token in packed order
+        self.spans = [(int(e) - n, int(e)) for e, n in zip(ends, num_new)]  # row b's tokens: packed[start:end]
+        # Per packed token: RoPE tables [T, 1, hd] and where its key and value go in the cache.
+        self.cos, self.sin = self.pack(cos), self.pack(sin)
+        self.token_slot = self.pack(batch.slots[:, None].expand(B, N))
+        self.token_position = self.pack(batch.write_index)
 
     @staticmethod
     def worth_it(num_new: Sequence[int]) -> bool:
@@ -266,13 +297,14 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tupl
 def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack: bool = False) -> Step:
     """pack: run the residual stream on the real tokens only (see Packing) when rows differ in length."""
     cos, sin = rope_tables(batch.positions, inv_freq, dtype)
-    # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
-    mask = torch.zeros(batch.attn_mask.shape, dtype=dtype, device=batch.attn_mask.device)
-    mask.masked_fill_(~batch.attn_mask, float("-inf"))
     p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
-    packing = None
-    if pack and Packing.worth_it(batch.num_new):
-        packing = Packing(batch.num_new, batch.tokens.shape[1], batch.tokens.device)
+    packing = Packing(batch, cos, sin) if pack and Packing.worth_it(batch.num_new) else None
+    if packing is not None and batch.fresh_prompts:
+        mask = torch.empty(0)  # attention runs per prompt, causally (Attention._fresh_prompts)
+    else:
+        # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
+        mask = torch.zeros(batch.attn_mask.shape, dtype=dtype, device=batch.attn_mask.device)
+        mask.masked_fill_(~batch.attn_mask, float("-inf"))
     return Step(batch, cos, sin, mask, p0, packing)
 
 
