@@ -1,0 +1,28 @@
+"""Greedy identity at bfloat16 weights: speculative vs the bf16 baseline, in process.
+Writes results/bf16/identity.json. (python results/profiles/bf16_identity.py)"""
+import json, sys, time
+from specdec.config import EngineConfig, SamplingParams
+from specdec.serving.runtime import build_engine, encode_prompt
+from specdec.tools.sharegpt import sharegpt_prompts
+
+N, TOKENS = 12, 64
+out = {"prompts": N, "max_tokens": TOKENS, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtypes": {}}
+for dtype in ("bfloat16", "float32"):
+    engine = build_engine(config=EngineConfig(max_batch_size=4, max_seq_len=1024, dtype=dtype))
+    tok = engine.tokenizer
+    prompts = [encode_prompt(tok, t) for t in sharegpt_prompts(N, seed=3, tokenizer=tok, min_tokens=16, max_tokens=256)]
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    def ids(p, method):
+        got = []
+        for o in engine.generate(p, params, method, None if method != "none" else 0):
+            got += o.new_token_ids
+        return got
+    base = [ids(p, "none") for p in prompts]
+    res = {}
+    for method in ("ngram", "eagle3", "eagle3-hybrid"):
+        outs = [ids(p, method) for p in prompts]
+        diverge = [next((i for i, (a, b) in enumerate(zip(o, b_)) if a != b), None) for o, b_ in zip(outs, base)]
+        res[method] = {"identical": sum(d is None for d in diverge), "of": N, "first_divergence": diverge}
+        print(dtype, method, res[method], flush=True)
+    out["dtypes"][dtype] = res
+json.dump(out, open("results/bf16/identity.json", "w"), indent=1)
