@@ -14,15 +14,22 @@ for dtype in ("bfloat16", "float32"):
     params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
     def ids(p, method):
         got = []
-        for o in engine.generate(p, params, method, None if method != "none" else 0):
+        # The in-process engine drafts only when asked for a budget (default 0 = the baseline):
+        # each method's configured one.
+        k = 0 if method == "none" else engine.speculator.drafts.drafters[method].config.max_total_draft_tokens
+        for o in engine.generate(p, params, method, k):
             got += o.new_token_ids
         return got
     base = [ids(p, "none") for p in prompts]
     res = {}
     for method in ("ngram", "eagle3", "eagle3-hybrid"):
+        before = engine.stats.as_dict()
         outs = [ids(p, method) for p in prompts]
+        after = engine.stats.as_dict()
+        steps = after["steps"] - before["steps"]
         diverge = [next((i for i, (a, b) in enumerate(zip(o, b_)) if a != b), None) for o, b_ in zip(outs, base)]
-        res[method] = {"identical": sum(d is None for d in diverge), "of": N, "first_divergence": diverge}
+        res[method] = {"identical": sum(d is None for d in diverge), "of": N, "first_divergence": diverge,
+                       "mean_acceptance_length": (after["emitted_tokens"] - before["emitted_tokens"]) / steps if steps else 0.0}
         print(dtype, method, res[method], flush=True)
     out["dtypes"][dtype] = res
 json.dump(out, open("results/bf16/identity.json", "w"), indent=1)
