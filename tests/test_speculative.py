@@ -371,6 +371,16 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
     assert len(out) == 9 and engine.cache.num_free == 4
 
 
+def test_a_method_named_without_a_budget_drafts_its_configured_one(tiny_target):
+    """In process as through the server: no budget = the method's configured one; 0 = the baseline."""
+    engine = SpecEngine(tiny_target, EngineConfig(max_batch_size=4, max_seq_len=64, max_num_draft_tokens=8),
+                        drafters={"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=3))})
+    assert engine.add_request("named", [5, 6, 7, 5, 6], SamplingParams(max_tokens=4), "ngram").num_draft_tokens == 3
+    baseline = engine.add_request("zero", [5, 6, 7, 5, 6], SamplingParams(max_tokens=4), "ngram", 0)
+    assert (baseline.method, baseline.num_draft_tokens) == ("none", 0)
+    assert engine.add_request("plain", [5, 6], SamplingParams(max_tokens=4)).num_draft_tokens == 0
+
+
 def test_a_failed_start_holds_no_slot(tiny_target):
     """Prefill is all or nothing: a drafter that fails to start leaves every slot free."""
     from specdec.engine.drafters.base import Drafter

@@ -78,8 +78,9 @@ class SpecEngine:
 
     @property
     def offer(self) -> ServedOffer:
-        """Requests name their draft tokens explicitly here (default 0: the baseline)."""
-        methods = {name: 0 for name in self.drafts.drafters}
+        """A method named without a budget drafts its configured one (as the server does);
+        a budget of 0, or no method, is the baseline."""
+        methods = {name: d.config.max_total_draft_tokens if d.config is not None else 0 for name, d in self.drafts.drafters.items()}
         return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit)
 
     def add_request(
@@ -88,7 +89,7 @@ class SpecEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         method: str = METHOD_NONE,
-        num_draft_tokens: int = 0,
+        num_draft_tokens: int | None = None,
     ) -> RequestState:
         """Validate and queue; the prompt is prefilled by the next step. On error nothing changes."""
         if request_id in self.sequences:
@@ -168,7 +169,7 @@ class SpecEngine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         method: str = METHOD_NONE,
-        num_draft_tokens: int = 0,
+        num_draft_tokens: int | None = None,
         request_id: str = "generate",
     ) -> Iterator[StepOutput]:
         """Run one request to completion (other running requests advance too)."""
