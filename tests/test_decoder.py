@@ -122,24 +122,21 @@ def test_commit_equals_fresh_prefill_of_kept_tokens(tiny_llama_dir):
     assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_packed_rows_equal_padded_rows(tiny_llama_dir, monkeypatch):
+def test_packed_rows_equal_padded_rows(tiny_llama_dir):
     """Rows of different lengths run their matmuls on the real tokens only (Packing); the
     logits and hidden taps at every real position equal those of the padded forward."""
-    from specdec.engine.models import llama
-
     model = load_transformer(tiny_llama_dir)
     rng = random.Random(2)
     prompts = [[rng.randrange(96) for _ in range(n)] for n in (3, 17, 9)]
     news = [[rng.randrange(96) for _ in range(n)] for n in (1, 4, 2)]
 
     def run(pack: bool):
-        monkeypatch.setattr(llama.Packing, "worth_it", staticmethod(lambda num_new: pack and len(set(num_new)) > 1))
         cache = model.new_cache(3, 64, 8)
         slots = [cache.allocate() for _ in range(3)]
-        pre = model(build_batch(slots, [0] * 3, prompts), cache, tap_layers=(0, 1), last_only=True)
+        pre = model(build_batch(slots, [0] * 3, prompts), cache, tap_layers=(0, 1), last_only=True, pack=pack)
         for s, p in zip(slots, prompts):
             cache.commit(s, range(len(p)))
-        step = model(build_batch(slots, [len(p) for p in prompts], news), cache, tap_layers=(1,))
+        step = model(build_batch(slots, [len(p) for p in prompts], news), cache, tap_layers=(1,), pack=pack)
         return pre, step
 
     (pre_packed, step_packed), (pre_padded, step_padded) = run(True), run(False)

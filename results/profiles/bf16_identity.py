@@ -14,10 +14,7 @@ for dtype in ("bfloat16", "float32"):
     params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
     def ids(p, method):
         got = []
-        # The in-process engine drafts only when asked for a budget (default 0 = the baseline):
-        # each method's configured one.
-        k = 0 if method == "none" else engine.speculator.drafts.drafters[method].config.max_total_draft_tokens
-        for o in engine.generate(p, params, method, k):
+        for o in engine.generate(p, params, method):  # no budget: the method's configured one
             got += o.new_token_ids
         return got
     base = [ids(p, "none") for p in prompts]

@@ -80,13 +80,8 @@ def prefill_bench(model, prompts: list[list[int]], repeats: int = 3) -> dict:
     slots = [cache.allocate() for _ in prompts]
 
     def forward_s(pack: bool) -> float:
-        worth_it = llama.Packing.worth_it
-        llama.Packing.worth_it = staticmethod(worth_it if pack else (lambda num_new: False))
-        try:
-            batch = build_batch(slots, [0] * len(prompts), prompts)
-            return min(_timed(lambda: model(batch, cache, last_only=True)) for _ in range(repeats))
-        finally:
-            llama.Packing.worth_it = worth_it
+        batch = build_batch(slots, [0] * len(prompts), prompts)
+        return min(_timed(lambda: model(batch, cache, last_only=True, pack=pack)) for _ in range(repeats))
 
     linears = [m for m in model.modules() if isinstance(m, llama.Linear) and m is not model.lm_head]
 

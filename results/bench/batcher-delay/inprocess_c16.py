@@ -13,15 +13,12 @@ orig = model.forward
 def timed(*a, **k):
     t0 = time.perf_counter(); r = orig(*a, **k); fwd.append(time.perf_counter() - t0); return r
 model.forward = timed
-def budget(method):
-    """The in-process engine drafts only when asked for a budget (0 = the baseline): each method's configured one."""
-    return 0 if method == "none" else engine.speculator.drafts.drafters[method].config.max_total_draft_tokens
 def run(method, prof=None):
     todo = list(enumerate(prompts)); steps = []; fwd.clear(); n = 0
     t_start = time.perf_counter()
     while todo or engine.has_work():
         while todo and len(engine.sequences) < 16:
-            i, p = todo.pop(0); engine.add_request(f"{method}{i}", p, params, method, budget(method))
+            i, p = todo.pop(0); engine.add_request(f"{method}{i}", p, params, method)  # no budget: the configured one
         t0 = time.perf_counter()
         if prof: prof.enable()
         outs = engine.step()

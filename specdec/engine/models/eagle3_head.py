@@ -26,7 +26,9 @@ from torch import Tensor, nn
 from specdec.config import ModelConfig
 from specdec.errors import ModelLoadError
 from specdec.engine.kv_cache import KVCache
-from specdec.engine.models.llama import MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, onednn_supports, prepare_step, rope_inv_freq, rope_tables
+from specdec.engine.models.llama import (
+    MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, last_tokens, onednn_supports, prepare_step, rope_inv_freq, rope_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -160,10 +162,7 @@ class Eagle3Head(nn.Module):
             hidden = torch.stack(list(rows)).float()  # equal lengths
         hidden = self.fuse(hidden)
         h = self._residual(hidden, self.attn(self._mix(hidden, tokens), step, cache).float())
-        if packing is not None:
-            last = h.index_select(0, packing.last)
-        else:
-            last = h[torch.arange(h.shape[0]), torch.tensor([n - 1 for n in batch.num_new])]
+        last = last_tokens(h, batch, packing)
         return last, self.lm_head(self.norm(last)).float()
 
     # ---- training: training-time test (TTT) -------------------------------------------

@@ -257,10 +257,11 @@ class Packing:
         ends = torch.tensor(num_new).cumsum(0)
         self.last = (ends - 1).to(device)  # each row's last real token in packed order
         self.spans = [(int(e) - n, int(e)) for e, n in zip(ends, num_new)]  # row b's tokens: packed[start:end]
-        # Per packed token: RoPE tables [T, 1, hd] and where its key and value go in the cache.
-        self.cos, self.sin = self.pack(cos), self.pack(sin)
-        self.token_slot = self.pack(batch.slots[:, None].expand(B, N))
-        self.token_position = self.pack(batch.write_index)
+        if batch.fresh_prompts:  # attention runs packed too (Attention._fresh_prompts): per packed
+            # token, its RoPE tables [T, 1, hd] and where its key and value go in the cache
+            self.cos, self.sin = self.pack(cos), self.pack(sin)
+            self.token_slot = self.pack(batch.slots[:, None].expand(B, N))
+            self.token_position = self.pack(batch.write_index)
 
     @staticmethod
     def worth_it(num_new: Sequence[int]) -> bool:
@@ -274,6 +275,14 @@ class Packing:
         """[T, D] -> [B*N, D] with zeros at the padding (callers view it as [B, N, ...])."""
         out = x.new_zeros(self.rows, x.shape[-1])
         return out.index_copy_(0, self.index, x)
+
+
+def last_tokens(x: Tensor, batch: ForwardBatch, packing: Packing | None) -> Tensor:
+    """Each row's last real token of x ([B, N, ...] rows, or [T, ...] packed) -> [B, ...]."""
+    if packing is not None:
+        return x.index_select(0, packing.last)
+    last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
+    return x[torch.arange(x.shape[0], device=x.device), last]
 
 
 @dataclass
@@ -348,8 +357,10 @@ class Transformer(nn.Module):
         cache: KVCache,
         tap_layers: Sequence[int] = (),
         last_only: bool = False,
+        pack: bool = True,
     ) -> ForwardOutput:
-        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=True)
+        """pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
+        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack)
         packing = step.packing
         tokens = batch.tokens if packing is None else packing.pack(batch.tokens)
         x = self.embed(tokens).to(self.act_dtype)  # [B, N, H], or [T, H] packed
@@ -360,11 +371,7 @@ class Transformer(nn.Module):
                 taps[i] = x
         B, N = batch.tokens.shape
         if last_only:  # prefill: only the last real token's logits are needed
-            if packing is None:
-                last = torch.tensor([n - 1 for n in batch.num_new], device=x.device)
-                x = x[torch.arange(B, device=x.device), last][:, None]
-            else:
-                x = x.index_select(0, packing.last)[:, None]
+            x = last_tokens(x, batch, packing)[:, None]
         logits = self.lm_head(self.norm(x)).float()
         if packing is not None and not last_only:
             logits = packing.unpack(logits).view(B, N, -1)
