@@ -342,6 +342,10 @@ class EngineConfig:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None
+    # Chunked prefill: while sequences decode, a call prefills at most this many prompt
+    # tokens in the same forward as their steps (running streams wait one chunk, not a wave
+    # of prompts); 0 prefills whole prompts. 256 tokens cost about 5 decode steps here.
+    prefill_chunk_tokens: int = 256
     speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -359,6 +363,8 @@ class EngineConfig:
             raise ConfigError("max_tokens_limit", f"must be in [1, max_seq_len={self.max_seq_len}]")
         if self.max_num_draft_tokens < 0:
             raise ConfigError("max_num_draft_tokens", f"must be >= 0, got {self.max_num_draft_tokens}")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError("prefill_chunk_tokens", f"must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class _Sequence:
     generated: int = 0
     budget: int = 0  # decided for the next tree
     next_tree: DraftTree = field(default_factory=DraftTree)
+    start: StartItem | None = None  # until the prompt is prefilled (its first token sampled)
 
 
 class Speculator(KeyedSequences[_Sequence]):
@@ -149,63 +150,95 @@ class Speculator(KeyedSequences[_Sequence]):
         seq.budget = draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
         return seq.budget
 
-    # ---- the two calls --------------------------------------------------------------------
+    # ---- the calls ---------------------------------------------------------------------------
     def prefill(self, items: Sequence[StartItem]) -> list[StepResult]:
         """Start sequences: prefill their prompts in one forward, sample the first token, and
         draft the first tree of those with a co-located drafter. Nothing changes on error.
         Methods are the caller's to check (check_method)."""
-        want_hidden = any(self.drafts.needs_hidden(i.method) or i.want_hidden for i in items)
-        t0 = time.perf_counter()
-        outs = self.target_pass.prefill([(i.seq_id, i.prompt_ids, i.params) for i in items], want_hidden)
-        t1 = time.perf_counter()
-        results = []
-        try:
-            for item, out in zip(items, outs):
-                speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
-                self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
-                                                    item.params.max_tokens, item.num_draft_tokens if speculative else 0, generated=1)
-                if speculative and item.method in self.drafts.drafters:
-                    self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, item.method, out.hidden)
-                results.append(StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
-                                          verify_seconds=t1 - t0, log_probs=out.log_probs))
-            self._draft_next(items, results, first=True)
-        except Exception:
-            for item in items:  # all or nothing: a failed start holds no slot anywhere
-                self._drop(item.seq_id)
-            raise
-        return results
+        return self.run(items, [])[0]
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         """Verify every item's tree in one batched forward, commit, then draft the next trees."""
-        seqs = [self._get(i.seq_id) for i in items]
+        return self.run([], items)[1]
+
+    def run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
+        """Everything ready in ONE target forward: the new sequences' prompts, the prompts
+        still being prefilled (a step of a sequence that has no first token yet continues
+        its prompt), and every running sequence's tree. While sequences are decoding,
+        prompts go in chunks of at most engine.prefill_chunk_tokens per call (oldest
+        first), so running streams keep emitting during a wave of prompts (chunked
+        prefill, as vLLM and Sarathi-Serve schedule it); with nothing decoding, whole
+        prompts go at once. A prompt not finished in this call answers no tokens
+        (StepResult.emitted == []): its caller sends another step. New sequences are all or
+        nothing: on error none of them holds a slot anywhere."""
+        self.target_pass.admit([(i.seq_id, i.prompt_ids, i.params) for i in starts])
+        for item in starts:
+            speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
+            self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
+                                                item.params.max_tokens, item.num_draft_tokens if speculative else 0,
+                                                start=item)
+        try:
+            return self._run(starts, steps)
+        except Exception:
+            for item in starts:
+                self._drop(item.seq_id)
+            raise
+
+    def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
+        continuing = [i for i in steps if self._get(i.seq_id).start is not None]
+        decoding = [i for i in steps if self._get(i.seq_id).start is None]
+        prefilling = [self._get(i.seq_id).start for i in continuing] + list(starts)
+        seqs = [self._get(i.seq_id) for i in decoding]
         trees = []
-        for item, seq in zip(items, seqs):
+        for item, seq in zip(decoding, seqs):
             tree = item.tree if item.tree is not None else seq.next_tree
             trees.append(tree.truncated(seq.budget))
             seq.next_tree = DraftTree()
-        if self.adaptive:
+        if self.adaptive and decoding:
             trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
-                                         for i, s, t in zip(items, seqs, trees)])
-        want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(items, seqs))
+                                         for i, s, t in zip(decoding, seqs, trees)])
+        want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(decoding, seqs)) or any(
+            self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling)
+        chunk = self.config.prefill_chunk_tokens if decoding and self.config.prefill_chunk_tokens else None
         t0 = time.perf_counter()
-        outs = self.target_pass.verify([(i.seq_id, t) for i, t in zip(items, trees)], want_hidden)
+        prefilled, outs = self.target_pass.run([i.seq_id for i in prefilling], [(i.seq_id, t) for i, t in zip(decoding, trees)],
+                                               want_hidden, chunk)
         t1 = time.perf_counter()
-        if self.adaptive:
-            self._observe_timing(sum(1 + len(t) for t in trees), len(items), t0, t1)
+        if self.adaptive and decoding and not prefilling:
+            self._observe_timing(sum(1 + len(t) for t in trees), len(decoding), t0, t1)
+        by_id: dict[Hashable, StepResult] = {}
+        first_items, first_results = [], []
+        for item in prefilling:
+            out = prefilled.get(item.seq_id)
+            if out is None:  # its prompt goes on in the next call
+                by_id[item.seq_id] = StepResult([], 0, verify_seconds=t1 - t0)
+                continue
+            seq = self._seqs[item.seq_id]
+            seq.start, seq.generated = None, 1
+            if seq.method != METHOD_NONE and seq.method in self.drafts.drafters:
+                self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, seq.method, out.hidden)
+            result = StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
+                                verify_seconds=t1 - t0, log_probs=out.log_probs)
+            by_id[item.seq_id] = result
+            first_items.append(item)
+            first_results.append(result)
+        self._draft_next(first_items, first_results, first=True)
         results = []
-        for item, seq, tree, out in zip(items, seqs, trees, outs):
+        for item, seq, tree, out in zip(decoding, seqs, trees, outs):
             emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
             seq.generated += len(emitted)
             if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
             if item.seq_id in self.drafts:  # every step, drafting or not: the drafter sees every token once
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
-            results.append(StepResult(
+            result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
                 hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
-            ))
-        self._draft_next(items, results)
-        return results
+            )
+            by_id[item.seq_id] = result
+            results.append(result)
+        self._draft_next(decoding, results)
+        return [by_id[i.seq_id] for i in starts], [by_id[i.seq_id] for i in steps]
 
     def _observe_timing(self, tokens: int, sequences: int, t0: float, t1: float) -> None:
         """The verification's seconds, and (when steps run back to back: a busy server) the

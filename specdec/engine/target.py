@@ -8,7 +8,7 @@ last emitted token, not yet in the cache), its sampling settings and its generat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
@@ -36,6 +36,10 @@ class _TargetSequence:
     # prompt + every emitted token (the root last), kept only when the request's logits
     # rules need the context (specdec/engine/logits_processing.py)
     context: list[int] | None = None
+    # while the prompt is prefilled in chunks: its tokens not in the cache yet, and the
+    # hidden taps of those that are (handed to the drafter with the first token)
+    unprefilled: list[int] = field(default_factory=list)
+    prompt_hidden: list[Tensor] = field(default_factory=list)
 
     def processed(self, logits: Tensor, tree: DraftTree | None = None) -> Tensor:
         if self.context is None:
@@ -79,62 +83,91 @@ class TargetPass(KeyedSequences[_TargetSequence]):
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         check_prompt_ids(prompt_ids, self.config.max_seq_len, self.target.cfg.vocab_size)
 
-    def prefill(
-        self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
-    ) -> list[PrefillOutput]:
-        """Start sequences: take a slot each, run their prompts in one forward, sample the
-        first token. Prompts were checked at the trust boundary (check_prompt: the request
-        parser in process, the verifier's START in Triton). Raises before changing anything
-        if a sequence id is taken or slots run out."""
+    def prefilling(self, seq_id: Hashable) -> bool:
+        """Admitted, its prompt not all in the cache yet (no first token)."""
+        return bool(self._get(seq_id).unprefilled)
+
+    def admit(self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]]) -> None:
+        """Give each sequence a slot; its prompt is prefilled by run() (in chunks, possibly
+        over several calls). Prompts were checked at the trust boundary (check_prompt: the
+        request parser in process, the verifier's START in Triton). Raises before changing
+        anything if a sequence id is taken or slots run out."""
         for seq_id, _, _ in items:
             if seq_id in self._seqs:
                 raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
         if len(items) > self.cache.num_free:
             raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
         now = time.monotonic()
-        started = []
         for seq_id, prompt, params in items:
-            seq = _TargetSequence(self.cache.allocate(), params, make_generator(params.seed), len(prompt), last_used=now,
-                                  context=list(prompt) if params.shapes_logits else None)
-            self._seqs[seq_id] = seq
-            started.append(seq)
-        prompts = [list(p) for _, p, _ in items]
-        batch = build_batch(
-            [s.slot for s in started], [0] * len(items), prompts,
-            sliding_window=self.target.cfg.sliding_window, device=self.device,
-        )
-        taps = self.tap_layers if want_hidden else ()
-        out = self.target(batch, self.cache, tap_layers=taps, last_only=True)
-        results = []
-        for b, (seq, prompt) in enumerate(zip(started, prompts)):
-            self.cache.commit(seq.slot, range(len(prompt)))
-            logits = seq.processed(out.logits[b, :1])[0]
-            first = int(logits.argmax()) if seq.params.greedy else sample(logits_to_probs(logits, seq.params), seq.generator)
-            seq.emitted([first])
-            hidden = out.hidden_taps[b, : len(prompt)] if out.hidden_taps is not None else None
-            log_probs = token_log_probs(logits[None], seq.params, [0], [first]) if seq.params.return_log_probs else None
-            results.append(PrefillOutput(first, hidden, log_probs))
-        return results
+            self._seqs[seq_id] = _TargetSequence(
+                self.cache.allocate(), params, make_generator(params.seed), len(prompt), last_used=now,
+                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt),
+            )
+
+    def prefill(
+        self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
+    ) -> list[PrefillOutput]:
+        """Start sequences and prefill their whole prompts in one forward (admit + run)."""
+        self.admit(items)
+        done, _ = self.run([seq_id for seq_id, _, _ in items], [], want_hidden)
+        return [done[seq_id] for seq_id, _, _ in items]
 
     def verify(self, items: Sequence[tuple[Hashable, DraftTree]], want_hidden: bool = False) -> list[VerifyOutput]:
-        """One batched target forward over [root] + tree for every sequence; accept each
-        tree (greedy or lossless sampling) and commit the kept path's KV."""
+        return self.run([], items, want_hidden)[1]
+
+    def run(
+        self,
+        prefilling: Sequence[Hashable],
+        items: Sequence[tuple[Hashable, DraftTree]],
+        want_hidden: bool = False,
+        prefill_tokens: int | None = None,
+    ) -> tuple[dict[Hashable, PrefillOutput], list[VerifyOutput]]:
+        """ONE batched target forward over the next chunk of each prefilling sequence's prompt
+        (in order, at most prefill_tokens in all; None: whole prompts) and [root] + tree for
+        every item: a running sequence keeps decoding while prompts are prefilled, and the
+        weights are streamed once for both. Accepts each tree (greedy or lossless sampling)
+        and commits the kept path's KV; a prompt's last chunk samples its first token.
+        Returns the prefills that finished (by id) and one VerifyOutput per item."""
+        chunks, budget = [], prefill_tokens
+        for seq_id in prefilling:
+            seq = self._get(seq_id)
+            n = len(seq.unprefilled) if budget is None else min(len(seq.unprefilled), budget)
+            if n <= 0:
+                break
+            chunks.append((seq_id, seq, seq.unprefilled[:n]))
+            budget = None if budget is None else budget - n
         seqs = [self._get(seq_id) for seq_id, _ in items]
         trees = [tree for _, tree in items]
-        # Contiguous slots let the cache be a view: run the rows in slot order.
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-        rows = [trees[i].input_rows(seqs[i].root_token) for i in order]
+        # rows (sequence, tokens, depths, mask): the chunks (causal chains), then [root] + tree
+        rows = [(seq, chunk, None, None) for _, seq, chunk in chunks]
+        rows += [(seq, *tree.input_rows(seq.root_token)) for seq, tree in zip(seqs, trees)]
+        order = sorted(range(len(rows)), key=lambda r: rows[r][0].slot)  # contiguous slots make the cache a view
+        row_of = {r: b for b, r in enumerate(order)}
+        chains_only = not items
         batch = build_batch(
-            [seqs[i].slot for i in order], [self.cache.lengths[seqs[i].slot] for i in order],
-            [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+            [rows[r][0].slot for r in order], [self.cache.lengths[rows[r][0].slot] for r in order], [rows[r][1] for r in order],
+            None if chains_only else [rows[r][2] for r in order], None if chains_only else [rows[r][3] for r in order],
             sliding_window=self.target.cfg.sliding_window, device=self.device,
         )
+        # every tree position's logits; a chunk's last token's only when it ends its prompt
+        wanted = [len(rows[r][1]) if r >= len(chunks) else int(len(rows[r][1]) == len(rows[r][0].unprefilled))
+                  for r in order]
         taps = self.tap_layers if want_hidden else ()
-        out = self.target(batch, self.cache, tap_layers=taps)
+        out = self.target(batch, self.cache, tap_layers=taps, logits_rows=wanted)
         now = time.monotonic()
-        results: list[VerifyOutput | None] = [None] * len(seqs)
-        for b, i in enumerate(order):
-            seq, tree = seqs[i], trees[i]
+        done = {}
+        for c, (seq_id, seq, chunk) in enumerate(chunks):
+            b = row_of[c]
+            self.cache.commit(seq.slot, range(len(chunk)))
+            del seq.unprefilled[: len(chunk)]
+            seq.last_used = now
+            if out.hidden_taps is not None:
+                seq.prompt_hidden.append(out.hidden_taps[b, : len(chunk)])
+            if not seq.unprefilled:
+                done[seq_id] = self._first_token(seq, out.logits[b, :1])
+        results = []
+        for i, (seq, tree) in enumerate(zip(seqs, trees)):
+            b = row_of[len(chunks) + i]
             logits = seq.processed(out.logits[b, : len(tree) + 1], tree)  # [n+1, V]: row 0 = root, row j+1 = node j
             if seq.params.greedy:
                 result = verify_greedy(tree, logits)
@@ -146,8 +179,17 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             seq.last_used = now
             hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
             log_probs = token_log_probs(logits, seq.params, kept, result.emitted) if seq.params.return_log_probs else None
-            results[i] = VerifyOutput(result, hidden, log_probs)
-        return results  # type: ignore[return-value]
+            results.append(VerifyOutput(result, hidden, log_probs))
+        return done, results
+
+    def _first_token(self, seq: _TargetSequence, last_logits: Tensor) -> PrefillOutput:
+        logits = seq.processed(last_logits)[0]
+        first = int(logits.argmax()) if seq.params.greedy else sample(logits_to_probs(logits, seq.params), seq.generator)
+        seq.emitted([first])
+        hidden = torch.cat(seq.prompt_hidden) if seq.prompt_hidden else None
+        seq.prompt_hidden = []
+        log_probs = token_log_probs(logits[None], seq.params, [0], [first]) if seq.params.return_log_probs else None
+        return PrefillOutput(first, hidden, log_probs)
 
     def release(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)

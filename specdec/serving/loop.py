@@ -130,9 +130,15 @@ async def run_loop(
     separate = _SeparateDrafter(backend, req, drafter_keepalive_s) if req.speculative and not colocated else None
     target_started = False
     try:
-        reply = await backend.start_target(req.prompt_ids, req.params, req.method, req.num_draft_tokens,
-                                           want_hidden and separate is not None)
+        hidden_apart = want_hidden and separate is not None
+        reply = await backend.start_target(req.prompt_ids, req.params, req.method, req.num_draft_tokens, hidden_apart)
         target_started = True
+        while not reply.emitted:  # a long prompt, or one that met running streams, is prefilled in chunks
+            if is_cancelled():
+                req.finish(FINISH_CANCELLED)
+                yield LoopUpdate([], "", True, FINISH_CANCELLED)
+                return
+            reply = await backend.verify(None, hidden_apart)
         tokens, text = req.accept(reply.emitted, reply.log_probs)
         yield LoopUpdate(tokens, text, req.finished, req.finish_reason, log_probs=_kept(reply.log_probs, tokens))
         while not req.finished:

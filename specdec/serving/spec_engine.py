@@ -1,12 +1,12 @@
 """The in-process multi-sequence speculative engine: request bookkeeping over a Speculator
 (the same step the Triton `verifier` model serves).
 
-Each `step()`:
-  1. prefills newly added sequences (one batched forward), samples their first token and
-     drafts their first trees;
-  2. verifies every running sequence's tree in ONE batched target forward, accepts per
-     sequence (greedy or lossless sampling), commits the kept KV path and drafts the next
-     trees (each drafter batched over its sequences);
+Each `step()` is ONE batched target forward that
+  1. prefills newly added sequences (in chunks while others decode), samples their first
+     token and drafts their first trees;
+  2. verifies every running sequence's tree, accepts per sequence (greedy or lossless
+     sampling), commits the kept KV path and drafts the next trees (each drafter batched
+     over its sequences);
   3. applies stop rules and returns the emitted tokens and final text per sequence.
 num_draft_tokens == 0 is plain decoding through the same path: the matched baseline.
 """
@@ -61,7 +61,8 @@ class SpecEngine:
         self.speculator = Speculator(target, config, drafters)
         self.eos_token_ids = eos_ids_of_config(target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
-        self._pending: list[RequestState] = []
+        self._pending: list[RequestState] = []  # added, not yet given to the speculator
+        self._admitted: set[str] = set()  # holding a slot in the speculator
         self.stats = SpecStats()  # aggregate over every request
 
     @property
@@ -124,31 +125,32 @@ class SpecEngine:
         return bool(self.sequences)
 
     def step(self) -> list[StepOutput]:
-        running = [r for r in self.sequences.values() if r.output_ids]
-        outputs: list[StepOutput] = []
-        if self._pending:
-            pending, self._pending = self._pending, []
-            outputs += self._prefill(pending)
-        if running:
-            outputs += self._decode(running)
-        return outputs
-
-    def _prefill(self, reqs: list[RequestState]) -> list[StepOutput]:
-        items = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens) for r in reqs]
-        return [self._emit(req, res.emitted) for req, res in zip(reqs, self.speculator.prefill(items))]
-
-    def _decode(self, reqs: list[RequestState]) -> list[StepOutput]:
-        results = self.speculator.step([StepItem(r.request_id) for r in reqs])
-        if results:
-            self.stats.draft_seconds += results[0].draft_seconds
-            self.stats.verify_seconds += results[0].verify_seconds
-        outputs = []
-        for req, res in zip(reqs, results):
+        """One Speculator call: new requests join (their prompts prefilled, in chunks while
+        others decode), prompts still being prefilled go on, running requests verify."""
+        new, self._pending = self._pending, []
+        running = [r for r in self.sequences.values() if r.request_id in self._admitted]
+        starts = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens) for r in new]
+        for r in new:
+            self._admitted.add(r.request_id)
+        try:
+            first, results = self.speculator.run(starts, [StepItem(r.request_id) for r in running])
+        except Exception:
+            self._admitted.difference_update(r.request_id for r in new)
+            raise
+        outputs = [self._emit(req, res.emitted) for req, res in zip(new, first) if res.emitted]
+        decoded = [(req, res) for req, res in zip(running, results) if req.output_ids or res.emitted]
+        for req, res in decoded:
+            if not req.output_ids:  # its prompt's last chunk: the first token
+                outputs.append(self._emit(req, res.emitted))
+                continue
             req.stats.draft_seconds += res.draft_seconds
             req.stats.verify_seconds += res.verify_seconds
             for stats in (req.stats, self.stats):
                 stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted))
             outputs.append(self._emit(req, res.emitted))
+        if results:
+            self.stats.draft_seconds += results[0].draft_seconds
+            self.stats.verify_seconds += results[0].verify_seconds
         return outputs
 
     def _emit(self, req: RequestState, tokens: list[int]) -> StepOutput:
@@ -159,10 +161,10 @@ class SpecEngine:
 
     def _release(self, req: RequestState) -> None:
         self.sequences.pop(req.request_id, None)
-        if req in self._pending:
-            self._pending.remove(req)
-            return  # never prefilled: holds no slot
-        self.speculator.release(req.request_id)
+        self._pending = [r for r in self._pending if r.request_id != req.request_id]
+        if req.request_id in self._admitted:
+            self._admitted.discard(req.request_id)
+            self.speculator.release(req.request_id)
 
     def generate(
         self,

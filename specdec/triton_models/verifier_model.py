@@ -3,9 +3,10 @@ lookup), stateful per sequence (KV-cache slot keyed by CORRID). One call = one s
 step (specdec.engine.step.Speculator): verify, commit, draft the next tree.
 
 One execute() receives the requests of many sequences (sequence batcher, `oldest`): START
-requests are prefilled together in one forward, the others' trees are verified together
-in ONE batched target forward, and every co-located drafter drafts for all of its
-sequences at once; END requests free their slot.
+requests' prompts (in chunks while others decode: a START answers no tokens until its
+prompt is done, and the loop sends steps to continue it) and the others' trees go through
+ONE batched target forward, and every co-located drafter drafts for all of its sequences
+at once; END requests free their slot.
 """
 import time
 
@@ -74,10 +75,8 @@ class TritonPythonModel:
         free = self.speculator.target_pass.cache.num_free
         for i, _ in starts[free:]:
             responses[i] = error_response(CapacityError("no free KV-cache slot (max_batch_size sequences are running)"))
-        if starts[:free]:
-            self._run(self.speculator.prefill, starts[:free], responses)
-        if steps:
-            self._run(self.speculator.step, steps, responses)
+        if starts[:free] or steps:
+            self._run(starts[:free], steps, responses)
         for request, ok in zip(requests, allowed):  # END: free the slot (after this request's own work)
             if ok and control(request, C.CONTROL_END) and request.correlation_id() in self.speculator:
                 self.speculator.release(request.correlation_id())
@@ -97,16 +96,16 @@ class TritonPythonModel:
         num_draft_tokens = self._check_budget(scalar(request, C.NUM_DRAFT_TOKENS, 0, int))
         return StartItem(seq_id, prompt, params, method, num_draft_tokens, want_hidden)
 
-    @staticmethod
-    def _run(call, indexed, responses):
-        """One batched call for every item; a failure answers each of its requests."""
+    def _run(self, starts, steps, responses):
+        """One Speculator call (one target forward) for every item; a failure answers each of
+        its requests. A start whose prompt is not finished answers no tokens yet."""
         try:
-            results = call([item for _, item in indexed])
+            first, results = self.speculator.run([item for _, item in starts], [item for _, item in steps])
         except SpecDecError as exc:
-            for i, _ in indexed:
+            for i, _ in (*starts, *steps):
                 responses[i] = error_response(exc)
             return
-        for (i, _), res in zip(indexed, results):
+        for (i, _), res in zip((*starts, *steps), (*first, *results)):
             stats = np.float32([getattr(res, field) for field in C.STEP_STATS_FIELDS])
             outputs = [batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)), batched(C.STEP_STATS, stats)]
             if res.hidden is not None:  # only for a drafter served apart: most steps send two small tensors

@@ -4,9 +4,9 @@ tree-masked forward over a slot KV cache. In the style of gpt-fast: one file, pl
 One forward takes B sequences; sequence b brings n_b new tokens with their own RoPE
 positions and an ancestor mask among them (a draft tree; a chain is the causal special
 case), and attends fully to its cached prefix. Rows are padded to N = max n_b for
-attention only: when rows differ in length (a wave of prompts, trees of different sizes)
-the projections and the MLP run on the packed sum(n_b) real tokens, so padding costs no
-matmul work.
+attention only: when rows differ in length (a wave of prompts, trees of different sizes,
+prompt chunks beside draft trees) the projections and the MLP run on the packed sum(n_b)
+real tokens, so padding costs no matmul work.
 """
 from __future__ import annotations
 
@@ -167,10 +167,8 @@ class Attention(nn.Module):
         B, N = batch.tokens.shape
         h, kvh = self.n_heads, self.n_kv
         qkv = self.wqkv(x).to(x.dtype)  # to the cache dtype
-        if step.packing is not None and batch.fresh_prompts:
-            return self.wo(self._fresh_prompts(qkv, step, cache))
-        if step.packing is not None:  # [T, D] real tokens -> [B, N, D] rows for attention
-            qkv = step.packing.unpack(qkv)
+        if step.packing is not None:
+            return self.wo(self._packed(qkv, step, cache))
         qkv = qkv.view(B, N, h + 2 * kvh, self.hd)
         qk = apply_rope(qkv[:, :, : h + kvh], step.cos, step.sin)  # q and k together: [B, N, h+kvh, hd]
         q = qk[:, :, :h].transpose(1, 2)  # [B, h, N, hd]
@@ -187,27 +185,40 @@ class Attention(nn.Module):
             else:
                 k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
                 v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
-            keys, values = k_cache[s0 : s0 + B, :, :C], v_cache[s0 : s0 + B, :, :C]  # views, no copy
         else:
             k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
             v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
-            keys, values = k_cache[batch.slots, :, :C], v_cache[batch.slots, :, :C]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd)
-        return self.wo(out if step.packing is None else step.packing.pack(out))
+        out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd))
 
-    def _fresh_prompts(self, qkv: Tensor, step: "Step", cache: KVCache) -> Tensor:
-        """A wave of prompts, packed [T, D]: each prompt attends causally to itself alone, so
-        attention runs per prompt on its own tokens (no padding, the causal half skipped)
-        instead of over [B, N, N] padded rows; keys and values go to the cache in one write."""
+    def _context(self, batch: ForwardBatch, cache: KVCache, columns: int) -> tuple[Tensor, Tensor]:
+        """Every row's cached keys and values [B, kvh, columns, hd]: views when slots are contiguous."""
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if batch.slot_start is not None:
+            s0, B = batch.slot_start, batch.tokens.shape[0]
+            return k_cache[s0 : s0 + B, :, :columns], v_cache[s0 : s0 + B, :, :columns]
+        return k_cache[batch.slots, :, :columns], v_cache[batch.slots, :, :columns]
+
+    def _packed(self, qkv: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        """Rows of different lengths, packed [T, D]: RoPE and the cache write on the real
+        tokens only (padding never reaches the cache, so a short row beside a long one, a
+        prompt chunk beside a draft tree, cannot write past its slot's capacity). A wave of
+        fresh prompts attends per prompt on its own tokens (no padding, the causal half
+        skipped); other rows attend over their cached prefix, padded to [B, N]."""
         h, kvh, hd = self.n_heads, self.n_kv, self.hd
-        packing = step.packing
+        packing, batch = step.packing, step.batch
         qkv = qkv.view(-1, h + 2 * kvh, hd)
         qk = apply_rope(qkv[:, : h + kvh], packing.cos, packing.sin)  # [T, h+kvh, hd]
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
         k_cache[packing.token_slot, :, packing.token_position] = k
         v_cache[packing.token_slot, :, packing.token_position] = v
+        if not batch.fresh_prompts:
+            B, N = batch.tokens.shape
+            rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
+            out = F.scaled_dot_product_attention(rows, *self._context(batch, cache, packing.context), attn_mask=step.mask,
+                                                 enable_gqa=True)
+            return packing.pack(out.transpose(1, 2).reshape(B, N, h * hd))
         out = torch.empty(q.shape[0], h * hd, dtype=q.dtype, device=q.device)
         for start, end in packing.spans:
             o = F.scaled_dot_product_attention(
@@ -257,11 +268,12 @@ class Packing:
         ends = torch.tensor(num_new).cumsum(0)
         self.last = (ends - 1).to(device)  # each row's last real token in packed order
         self.spans = [(int(e) - n, int(e)) for e, n in zip(ends, num_new)]  # row b's tokens: packed[start:end]
-        if batch.fresh_prompts:  # attention runs packed too (Attention._fresh_prompts): per packed
-            # token, its RoPE tables [T, 1, hd] and where its key and value go in the cache
-            self.cos, self.sin = self.pack(cos), self.pack(sin)
-            self.token_slot = self.pack(batch.slots[:, None].expand(B, N))
-            self.token_position = self.pack(batch.write_index)
+        # per packed token: its RoPE tables [T, 1, hd] and where its key and value go in the cache
+        self.cos, self.sin = self.pack(cos), self.pack(sin)
+        self.token_slot = self.pack(batch.slots[:, None].expand(B, N))
+        self.token_position = self.pack(batch.write_index)
+        # the cache columns any real token attends to (padding columns are never written)
+        self.context = int(batch.write_index.cpu().gather(1, torch.tensor(num_new)[:, None] - 1).max()) + 1
 
     @staticmethod
     def worth_it(num_new: Sequence[int]) -> bool:
@@ -309,11 +321,17 @@ def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack
     p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
     packing = Packing(batch, cos, sin) if pack and Packing.worth_it(batch.num_new) else None
     if packing is not None and batch.fresh_prompts:
-        mask = torch.empty(0)  # attention runs per prompt, causally (Attention._fresh_prompts)
+        mask = torch.empty(0)  # attention runs per prompt, causally (Attention._packed)
     else:
+        allowed = batch.attn_mask
+        if packing is not None:  # only the columns real tokens wrote; a padding row keeps column 0 (no empty softmax row)
+            allowed = allowed[..., : packing.context].clone()
+            padding = torch.arange(allowed.shape[2], device=allowed.device)[None, :] >= torch.tensor(
+                batch.num_new, device=allowed.device)[:, None]  # [B, N]
+            allowed[:, 0, :, 0] |= padding
         # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
-        mask = torch.zeros(batch.attn_mask.shape, dtype=dtype, device=batch.attn_mask.device)
-        mask.masked_fill_(~batch.attn_mask, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, float("-inf"))
     return Step(batch, cos, sin, mask, p0, packing)
 
 
@@ -358,8 +376,12 @@ class Transformer(nn.Module):
         tap_layers: Sequence[int] = (),
         last_only: bool = False,
         pack: bool = True,
+        logits_rows: Sequence[int] | None = None,
     ) -> ForwardOutput:
-        """pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
+        """logits_rows[b]: how many of row b's last real tokens need logits (a prompt chunk
+        that does not end its prompt needs none); last_only is 1 for every row, and None is
+        every token. The logits are then [B, max(logits_rows), V], row b's in [:logits_rows[b]].
+        pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
         step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack)
         packing = step.packing
         tokens = batch.tokens if packing is None else packing.pack(batch.tokens)
@@ -372,13 +394,34 @@ class Transformer(nn.Module):
         B, N = batch.tokens.shape
         if last_only:  # prefill: only the last real token's logits are needed
             x = last_tokens(x, batch, packing)[:, None]
+        elif logits_rows is not None:
+            return ForwardOutput(self._row_logits(x, batch, packing, logits_rows), self._taps(taps, tap_layers, packing, B, N))
         logits = self.lm_head(self.norm(x)).float()
         if packing is not None and not last_only:
             logits = packing.unpack(logits).view(B, N, -1)
+        return ForwardOutput(logits=logits, hidden_taps=self._taps(taps, tap_layers, packing, B, N))
+
+    @staticmethod
+    def _taps(taps: dict[int, Tensor], tap_layers: Sequence[int], packing: Packing | None, B: int, N: int) -> Tensor | None:
         hidden = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None  # in the order asked
         if hidden is not None and packing is not None:
             hidden = packing.unpack(hidden).view(B, N, -1)
-        return ForwardOutput(logits=logits, hidden_taps=hidden)
+        return hidden
+
+    def _row_logits(self, x: Tensor, batch: ForwardBatch, packing: Packing | None, logits_rows: Sequence[int]) -> Tensor:
+        """The lm_head (a 49k-row GEMM, the largest of the model) on the tokens whose logits are used only."""
+        B, N = batch.tokens.shape
+        flat = x if packing is not None else x.reshape(B * N, -1)
+        index, out_index, width = [], [], max(logits_rows, default=0)
+        for b, (k, n) in enumerate(zip(logits_rows, batch.num_new)):
+            end = packing.spans[b][1] if packing is not None else b * N + n
+            index.extend(range(end - k, end))
+            out_index.extend(range(b * width, b * width + k))
+        picked = flat.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))
+        logits = self.lm_head(self.norm(picked)).float()
+        out = logits.new_zeros(B * width, logits.shape[-1])
+        out.index_copy_(0, torch.tensor(out_index, dtype=torch.long, device=x.device), logits)
+        return out.view(B, width, logits.shape[-1])
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Map HF Llama/Mistral/Qwen2 weight names onto this module's fused layout."""
