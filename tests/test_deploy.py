@@ -581,7 +581,7 @@ def test_triton_metrics_used_here_are_served(triton_server):
     assert TRITON_METRICS <= scraped, TRITON_METRICS - scraped
 
 
-@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu", "loadtest"))
+@pytest.mark.parametrize("rel", (*OVERLAYS, "loadtest"))
 def test_pods_run_unprivileged_with_a_read_only_root(rel):
     for obj in render(rel):
         if obj["kind"] not in ("Deployment", "Job"):
@@ -620,6 +620,60 @@ def test_model_repository_comes_from_the_pvc_filled_by_the_prepare_init_containe
         assert cache.startswith("/models/")
         assert c["envFrom"] == container(deployment, "triton")["envFrom"]
     assert {m["mountPath"]: m["name"] for m in container(deployment, "triton")["volumeMounts"]}["/dev/shm"] == "dshm"
+
+
+def test_gpu_overlay_requests_within_its_limits():
+    """The GPU patch raised requests.cpu; a strategic merge keeps the base's limits.cpu unless
+    the patch restates it (the API server refuses requests above limits)."""
+    from kubernetes.utils import parse_quantity
+
+    resources = container(triton("overlays/gpu"), "triton")["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory", "nvidia.com/gpu"}
+    for name, request in resources["requests"].items():
+        assert parse_quantity(request) <= parse_quantity(resources["limits"][name]), name
+    assert parse_quantity(resources["requests"]["cpu"]) > parse_quantity(container(triton("overlays/cpu"), "triton")["resources"]["limits"]["cpu"])
+
+
+def test_trtllm_overlay_serves_the_llm_api_repository_with_weights_token_and_a_long_startup():
+    objects = render("overlays/trtllm")
+    deployment = one(objects, "Deployment", "specdec-triton")
+    spec = pod_spec(deployment)
+    server = container(deployment, "triton")
+    assert [c["name"] for c in spec["containers"]] == ["triton"] and not spec.get("initContainers")
+    assert server["image"] == compose()["services"]["triton-trtllm"]["image"] == "specdec-triton:trtllm"
+    assert server["command"] == ["tritonserver"]
+    assert server["args"][0] == f"--model-repository=/opt/specdec/{TRTLLM_REPO.relative_to(ROOT)}"
+    assert server["args"][0] == compose()["services"]["triton-trtllm"]["command"][1]
+    for name in ("http", "grpc", "metrics"):
+        assert f"--{name}-port=$({name.upper()}_PORT)" in server["args"]
+    assert any(a.startswith("--http-restricted-api=") for a in server["args"])
+    # Weights: the Hugging Face cache on its own claim, mounted where HF_HOME points.
+    cm = config_map(objects, "specdec-deploy")["data"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == "specdec-weights" and cm["HF_HOME"].startswith("/models/")
+    assert one(objects, "PersistentVolumeClaim", claim)["spec"]["resources"]["requests"]["storage"] == "64Gi"
+    assert (TRTLLM_REPO / "ensemble" / "1" / cm["LLM_CONFIG_PATH"]).is_file()
+    assert cm["LLM_CONFIG_PATH"] == trtllm.DEFAULT_CONFIG_FILE
+    # The gated model's token from a Secret, never a literal.
+    (token,) = [e for e in server["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "specdec-hf-token", "key": "token"}
+    # An 8B model: download and load take many minutes; the kubelet must not kill the first start.
+    startup = server["startupProbe"]
+    assert startup["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    from kubernetes.utils import parse_quantity
+
+    resources = server["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    for name, request in resources["requests"].items():
+        assert parse_quantity(request) <= parse_quantity(resources["limits"][name]), name
+    assert parse_quantity(volumes["dshm"]["emptyDir"]["sizeLimit"]) >= parse_quantity(compose()["services"]["triton-trtllm"]["shm_size"].replace("gb", "Gi"))
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # No OpenAI front end here: nor its port on the Service or the NetworkPolicy.
+    assert "openai" not in {p["name"] for p in one(objects, "Service", "specdec-triton")["spec"]["ports"]}
+    assert "openai" not in {p["port"] for rule in one(objects, "NetworkPolicy")["spec"]["ingress"] for p in rule["ports"]}
 
 
 def test_gpu_overlay_requests_a_gpu_and_serves_gpu_settings():
@@ -668,6 +722,25 @@ def test_loadtest_runs_the_production_scenario_against_the_service():
         assert c["workingDir"] == "/opt/specdec"
     assert cm["data"]["SPECDEC_SCENARIO"] == "production"
     assert {"SPECDEC_METHOD", "SPECDEC_NUM_DRAFT_TOKENS"} <= set(cm["data"])
+
+
+def test_loadtest_master_writes_csv_and_html_reports_to_a_volume():
+    objects = render("loadtest")
+    job = one(objects, "Job", "specdec-locust-master")
+    master = container(job, "locust")
+    csv = [a.split("=", 1)[1] for a in master["args"] if a.startswith("--csv=")]
+    html = [a.split("=", 1)[1] for a in master["args"] if a.startswith("--html=")]
+    assert len(csv) == len(html) == 1
+    mounts = {m["mountPath"]: m["name"] for m in master["volumeMounts"]}
+    reports = Path(csv[0]).parent
+    assert Path(html[0]).parent == reports and str(reports) in mounts
+    volume = {v["name"]: v for v in pod_spec(job)["volumes"]}[mounts[str(reports)]]
+    claim = one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert pod_spec(job)["securityContext"]["fsGroup"] == pod_spec(job)["securityContext"]["runAsUser"]
+    # Workers write nothing: Locust drops --csv/--html on workers, the master aggregates.
+    worker = container(one(objects, "Job", "specdec-locust-worker"), "locust")
+    assert not any(a.startswith(("--csv", "--html")) for a in worker["args"])
 
 
 # ---- served settings ----------------------------------------------------------------------
