@@ -563,6 +563,23 @@ def test_metric_name_check_refuses_an_unknown_metric():
 
 
 @pytest.mark.server
+def test_documented_round_robin_grpc_client_reaches_the_server(triton_server):
+    """docs/deployment.md's client-side balancing: a dns:/// target with the round_robin
+    service config, through tritonclient (here resolving localhost, one pod)."""
+    import tritonclient.grpc as grpcclient
+
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    (config,) = re.findall(r"\(\"grpc.service_config\", '([^']+)'\)", docs)
+    assert json.loads(config) == {"loadBalancingConfig": [{"round_robin": {}}]}
+    port = triton_server.endpoints.grpc.rsplit(":", 1)[1]
+    client = grpcclient.InferenceServerClient(f"dns:///localhost:{port}", channel_args=[("grpc.service_config", config)])
+    try:
+        assert client.is_server_live() and client.is_model_ready("ensemble")
+    finally:
+        client.close()
+
+
+@pytest.mark.server
 def test_triton_metrics_used_here_are_served(triton_server):
     """Triton's metric names in the adapter rules, alerts and dashboard, against a real scrape."""
     import urllib.request
