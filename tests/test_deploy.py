@@ -192,8 +192,14 @@ def semantic_errors(objects: list[dict]) -> list[str]:
                         errors.append(f"{where}: targetPort {target!r} is not a container port of {w}")
         if kind in ("PodDisruptionBudget", "NetworkPolicy"):
             selector = obj["spec"]["selector" if kind == "PodDisruptionBudget" else "podSelector"]["matchLabels"]
-            if not any(_selects(selector, t["metadata"]["labels"]) for _, t in templates):
+            selected = [t for _, t in templates if _selects(selector, t["metadata"]["labels"])]
+            if not selected:
                 errors.append(f"{where}: its selector matches no pod template")
+            # A named port no selected container has admits nothing (the API accepts it silently).
+            named = {p.get("name") for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            for rule in obj["spec"].get("ingress", []) if kind == "NetworkPolicy" else []:
+                errors += [f"{where}: ingress port {p['port']!r} is not a port of the selected pods"
+                           for p in rule.get("ports", []) if isinstance(p.get("port"), str) and p["port"] not in named]
         if kind == "HorizontalPodAutoscaler" and obj["spec"]["scaleTargetRef"]["name"] not in names.get(obj["spec"]["scaleTargetRef"]["kind"], ()):
             errors.append(f"{where}: scaleTargetRef {obj['spec']['scaleTargetRef']['name']!r} is not rendered")
         if kind == "ServiceMonitor":
@@ -247,6 +253,10 @@ def _the_old_gpu_patch(objects: list[dict]) -> None:
     (lambda objs: one(objs, "Service", "specdec-triton-grpc")["metadata"]["labels"].update({"app.kubernetes.io/name": "specdec-triton"}), "selects 2 Services"),
     (lambda objs: next(v for v in pod_spec(one(objs, "Deployment"))["volumes"] if v["name"] == "models")["persistentVolumeClaim"].update(claimName="x"), "claims 'x'"),
     (lambda objs: one(objs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(app="x"), "PodDisruptionBudget/specdec-triton: its selector"),
+    (lambda objs: one(objs, "NetworkPolicy")["spec"]["ingress"][0]["ports"][0].update(port="htp"), "ingress port 'htp'"),
+    (lambda objs: container(one(objs, "Deployment"), "triton").update(envFrom=[{"configMapRef": {"name": "specdec-deploy"}}]), "ConfigMap 'specdec-deploy' is not rendered"),
+    (lambda objs: container(one(objs, "Deployment"), "triton")["volumeMounts"][0].update(name="modles"), "names no volume 'modles'"),
+    (lambda objs: one(objs, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"].update(name="x"), "scaleTargetRef 'x'"),
 ])
 def test_semantic_checks_catch_what_the_api_would_refuse(break_it, message):
     """Each check fails on the mistake it exists for (the first one is the GPU overlay's
@@ -363,7 +373,7 @@ def test_triton_release_is_chosen_in_one_place():
 
 
 # ---- Kubernetes: probes, wiring, security -------------------------------------------------
-@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+@pytest.mark.parametrize("rel", OVERLAYS)
 def test_probes_match_the_server(rel):
     server = container(triton(rel), "triton")
     port_names = {p["name"] for p in server["ports"]}
