@@ -10,7 +10,9 @@ stats, CSV and HTML but stay out of the Aggregated row (see log_timings).
 
 Scenarios (ScenarioShape, --specdec-scenario / SPECDEC_SCENARIO): concurrency_1 and
 production; see loadtest/scenarios.py. The decoding mode is --specdec-method and
---specdec-num-draft-tokens (0 = the baseline), so the same scenario runs both.
+--specdec-num-draft-tokens (0 = the baseline), so the same scenario runs both. Distributed
+workers each send the prompts in an order of their own (scenarios.prompt_order, seeded by the
+worker's Locust index); a standalone run keeps the data set's order.
 
     locust -f loadtest/locustfile.py --headless --stop-timeout 60s --specdec-duration 60s \
         --specdec-scenario production --specdec-url localhost:8001 --specdec-method ngram \
@@ -31,6 +33,7 @@ from pathlib import Path  # noqa: E402
 
 import gevent.lock  # noqa: E402
 from locust import LoadTestShape, User, constant, events, task  # noqa: E402
+from locust.runners import Runner, WorkerRunner  # noqa: E402
 from locust.stats import RequestStats  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `loadtest` when run as locust -f
@@ -85,6 +88,22 @@ def prompts_for(options) -> list:
     return _prompts
 
 
+def worker_index(runner: Runner | None) -> int | None:
+    """This worker's Locust index (the master assigns 0..N-1 as workers join, before any user
+    starts); None outside a distributed run's workers."""
+    if isinstance(runner, WorkerRunner) and runner.worker_index >= 0:
+        return runner.worker_index
+    return None
+
+
+def ordered_prompts(environment) -> list:
+    """The prompts in this load generator's order (scenarios.prompt_order): the data set's
+    order when standalone, a permutation of its own on each distributed worker."""
+    opts = environment.parsed_options
+    prompts = prompts_for(opts)
+    return [prompts[i] for i in scenarios.prompt_order(len(prompts), opts.specdec_seed, worker_index(environment.runner))]
+
+
 class SpecDecUser(User):
     """One simulated user: sequential streaming requests, no think time."""
 
@@ -96,7 +115,7 @@ class SpecDecUser(User):
         self.protocol = opts.specdec_protocol
         self.client = SpecDecClient(self.url, self.protocol, opts.specdec_model)
         self.mode, self.method, self.k = mode_of(opts)
-        self.prompts = prompts_for(opts)
+        self.prompts = ordered_prompts(self.environment)
 
     def on_stop(self):
         self.client.close()

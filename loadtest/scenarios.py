@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 SCENARIOS = ("concurrency_1", "production")
@@ -85,3 +86,22 @@ def mode(method: str | None, num_draft_tokens: str | int | None) -> tuple[str, s
     if k == 0:
         return "baseline", method, 0
     return (method or "default") + (f":{k}" if k is not None else ""), method, k
+
+
+def prompt_order(count: int, seed: int, worker_index: int | None) -> list[int]:
+    """Indices into the prompt list in the order one load generator sends them.
+
+    A standalone run (worker_index None) keeps the data set's order. Each distributed worker
+    gets its own permutation, seeded by (seed, worker_index): N workers that all started at
+    prompt 0 would send the same prompt at the same moment, which batches identical
+    sequences and flatters any prefix or prompt-lookup cache. Locust numbers its workers
+    0..N-1 as they join, so a rerun with the same seed and worker count sends the same orders."""
+    if count < 1:
+        raise ValueError(f"prompt count must be >= 1, got {count}")
+    order = list(range(count))
+    if worker_index is None:
+        return order
+    if worker_index < 0:
+        raise ValueError(f"worker_index must be >= 0, got {worker_index}")
+    random.Random(f"{seed}:{worker_index}").shuffle(order)
+    return order

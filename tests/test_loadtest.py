@@ -79,6 +79,38 @@ def test_aggregated_row_counts_real_requests_only(tmp_path):
                                        "inter-chunk|ngram": 2 * ok}
 
 
+def test_each_worker_gets_its_own_prompt_order():
+    """Distributed workers must not all send prompt 0, then 1, ... at the same moments."""
+    orders = [scenarios.prompt_order(64, seed=0, worker_index=i) for i in range(8)]
+    assert all(sorted(order) == list(range(64)) for order in orders)  # the same prompts, each once
+    assert len({tuple(order) for order in orders}) == 8
+    assert len({order[0] for order in orders}) > 1  # not all start with the same prompt
+    assert scenarios.prompt_order(64, seed=0, worker_index=3) == orders[3]  # reproducible
+    assert scenarios.prompt_order(64, seed=1, worker_index=3) != orders[3]
+    assert scenarios.prompt_order(5, seed=0, worker_index=None) == [0, 1, 2, 3, 4]  # standalone: the data set's order
+    with pytest.raises(ValueError, match="worker_index"):
+        scenarios.prompt_order(5, seed=0, worker_index=-1)
+    with pytest.raises(ValueError, match="prompt count"):
+        scenarios.prompt_order(0, seed=0, worker_index=0)
+
+
+def test_locust_workers_send_prompts_in_different_orders(tmp_path):
+    """A real Locust master and three workers (in a subprocess, over localhost): each worker,
+    numbered by the master, orders the prompts its own way; the master keeps the file's order."""
+    prompts = [f"prompt {i}" for i in range(32)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "locust_workers_probe.py"), str(REPO), str(data), "3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(probe["indexes"]) == [0, 1, 2]
+    assert probe["standalone"] == prompts
+    for order in probe["orders"]:
+        assert sorted(order) == sorted(prompts) and order != prompts
+    assert len({tuple(order) for order in probe["orders"]}) == 3
+
+
 def test_runner_writes_the_full_stats_history():
     args = run.build_parser().parse_args(["--out", "results/x"])
     cmd, _ = run.locust_command(args, "localhost:8001", ("ngram", "ngram", ""))
