@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
-from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
+from specdec_client import AsyncSpecDecClient, GenerateRequest, server_metrics
 import specdec_wire as P
 
 MALFORMED = [  # (what, request fields, the field its refusal must name)
@@ -82,11 +83,8 @@ def rss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:  # gone since the listing
             pass
     return total
 
@@ -191,8 +189,8 @@ class Soak:
         }
 
     def _active(self) -> float:
-        samples = promtext.scrape(self.server.endpoints.metrics_url)
-        return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
+        samples = server_metrics.scrape(self.server.endpoints.metrics_url)
+        return sum(server_metrics.by_label(samples, "specdec_active_sequences", "model").values())
 
 
 def _url(server, protocol: str) -> str:
@@ -205,8 +203,8 @@ async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -
     from specdec.launcher.processes import group_members
 
     def active() -> float:
-        samples = promtext.scrape(server.endpoints.metrics_url)
-        return sum(promtext.by_label(samples, "specdec_active_sequences", "model").values())
+        samples = server_metrics.scrape(server.endpoints.metrics_url)
+        return sum(server_metrics.by_label(samples, "specdec_active_sequences", "model").values())
 
     rss = PeakRss(lambda: rss_bytes(group_members(server.pgid)))
     rss_before = rss.sample()

@@ -251,7 +251,8 @@ def create_app(frontend: Frontend):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
+    from sse_starlette import EventSourceResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -288,7 +289,8 @@ def create_app(frontend: Frontend):
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         if job.stream:
-            return StreamingResponse(_sse(frontend, job, rid, created, kind, chat), media_type="text/event-stream")
+            # sse-starlette frames the events (and stops the generator when the client goes away).
+            return EventSourceResponse(_sse(frontend, job, rid, created, kind, chat), sep="\n")
         text, ids, perf, server_reason = [], [], {}, None
         async for chunk in frontend.chunks(job):
             text.append(chunk.text)
@@ -313,12 +315,13 @@ def create_app(frontend: Frontend):
 
 
 async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, chat: bool) -> AsyncIterator[str]:
-    """OpenAI's streaming chunks. If the client goes away, Starlette cancels this generator,
-    which closes the Triton stream: the loop stops at its next step."""
+    """OpenAI's streaming chunks, each one SSE event's data. If the client goes away, the
+    response cancels this generator, which closes the Triton stream: the loop stops at its
+    next step."""
     obj = f"{kind}.chunk" if chat else kind
 
     def event(choices: list, **extra) -> str:
-        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices, **extra}) + "\n\n"
+        return json.dumps({"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices, **extra})
 
     def delta(text: str | None, reason: str | None = None, role: bool = False) -> dict:
         if chat:
@@ -340,8 +343,8 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
         if job.include_usage:
             yield event([], usage=usage(job, completion_tokens(perf, ids)))
     except OpenAIError as exc:  # after the 200 header: the error travels in the stream, as OpenAI's does
-        yield "data: " + json.dumps(exc.body()) + "\n\n"
-    yield "data: [DONE]\n\n"
+        yield json.dumps(exc.body())
+    yield "[DONE]"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,31 @@ import torch
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 
 
+def read_pbtxt(path: Path):
+    """A config.pbtxt parsed against Triton's own schema (ModelConfig, as shipped by
+    tritonclient): an unknown field or a bad value fails here as it would in tritonserver."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(Path(path).read_text(), model_config_pb2.ModelConfig())
+
+
+def write_pbtxt(path: Path, config) -> None:
+    from google.protobuf import text_format
+
+    Path(path).write_text(text_format.MessageToString(config))
+
+
+def pbtxt_tensors(config, section: str) -> dict[str, tuple]:
+    """name -> (data type, dims, optional) of a ModelConfig's `input` or `output` tensors."""
+    from tritonclient.grpc import model_config_pb2
+
+    def optional(t) -> bool:  # ModelOutput has no such field: outputs are never optional
+        return "optional" in t.DESCRIPTOR.fields_by_name and t.optional
+
+    return {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims), optional(t)) for t in getattr(config, section)}
+
+
 def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random tiny HF checkpoint (config.json + safetensors) with transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -16,7 +16,7 @@ import pytest
 from specdec_client import AsyncSpecDecClient, GenerateRequest, SpecDecClient
 from specdec_client import datasets as D
 from specdec_client import metrics as M
-from specdec_client import promtext
+from specdec_client import server_metrics
 from specdec_client.bench import (
     BenchConfig, BenchConfigError, BenchResult, BlockResult, LoadPoint, RequestRecord, parse_modes, poisson_arrivals,
     schedule,
@@ -67,14 +67,14 @@ def test_one_token_and_empty_requests_have_no_tpot_or_per_user_rate():
     assert M.ttft(empty) is None and M.itl(empty) is None
 
 
-def test_percentiles_match_numpy_linear():
-    rng = random.Random(0)
-    data = [rng.expovariate(1.0) for _ in range(101)]
-    for q in (0, 50, 90, 99, 100):
-        assert M.percentile(data, q) == pytest.approx(np.percentile(data, q))
+def test_percentiles_interpolate_linearly_between_closest_ranks():
+    data = [4.0, 1.0, 3.0, 2.0, 10.0]  # ranks 0..4 of [1, 2, 3, 4, 10]
+    assert [M.percentile(data, q) for q in (0, 50, 90, 100)] == pytest.approx([1.0, 3.0, 7.6, 10.0])
     assert M.percentile([1.0, 2.0], 50) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         M.percentile([], 50)
+    with pytest.raises(ValueError, match="q"):
+        M.percentile([1.0], 101)
     stats = M.summarize([1.0, None, 3.0])
     assert stats.mean == pytest.approx(2.0) and stats.p50 == pytest.approx(2.0)
     assert M.summarize([None]) == M.Stats(None, None, None, None)
@@ -134,12 +134,12 @@ nv_inference_request_success{model="ensemble",version="1"} 3
 
 
 def test_per_position_acceptance_from_prometheus_deltas():
-    diff = promtext.delta(promtext.parse(PROM_BEFORE), promtext.parse(PROM_AFTER))
-    drafted, accepted = promtext.per_position_counts(diff, "ngram")
+    diff = server_metrics.delta(server_metrics.parse(PROM_BEFORE), server_metrics.parse(PROM_AFTER))
+    drafted, accepted = server_metrics.per_position_counts(diff, "ngram")
     rows = M.per_position(drafted, accepted)
     assert [(r.position, r.drafted, r.accepted) for r in rows] == [(0, 20, 10), (1, 10, 2)]
     assert [r.acceptance for r in rows] == pytest.approx([0.5, 0.2])
-    assert promtext.per_position_counts(diff, "ngram-tree")[0] == {0: 7}
+    assert server_metrics.per_position_counts(diff, "ngram-tree")[0] == {0: 7}
 
 
 # ---- data sets ------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def fake_result() -> BenchResult:
                                          7 if speed == 1 else 4, 0 if speed == 1 else 3, 0 if speed == 1 else 8,
                                          True, text, None))
             t = end
-        delta = promtext.parse('specdec_drafted_per_position_total{method="ngram",position="0"} 4\n'
+        delta = server_metrics.parse('specdec_drafted_per_position_total{method="ngram",position="0"} 4\n'
                                'specdec_accepted_per_position_total{method="ngram",position="0"} 3\n')
         blocks.append(BlockResult(plan, start, t, records, delta))
     return BenchResult(cfg, 100.0, 0.0, blocks)
@@ -415,8 +415,8 @@ def ready(server) -> bool:
 
 
 def cancelled_requests(server) -> float:
-    samples = promtext.scrape(server.endpoints.metrics_url)
-    return sum(promtext.by_label(samples, "specdec_requests_total", "method", reason="cancelled").values())
+    samples = server_metrics.scrape(server.endpoints.metrics_url)
+    return sum(server_metrics.by_label(samples, "specdec_requests_total", "method", reason="cancelled").values())
 
 
 def wait_for_cancel(server, before: float, timeout_s: float = 60.0) -> None:
@@ -592,7 +592,7 @@ def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
     assert cores["aiperf"] * cores["wall_s"] >= 0.35  # CPU seconds, whatever the machine's load
 
     def scrape(steps, seconds, emitted):
-        return promtext.parse(f'{P.VERIFICATION_STEPS_TOTAL}{{method="none"}} {steps}\n'
+        return server_metrics.parse(f'{P.VERIFICATION_STEPS_TOTAL}{{method="none"}} {steps}\n'
                               f'{P.STEP_SECONDS_TOTAL}{{method="none"}} {seconds}\n'
                               f'{P.EMITTED_TOKENS_TOTAL}{{method="none"}} {emitted}\n')
 

@@ -29,6 +29,7 @@ import yaml
 
 import specdec_wire as P
 from trtllm_repository import generator as trtllm
+from conftest import pbtxt_tensors, read_pbtxt
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ModelConfig, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.launcher.serve import _build_parser
@@ -772,8 +773,7 @@ def test_loadtest_master_writes_csv_and_html_reports_to_a_volume():
 
 # ---- served settings ----------------------------------------------------------------------
 def _verifier_max_batch_size() -> int:
-    text = (ROOT / "model_repository" / "verifier" / "config.pbtxt").read_text()
-    return int(re.search(r"^max_batch_size:\s*(\d+)", text, re.M).group(1))
+    return read_pbtxt(ROOT / "model_repository" / "verifier" / "config.pbtxt").max_batch_size
 
 
 @pytest.mark.parametrize("name, device, dtype", [("cpu", "cpu", None), ("gpu", "cuda", "bfloat16")])
@@ -1010,8 +1010,7 @@ def _tree_release_configs(tmp_path) -> dict[str, dict]:
 def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched(tmp_path):
     configs = _trtllm_configs()
     assert set(configs) == {"baseline", trtllm.DRAFT_TARGET, METHOD_EAGLE3}  # no tree for the pinned release
-    pbtxt = (TRTLLM_REPO / "ensemble" / "config.pbtxt").read_text()
-    pbtxt_batch = int(re.search(r"^max_batch_size:\s*(\d+)", pbtxt, re.M).group(1))
+    pbtxt_batch = read_pbtxt(TRTLLM_REPO / "ensemble" / "config.pbtxt").max_batch_size
     tree_release = _tree_release_configs(tmp_path)
     assert set(tree_release) == set(configs) | {METHOD_EAGLE3_TREE}
     for name, config in {**configs, "tree": tree_release[METHOD_EAGLE3_TREE]}.items():
@@ -1074,18 +1073,12 @@ def test_trtllm_draft_target_pairing_is_checked_offline(tmp_path, capsys):
     assert "error: draft_target_config:" in capsys.readouterr().err
 
 
-def _pbtxt_tensors(text: str, section: str) -> dict[str, tuple]:
-    block = re.search(rf"^{section} \[\n(.*?)\n\]", text, re.M | re.S).group(1)
-    rows = re.findall(r'name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]( optional: true)?', block)
-    return {name: (dtype, tuple(int(d) for d in dims.split(",")), bool(opt)) for name, dtype, dims, opt in rows}
-
-
 def test_trtllm_model_has_our_ensemble_tensor_names():
-    text = (TRTLLM_REPO / "ensemble" / "config.pbtxt").read_text()
-    assert re.search(r'^name: "ensemble"$', text, re.M) and "decoupled: true" in text
+    config = read_pbtxt(TRTLLM_REPO / "ensemble" / "config.pbtxt")
+    assert config.name == "ensemble" and config.model_transaction_policy.decoupled
     inputs, outputs = P.MODELS["ensemble"]
-    assert _pbtxt_tensors(text, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
-    assert _pbtxt_tensors(text, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}
+    assert pbtxt_tensors(config, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
+    assert pbtxt_tensors(config, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}
     # The client's request fields all exist there: it drives this server unchanged.
     from specdec_client import GenerateRequest
 
@@ -1243,8 +1236,8 @@ def test_every_model_repository_config_matches_the_protocol(model):
     specdec_wire, the internal ones' in specdec.triton_models.contract."""
     from specdec.triton_models import contract
 
-    text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
-    assert re.search(rf'^name: "{model}"$', text, re.M)
+    config = read_pbtxt(ROOT / "model_repository" / model / "config.pbtxt")
+    assert config.name == model
     inputs, outputs = {**P.MODELS, **contract.MODELS}[model]
-    assert _pbtxt_tensors(text, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
-    assert _pbtxt_tensors(text, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}
+    assert pbtxt_tensors(config, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
+    assert pbtxt_tensors(config, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}

@@ -262,17 +262,13 @@ def test_grpc_stream_echo_stream(echo_server):
 @pytest.mark.server
 @needs_triton
 def test_http_generate_stream_sse(echo_server):
-    body = json.dumps({"text_input": "sse", "n": 4}).encode()
-    req = urllib.request.Request(
-        f"{echo_server.endpoints.http_url}/v2/models/echo_stream/generate_stream",
-        data=body,
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        assert resp.headers.get("Content-Type", "").startswith("text/event-stream")
-        raw = resp.read().decode()
-    events = [json.loads(line[len("data: ") :]) for line in raw.splitlines() if line.startswith("data: ")]
+    import httpx
+    from httpx_sse import connect_sse
+
+    url = f"{echo_server.endpoints.http_url}/v2/models/echo_stream/generate_stream"
+    with httpx.Client(timeout=30) as client, connect_sse(client, "POST", url, json={"text_input": "sse", "n": 4}) as source:
+        assert source.response.headers.get("Content-Type", "").startswith("text/event-stream")
+        events = [json.loads(event.data) for event in source.iter_sse()]
     assert [e["text_output"] for e in events] == [f"{i}:SSE" for i in range(4)]
     assert [e["index"] for e in events] == list(range(4))
     assert all(e["model_name"] == "echo_stream" for e in events)

@@ -19,7 +19,7 @@ import pytest
 import specdec_wire as P
 from specdec.config import METHOD_NONE
 from specdec.config import SERVED_SETTINGS
-from specdec_client import AsyncSpecDecClient, GenerateRequest, promtext
+from specdec_client import AsyncSpecDecClient, GenerateRequest, server_metrics
 
 # Slow (about 5 min on a quiet 2-core machine, 11-20 min on a busy one) and the adaptive
 # methods' accepted-token margin depends on the planner's timing: `make test-methods` runs it,
@@ -65,9 +65,9 @@ def generate(server, prompts: list[str], method: str, concurrency: int) -> list[
 
 
 def counters(server, method: str) -> dict[str, float]:
-    samples = promtext.scrape(server.endpoints.metrics_url)
+    samples = server_metrics.scrape(server.endpoints.metrics_url)
     names = (P.ACCEPTED_TOKENS_TOTAL, P.DRAFT_TOKENS_TOTAL, P.VERIFICATION_STEPS_TOTAL)
-    return {name: promtext.by_label(samples, name, "method").get(method, 0.0) for name in names}
+    return {name: server_metrics.by_label(samples, name, "method").get(method, 0.0) for name in names}
 
 
 @pytest.fixture(scope="module")

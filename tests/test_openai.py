@@ -4,10 +4,12 @@ speculation per model id or extra body field, OpenAI-shaped errors, and a client
 away stops the Triton stream."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
+from httpx_sse import connect_sse
 import openai
 import pytest
 
@@ -133,10 +135,10 @@ def test_a_client_that_goes_away_stops_the_stream(api, triton_server):
     body = {"model": f"{BASE}:ngram", "messages": [{"role": "user", "content": "Count from one to a thousand in words."}],
             "max_tokens": 400, "temperature": 0, "stream": True}
     cancelled = metric(triton_server, "specdec_requests_total", reason="cancelled")
-    with httpx.stream("POST", api + "/v1/chat/completions", json=body, timeout=60) as resp:
-        lines = resp.iter_lines()
-        for _ in range(4):
-            next(lines)
+    with httpx.Client(timeout=60) as client, connect_sse(client, "POST", api + "/v1/chat/completions", json=body) as source:
+        events = source.iter_sse()
+        chunks = [json.loads(next(events).data) for _ in range(3)]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)  # streamed, then abandoned
     deadline = time.time() + 60  # a poll that fails only when the slot is never freed
     while time.time() < deadline and metric(triton_server, "specdec_active_sequences", model="verifier") > 0:
         time.sleep(0.2)

@@ -15,7 +15,7 @@ from specdec.triton_models import contract as C
 from specdec.errors import InvalidRequestError
 from specdec.serving.request import ServedOffer, parse_request
 
-from conftest import TEST_INTERNAL_KEY
+from conftest import TEST_INTERNAL_KEY, read_pbtxt, write_pbtxt
 
 pytestmark = pytest.mark.server
 
@@ -249,7 +249,6 @@ def _request():
 def two_slot_server(tmp_path_factory, smol_dir):
     """The model repository with two sequence slots and a 1 s admission timeout."""
     import json
-    import re
     import shutil
 
     from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
@@ -258,9 +257,9 @@ def two_slot_server(tmp_path_factory, smol_dir):
     repo = root / "model_repository"
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
     for model in ("verifier", "drafter"):
-        path = repo / model / "config.pbtxt"
-        text = re.sub(r"^max_batch_size: \d+", "max_batch_size: 2", path.read_text(), flags=re.M)
-        path.write_text(text.replace("max_candidate_sequences: 16", "max_candidate_sequences: 2"))
+        config = read_pbtxt(repo / model / "config.pbtxt")
+        config.max_batch_size = config.sequence_batching.oldest.max_candidate_sequences = 2
+        write_pbtxt(repo / model / "config.pbtxt", config)
     settings = json.loads((repo / "specdec.json").read_text())
     settings["engine"].update(max_batch_size=2, max_seq_len=512, max_tokens_limit=512)
     settings["admission_timeout_s"] = 1.0
@@ -291,6 +290,62 @@ def test_a_full_server_refuses_new_requests_as_busy_after_the_admission_timeout(
             stream.close()  # cancels through speculative_loop: the slots free at once
             holder.close()
         assert client.generate(GenerateRequest("Name a colour.", max_tokens=4)).text  # admitted again
+
+
+def test_a_full_server_shows_in_the_slot_metrics_within_one_scrape(two_slot_server):
+    """The autoscaling signal: a request waiting for a slot waits inside the loop, where
+    Triton's queue metrics never see it. Three streams on two slots: occupancy reads 1.0,
+    the waiter shows while it waits, and its wait lands in the slot-wait histogram."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec_client import GenerateRequest, ServerError, SpecDecClient, server_metrics as sm
+
+    def scrape():
+        return sm.scrape(two_slot_server.endpoints.metrics_url)
+
+    def waits(samples, suffix):
+        return sm.total(samples, P.SLOT_WAIT_SECONDS + suffix, model="ensemble")
+
+    def settled(name, model, value):
+        """A scrape once the gauge reads `value`: a slot is released just after the final
+        response, so a client can scrape before the gauge has moved."""
+        deadline = time.monotonic() + 60
+        while sm.total(samples := scrape(), name, model=model) != value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return samples
+
+    grpc = two_slot_server.endpoints.grpc
+    idle = settled(P.SLOT_OCCUPANCY, "ensemble", 0.0)
+    assert sm.total(idle, P.SLOT_OCCUPANCY, model="ensemble") == 0.0
+    assert sm.total(idle, P.SLOT_WAITING, model="ensemble") == 0.0
+    long = GenerateRequest("Count to one thousand.", max_tokens=400, ignore_eos=True, num_draft_tokens=0)
+    holders = [SpecDecClient(grpc, model="speculative_loop") for _ in range(2)]
+    streams = [client.stream(long) for client in holders]
+    try:
+        for stream in streams:
+            next(stream)  # both slots are taken
+        assert sm.total(scrape(), P.SLOT_OCCUPANCY, model="speculative_loop") == 1.0
+        with SpecDecClient(grpc) as client, ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(client.generate, GenerateRequest("Name a colour.", max_tokens=4))
+            waiting = []
+            while not refused.done():  # the admission timeout is 1 s: many scrapes fall inside it
+                waiting.append(sm.total(scrape(), P.SLOT_WAITING, model="ensemble"))
+                time.sleep(0.02)
+            with pytest.raises(ServerError, match="busy"):
+                refused.result()
+        assert max(waiting) == 1.0
+        full = scrape()  # one scrape: still full, and the wait is counted
+        assert sm.total(full, P.SLOT_OCCUPANCY, model="speculative_loop") == 1.0
+        assert sm.total(full, P.SLOT_WAITING, model="ensemble") == 0.0
+        assert waits(full, "_count") == waits(idle, "_count") + 1
+        assert waits(full, "_sum") - waits(idle, "_sum") >= 1.0  # it waited out admission_timeout_s
+        assert sm.total(full, P.SLOT_WAIT_SECONDS + "_bucket", model="ensemble", le="+Inf") == waits(full, "_count")
+    finally:
+        for stream, holder in zip(streams, holders):
+            stream.close()  # cancels: the slots free at the loop's next step
+            holder.close()
+    assert sm.total(settled(P.SLOT_OCCUPANCY, "speculative_loop", 0.0), P.SLOT_OCCUPANCY, model="speculative_loop") == 0.0
 
 
 def test_shared_slots_are_one_pool_across_processes_and_freed_when_a_holder_dies(tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specdec_wire as P
-from specdec_client import GenerateRequest, ServerError, SpecDecClient
+from specdec_client import GenerateRequest, ServerError, SpecDecClient, server_metrics
 
 pytestmark = pytest.mark.server
 
@@ -34,12 +34,7 @@ def request(prompt: str, **kw) -> GenerateRequest:
 
 
 def metric(server, name: str, **labels) -> float:
-    text = urllib.request.urlopen(server.endpoints.metrics_url).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return server_metrics.total(server_metrics.scrape(server.endpoints.metrics_url), name, **labels)
 
 
 def ready(server) -> bool:
@@ -137,9 +132,17 @@ def test_eight_drafting_streams_at_once_equal_the_baseline_token_ids(triton_serv
 
 def test_metrics_count_drafts(triton_server, grpc_client):
     before = metric(triton_server, "specdec_draft_tokens_total", method="ngram")
+    steps = metric(triton_server, P.ACCEPTANCE_LENGTH + "_count", method="ngram")
     grpc_client.generate(request(PROMPTS[1], method="ngram", num_draft_tokens=4))
     assert metric(triton_server, "specdec_draft_tokens_total", method="ngram") > before
-    assert metric(triton_server, "specdec_acceptance_length_total", method="ngram") > 0
+    # Tokens per step, a real histogram: one observation per verification step, >= 1 token each.
+    samples = server_metrics.scrape(triton_server.endpoints.metrics_url)
+    count = server_metrics.total(samples, P.ACCEPTANCE_LENGTH + "_count", method="ngram")
+    assert count > steps
+    assert server_metrics.total(samples, P.ACCEPTANCE_LENGTH + "_sum", method="ngram") >= count
+    buckets = {float(le): n for le, n in server_metrics.by_label(samples, P.ACCEPTANCE_LENGTH + "_bucket", "le", method="ngram").items()}
+    assert sorted(buckets) == [*P.ACCEPTANCE_LENGTH_BUCKETS, float("inf")] and buckets[float("inf")] == count
+    assert all(buckets[a] <= buckets[b] for a, b in zip(sorted(buckets), sorted(buckets)[1:]))  # cumulative
 
 
 BAD = [

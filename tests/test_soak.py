@@ -95,6 +95,17 @@ def test_the_report_carries_the_peak_rss_between_minute_samples(monkeypatch):
     assert report["rss_peak_mib"] == 900 and report["malformed_field_not_named"] == 0
 
 
+def test_rss_counts_live_processes_and_skips_gone_ones():
+    import os
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    mine = soak.rss_bytes([os.getpid()])
+    assert mine > 10 * 2**20  # this interpreter with pytest loaded
+    assert soak.rss_bytes([os.getpid(), gone.pid]) == pytest.approx(mine, rel=0.1)
+
+
 def test_the_watcher_samples_until_cancelled():
     seen = []
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import specdec_wire as P
 
-from specdec_client import promtext
+from specdec_client import server_metrics
 from specdec_client.client import AsyncSpecDecClient, GenerateRequest
 from specdec_client.datasets import Prompt
 from specdec_client.errors import SpecDecClientError
@@ -318,7 +318,7 @@ async def open_loop(client, config, plan, prompts, done: Callable[[], None], rng
 async def _scrape(url: str | None):
     if url is None:
         return None
-    return await asyncio.to_thread(promtext.scrape, url)
+    return await asyncio.to_thread(server_metrics.scrape, url)
 
 
 WARMUP_MAX_TOKENS = 16
@@ -351,7 +351,7 @@ async def run_bench(config: BenchConfig, prompts: Sequence[Prompt], on_request: 
                 records = await open_loop(client, config, plan, prompts, on_request, rng)
             end = time.perf_counter()
             after = await _scrape_or_none(result, config.metrics_url)
-            delta = promtext.delta(before, after) if before is not None and after is not None else None
+            delta = server_metrics.delta(before, after) if before is not None and after is not None else None
             result.blocks.append(BlockResult(plan, start, end, sorted(records, key=lambda r: r.send), delta))
     return result
 

@@ -353,6 +353,9 @@ def _event_chunk(payload: dict) -> Chunk:
 
 
 def _sse_events(lines) -> Iterator[Chunk]:
+    # Triton's generate_stream sends each response as one `data:` line. No SSE library here:
+    # httpx-sse reads httpx responses only, and this client's transports are urllib (sync)
+    # and aiohttp (asyncio, chosen for the benchmark's many concurrent streams).
     for raw in lines:
         line = raw.decode("utf-8").strip()
         if line.startswith("data:"):

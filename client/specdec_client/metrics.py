@@ -29,9 +29,10 @@ between closest ranks (numpy's default "linear" method).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
+
+import numpy as np
 
 PERCENTILES = (50, 90, 99)
 
@@ -109,11 +110,7 @@ def percentile(values: Sequence[float], q: float) -> float:
         raise ValueError("percentile of an empty sequence")
     if not 0 <= q <= 100:
         raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return float(np.percentile(values, q))  # numpy's default method is this interpolation
 
 
 def summarize(values: Iterable[float | None]) -> Stats:

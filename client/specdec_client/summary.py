@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_client import metrics as M
-from specdec_client import promtext
+from specdec_client import server_metrics
 from specdec_client.bench import BenchResult, BlockResult, LoadPoint, Mode
 
 SCHEMA_VERSION = 2  # 2: itl_ms is per token (was chunk gaps, now inter_chunk_latency_ms)
@@ -40,7 +40,7 @@ class Run:
         drafted: dict[int, float] = defaultdict(float)
         accepted: dict[int, float] = defaultdict(float)
         for b in self.blocks:
-            d, a = promtext.per_position_counts(b.metrics_delta, self.mode.metrics_method)
+            d, a = server_metrics.per_position_counts(b.metrics_delta, self.mode.metrics_method)
             for p, v in d.items():
                 drafted[p] += v
             for p, v in a.items():

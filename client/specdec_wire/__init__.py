@@ -141,20 +141,31 @@ ADMIN_KEY_GRPC_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # Triton's p
 
 
 # ---- Prometheus metrics on Triton's metrics port (served by the models, read by the client's
-# benchmark and the tests). Labels: method; position (per-position counters); length
-# (acceptance-length histogram); reason (requests); model (active sequences). ----------------
+# benchmark and the tests). Labels: method; position (per-position counters); reason
+# (requests); model (active sequences, slot occupancy and wait). Histograms are real
+# Prometheus histograms (`<name>_bucket{le=...}`, `_sum`, `_count`; Python backend
+# MetricFamily.HISTOGRAM, Triton >= 2.51). ---------------------------------------------------
 DRAFT_TOKENS_TOTAL = "specdec_draft_tokens_total"
 ACCEPTED_TOKENS_TOTAL = "specdec_accepted_tokens_total"
 EMITTED_TOKENS_TOTAL = "specdec_emitted_tokens_total"
 VERIFICATION_STEPS_TOTAL = "specdec_verification_steps_total"
 DRAFTED_PER_POSITION_TOTAL = "specdec_drafted_per_position_total"
 ACCEPTED_PER_POSITION_TOTAL = "specdec_accepted_per_position_total"
-ACCEPTANCE_LENGTH_TOTAL = "specdec_acceptance_length_total"
+ACCEPTANCE_LENGTH = "specdec_acceptance_length"
 DRAFT_SECONDS_TOTAL = "specdec_draft_seconds_total"
 VERIFY_SECONDS_TOTAL = "specdec_verify_seconds_total"
 STEP_SECONDS_TOTAL = "specdec_step_seconds_total"
 REQUESTS_TOTAL = "specdec_requests_total"
 ACTIVE_SEQUENCES = "specdec_active_sequences"
+# Admission, from the loop (`ensemble`, `speculative_loop`): a request waiting for a sequence
+# slot waits inside the decoupled loop, where Triton's queue metrics never see it.
+SLOT_OCCUPANCY = "specdec_slot_occupancy"
+SLOT_WAIT_SECONDS = "specdec_slot_wait_seconds"
+SLOT_WAITING = "specdec_slot_waiting_requests"
+# Bucket upper bounds (le). Tokens per step are whole numbers; slot waits run up to
+# admission_timeout_s (60 s by default).
+ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+SLOT_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 # The budget planner's current beliefs (adaptive methods; specdec.engine.planner), from the verifier.
 ACCEPTANCE_ESTIMATE = "specdec_acceptance_estimate"
 PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
@@ -164,7 +175,7 @@ VERIFIER_METRICS = {
     PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),
 }
 
-# name -> (kind, help) of what the speculative loop exports.
+# name -> (kind, help[, buckets]) of what the speculative loop exports.
 LOOP_METRICS = {
     DRAFT_TOKENS_TOTAL: ("counter", "Draft tokens proposed"),
     ACCEPTED_TOKENS_TOTAL: ("counter", "Draft tokens accepted by the target"),
@@ -172,9 +183,12 @@ LOOP_METRICS = {
     VERIFICATION_STEPS_TOTAL: ("counter", "Target verification steps"),
     DRAFTED_PER_POSITION_TOTAL: ("counter", "Drafts that reached draft position `position`"),
     ACCEPTED_PER_POSITION_TOTAL: ("counter", "Drafts accepted at draft position `position`"),
-    ACCEPTANCE_LENGTH_TOTAL: ("counter", "Verification steps that emitted `length` tokens (histogram)"),
+    ACCEPTANCE_LENGTH: ("histogram", "Tokens emitted per verification step (bonus or recovered included)", ACCEPTANCE_LENGTH_BUCKETS),
     DRAFT_SECONDS_TOTAL: ("counter", "Time spent drafting (beside the target, or in the drafter model)"),
     VERIFY_SECONDS_TOTAL: ("counter", "Time spent verifying (target forward + acceptance)"),
     STEP_SECONDS_TOTAL: ("counter", "Wall time of verification steps as the loop sees them (calls included)"),
     REQUESTS_TOTAL: ("counter", "Finished requests by finish reason"),
+    SLOT_OCCUPANCY: ("gauge", "Fraction of the server's sequence slots held by this model's requests (sum over `model`: the server's)"),
+    SLOT_WAITING: ("gauge", "Requests of this model waiting for a sequence slot now"),
+    SLOT_WAIT_SECONDS: ("histogram", "Time a request waited for a sequence slot (admitted or refused as busy)", SLOT_WAIT_BUCKETS),
 }

@@ -1,12 +1,14 @@
 """Ports and process-tree helpers for running tritonserver as a child process group
-(standard library only)."""
+(process tables through psutil)."""
 
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
+
+import psutil
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,72 +30,50 @@ def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
             s.close()
 
 
-def _proc_stat(pid: int) -> Optional[tuple]:
-    """(state, ppid, pgrp) of a process from /proc, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    rest = data[data.rfind(")") + 2 :].split()
-    try:
-        return rest[0], int(rest[1]), int(rest[2])
-    except (IndexError, ValueError):
-        return None
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def _proc_cmdline(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
-def _all_pids() -> List[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
-
-
 def _alive(pid: int) -> bool:
-    st = _proc_stat(pid)
-    if st is None:
-        if not os.path.isdir("/proc"):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
+    try:
+        return psutil.Process(pid).status() not in _GONE
+    except psutil.NoSuchProcess:
         return False
-    return st[0] not in ("Z", "X")
+    except psutil.AccessDenied:  # someone else's: it exists
+        return True
 
 
 def group_members(pgid: int) -> List[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     out = []
-    for pid in _all_pids():
-        st = _proc_stat(pid)
-        if st is not None and st[2] == pgid and st[0] not in ("Z", "X"):
-            out.append(pid)
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] not in _GONE and os.getpgid(proc.pid) == pgid:
+                out.append(proc.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
     return out
 
 
 def descendants(root: int) -> List[int]:
-    """Live descendants of ``root`` (from /proc)."""
-    children: Dict[int, List[int]] = {}
-    for pid in _all_pids():
-        st = _proc_stat(pid)
-        if st is not None and st[0] not in ("Z", "X"):
-            children.setdefault(st[1], []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
+    """Live descendants of ``root``."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for child in children:
+        try:
+            if child.status() not in _GONE:
+                out.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
     return out
 
 

@@ -18,7 +18,7 @@ is a per-token latency.
 So that a difference can be explained and not only shown, every run also records what the
 server itself saw (its loop's mean step time and emitted tokens per second, from its own
 Prometheus counters, scraped before and after) and how many CPU cores each party used
-(server, load generator, OpenAI front end; from /proc), in comparison.json and a second
+(server, load generator, OpenAI front end; from psutil), in comparison.json and a second
 table of comparison.md.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+import psutil
 
 from specdec.tools.bench_openai import PROMPT_TOKENS, served_with_openai
 
@@ -108,22 +110,22 @@ def runs_markdown(runs: list[dict[str, Any]]) -> str:
 
 def _cmdline(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return None
 
 
 def _deprioritise(pattern: str, seen: set[int]) -> None:
     """Renice (19) the processes whose command line starts with `pattern`."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) in seen:
+    for pid in psutil.pids():
+        if pid in seen:
             continue
-        cmdline = _cmdline(int(proc.name))
+        cmdline = _cmdline(pid)
         if cmdline is not None and cmdline.startswith(pattern):
             try:
-                os.setpriority(os.PRIO_PROCESS, int(proc.name), 19)
-                seen.add(int(proc.name))
-            except OSError:
+                psutil.Process(pid).nice(19)
+                seen.add(pid)
+            except psutil.Error:
                 pass
 
 
@@ -131,17 +133,18 @@ def _deprioritise(pattern: str, seen: set[int]) -> None:
 # First match wins: our client's command line names results/aiperf/ (its --out).
 CPU_GROUPS = {"server": ("tritonserver", "triton_python_backend_stub"), "specdec-client": ("specdec-client",),
               "aiperf": ("aiperf",)}
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(start time, utime + stime in seconds) of one process; not its reaped children's
+def _stat(pid: int) -> tuple[float, float] | None:
+    """(start time, user + system CPU seconds) of one process; not its reaped children's
     time: those were sampled as processes of their own and would count twice."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            times = proc.cpu_times()
+            return proc.create_time(), times.user + times.system
+    except psutil.Error:
         return None
-    return int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def _group_of(pid: int, own_cmdline: str | None) -> str | None | bool:
@@ -161,17 +164,14 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
     `every_s` so that processes which exit before the end (aiperf's) are counted too, up to
     their last `every_s`; filled in on exit. This process (the front end) includes the
     sampler itself."""
-    first: dict[tuple[int, int], float] = {}  # keyed by (pid, start time): pids get reused
-    last: dict[tuple[int, int], tuple[str, float]] = {}
-    groups: dict[tuple[int, int], str | None] = {}  # each process's command line is read once
+    first: dict[tuple[int, float], float] = {}  # keyed by (pid, start time): pids get reused
+    last: dict[tuple[int, float], tuple[str, float]] = {}
+    groups: dict[tuple[int, float], str | None] = {}  # each process's command line is read once
     own_cmdline = _cmdline(os.getpid())
     stop = threading.Event()
 
     def sample(initial: bool = False) -> None:
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            pid = int(proc.name)
+        for pid in psutil.pids():
             stat = _stat(pid)
             if stat is None:
                 continue
@@ -210,13 +210,13 @@ def cpu_use(every_s: float = 0.25) -> Iterator[dict[str, float]]:
 def server_view(before, after) -> dict[str, dict[str, float]]:
     """Per method label, what the serving loop measured between two scrapes (warm-up
     requests included): its steps, mean step time (ms) and tokens emitted."""
-    from specdec_client import promtext
+    from specdec_client import server_metrics
     import specdec_wire as P
 
-    diff = promtext.delta(before, after)
-    steps = promtext.by_label(diff, P.VERIFICATION_STEPS_TOTAL, "method")
-    seconds = promtext.by_label(diff, P.STEP_SECONDS_TOTAL, "method")
-    emitted = promtext.by_label(diff, P.EMITTED_TOKENS_TOTAL, "method")
+    diff = server_metrics.delta(before, after)
+    steps = server_metrics.by_label(diff, P.VERIFICATION_STEPS_TOTAL, "method")
+    seconds = server_metrics.by_label(diff, P.STEP_SECONDS_TOTAL, "method")
+    emitted = server_metrics.by_label(diff, P.EMITTED_TOKENS_TOTAL, "method")
     return {m: {"steps": n, "step_ms": 1000 * seconds.get(m, 0.0) / n, "emitted": emitted.get(m, 0.0)}
             for m, n in steps.items() if n}
 
@@ -224,12 +224,12 @@ def server_view(before, after) -> dict[str, dict[str, float]]:
 @contextmanager
 def observed(metrics_url: str, runs: list[dict[str, Any]], **label: Any) -> Iterator[None]:
     """Record one run's CPU use and the server's own view of it into `runs`."""
-    from specdec_client import promtext
+    from specdec_client import server_metrics
 
-    before = promtext.scrape(metrics_url)
+    before = server_metrics.scrape(metrics_url)
     with cpu_use() as cores:
         yield
-    view = server_view(before, promtext.scrape(metrics_url))
+    view = server_view(before, server_metrics.scrape(metrics_url))
     runs.append({**label, "wall_s": cores.pop("wall_s"), "cores": cores, "server": view})
 
 

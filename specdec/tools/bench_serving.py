@@ -62,7 +62,7 @@ STEP_COUNTERS = {"draft": P.DRAFT_SECONDS_TOTAL, "verify": P.VERIFY_SECONDS_TOTA
 def through_triton(client, metrics_url: str, texts: list[str], method: str, k: int, max_tokens: int) -> dict:
     from specdec_client import GenerateRequest
     from specdec_client.client import Generation
-    from specdec_client.promtext import by_label, delta, scrape
+    from specdec_client.server_metrics import by_label, delta, scrape
 
     client.generate(GenerateRequest(texts[0], max_tokens=8, method=method, num_draft_tokens=k))  # warm-up
     before = scrape(metrics_url)

@@ -119,17 +119,22 @@ def error_response(exc: BaseException) -> "pb_utils.InferenceResponse":
 class Metrics:
     """Prometheus metrics on Triton's metrics port (pb_utils.MetricFamily), one metric per
     label set, created lazily. Every metric update is a round trip from the stub to the
-    server process, so counter increments are summed here and sent at most every
-    `flush_every_s` (and on flush()); gauges are sent only when they change."""
+    server process, so counter increments are summed and histogram observations queued
+    here and sent at most every `flush_every_s` (and on flush()); gauges are sent only when
+    they change."""
 
-    def __init__(self, families: dict[str, tuple[str, str]], flush_every_s: float = 0.25):
-        # families: name -> (kind "counter" | "gauge", help)
-        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+    KINDS = {"counter": "COUNTER", "gauge": "GAUGE", "histogram": "HISTOGRAM"}
+
+    def __init__(self, families: dict[str, tuple], flush_every_s: float = 0.25):
+        # families: name -> (kind "counter" | "gauge" | "histogram", help[, buckets])
         self._families = {
-            name: pb_utils.MetricFamily(name=name, description=help_, kind=kinds[kind]) for name, (kind, help_) in families.items()
+            name: pb_utils.MetricFamily(name=name, description=spec[1], kind=getattr(pb_utils.MetricFamily, self.KINDS[spec[0]]))
+            for name, spec in families.items()
         }
+        self._buckets = {name: [float(b) for b in spec[2]] for name, spec in families.items() if spec[0] == "histogram"}
         self._metrics: dict[tuple, Any] = {}
         self._pending: dict[tuple, float] = {}  # (name, labels) -> increment not yet sent
+        self._observed: list[tuple[tuple, float]] = []  # (name, labels), value: not yet sent
         self._gauges: dict[tuple, float] = {}
         self._flush_every_s = flush_every_s
         self._last_flush = time.monotonic()
@@ -138,20 +143,31 @@ class Metrics:
         key = (name, tuple(sorted(labels.items())))
         metric = self._metrics.get(key)
         if metric is None:
-            metric = self._metrics[key] = self._families[name].Metric(labels=labels)
+            extra = {"buckets": self._buckets[name]} if name in self._buckets else {}
+            metric = self._metrics[key] = self._families[name].Metric(labels=labels, **extra)
         return metric
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         if value:
             key = (name, tuple(sorted(labels.items())))
             self._pending[key] = self._pending.get(key, 0.0) + value
-            if time.monotonic() - self._last_flush > self._flush_every_s:
-                self.flush()
+            self._maybe_flush()
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._observed.append(((name, tuple(sorted(labels.items()))), value))
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush > self._flush_every_s:
+            self.flush()
 
     def flush(self) -> None:
         pending, self._pending = self._pending, {}
+        observed, self._observed = self._observed, []
         for (name, labels), value in pending.items():
             self._metric(name, dict(labels)).increment(value)
+        for (name, labels), value in observed:
+            self._metric(name, dict(labels)).observe(value)
         self._last_flush = time.monotonic()
 
     def set(self, name: str, value: float, **labels: str) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import secrets
+import time
 
 import numpy as np
 import torch
@@ -156,6 +157,8 @@ class TritonPythonModel:
         self.offer = served_offer(self.settings)
         self.key = internal_key()
         self.metrics = Metrics(P.LOOP_METRICS)
+        self.name = args["model_name"]
+        self._waiting = 0  # requests of this process waiting for a slot
         self._live_cids: set[int] = set()
         self._executor_set = False
 
@@ -164,6 +167,7 @@ class TritonPythonModel:
             asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=256))
             # One permit per KV-cache slot, shared with the other served name's process.
             self._slots = SharedSlots(self.settings.engine.max_batch_size)
+            self._slot_gauges()  # the series exist from the start (an autoscaler reads 0, not nothing)
             self._executor_set = True
         # One request's failure must never take the others (or the stub) down with it.
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
@@ -202,6 +206,7 @@ class TritonPythonModel:
                 await self._generate(request, sender, parsed, req)
             finally:
                 self._slots.release(slot)
+                self._slot_gauges()
         finally:
             self._live_cids.discard(int(req.request_id))
 
@@ -216,9 +221,20 @@ class TritonPythonModel:
 
     async def _admit(self, sender, req):
         """Wait (bounded) for a free sequence slot (its permit); refuse as busy, None, when
-        none frees in time."""
+        none frees in time. The wait happens here, inside the decoupled model, where Triton's
+        queue metrics never see it: the slot metrics are the autoscaling signal."""
         timeout = self.settings.admission_timeout_s
-        slot = await self._slots.acquire(timeout)
+        started = time.monotonic()
+        slot = self._slots.try_acquire()
+        if slot is None:
+            self._waiting += 1
+            self._slot_gauges()
+            try:
+                slot = await self._slots.acquire(timeout)
+            finally:
+                self._waiting -= 1
+        self.metrics.observe(P.SLOT_WAIT_SECONDS, time.monotonic() - started, model=self.name)
+        self._slot_gauges()
         if slot is None:
             self.metrics.inc(P.REQUESTS_TOTAL, reason="busy", method=req.method)
             self.metrics.flush()
@@ -226,6 +242,10 @@ class TritonPythonModel:
             busy = CapacityError(f"server busy: all {limit} sequence slots are in use; waited {timeout:g} s (admission_timeout_s)")
             send(sender, error_response(busy), FINAL)
         return slot
+
+    def _slot_gauges(self):
+        self.metrics.set(P.SLOT_OCCUPANCY, self._slots.held / self._slots.count, model=self.name)
+        self.metrics.set(P.SLOT_WAITING, self._waiting, model=self.name)
 
     async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
@@ -296,7 +316,7 @@ class TritonPythonModel:
         m.inc(P.ACCEPTED_TOKENS_TOTAL, update.accepted, method=method)
         m.inc(P.EMITTED_TOKENS_TOTAL, len(update.token_ids), method=method)
         m.inc(P.VERIFICATION_STEPS_TOTAL, 1, method=method)
-        m.inc(P.ACCEPTANCE_LENGTH_TOTAL, 1, method=method, length=str(update.accepted + 1))
+        m.observe(P.ACCEPTANCE_LENGTH, update.accepted + 1, method=method)
         for position in range(update.draft_depth):
             m.inc(P.DRAFTED_PER_POSITION_TOTAL, 1, method=method, position=str(position))
         for position in range(update.accepted):

@@ -19,8 +19,14 @@ class SharedSlots:
         tritonserver for every Python stub it starts)."""
         directory = Path(tempfile.gettempdir()) / f"specdec-slots-{server_id or os.getppid()}"
         directory.mkdir(mode=0o700, exist_ok=True)
+        self.count = count
         self._fds = [os.open(directory / f"slot-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(count)]
         self._held: set[int] = set()  # this process's: flock would let it take its own lock twice
+
+    @property
+    def held(self) -> int:
+        """Slots this process holds (the others' locks cannot be counted without taking them)."""
+        return len(self._held)
 
     def try_acquire(self) -> int | None:
         for i, fd in enumerate(self._fds):

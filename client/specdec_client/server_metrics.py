@@ -1,39 +1,27 @@
-"""Read the server's Prometheus metrics (text exposition format) and diff counters
-between two scrapes: the benchmark scrapes before and after each block of requests."""
+"""Read the server's Prometheus metrics and diff counters between two scrapes: the benchmark
+scrapes before and after each block of requests. The text format is parsed by
+prometheus_client's parser; this module only indexes the samples by name and labels."""
 from __future__ import annotations
 
-import re
 import urllib.error
 import urllib.request
 from typing import Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec_client.errors import ClientConnectionError
 
 from specdec_wire import ACCEPTED_PER_POSITION_TOTAL as ACCEPTED_PER_POSITION
 from specdec_wire import DRAFTED_PER_POSITION_TOTAL as DRAFTED_PER_POSITION
 
-# name{label="value",...} value [timestamp]
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-Samples = dict[tuple[str, frozenset], float]  # (name, {(label, value)}) -> value
+Samples = dict[tuple[str, frozenset], float]  # (sample name, {(label, value)}) -> value
 
 
 def parse(text: str) -> Samples:
-    samples: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        samples[(name, frozenset(_LABEL.findall(labels or "")))] = number
-    return samples
+    """Every sample by its own name (a histogram's `_bucket` / `_sum` / `_count`, a counter's
+    `_total`) and label set."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> Samples:
@@ -69,3 +57,9 @@ def positions(samples: Samples, name: str, method: str) -> dict[int, float]:
 
 def per_position_counts(diff: Mapping, method: str) -> tuple[dict[int, float], dict[int, float]]:
     return positions(diff, DRAFTED_PER_POSITION, method), positions(diff, ACCEPTED_PER_POSITION, method)
+
+
+def total(samples: Samples, name: str, **match: str) -> float:
+    """Sum of metric `name` over the samples whose labels include `match` (0 when none)."""
+    wanted = set(match.items())
+    return sum(v for (sample_name, labels), v in samples.items() if sample_name == name and wanted <= labels)
