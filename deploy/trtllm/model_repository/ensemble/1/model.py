@@ -3,7 +3,7 @@
 Runs in NVIDIA's `<yy.mm>-trtllm-python-py3` container with this project installed
 (`pip install --no-deps .`). The served configuration is one of the generated YAML files
 next to this file, picked with LLM_CONFIG_PATH (baseline.yaml, eagle3.yaml,
-eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
+draft-target.yaml, ngram.yaml, eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
 `tensorrt_llm.LLM(...)`, as in TensorRT-LLM's own `llmapi` model. Request parsing, the
 method check and the perf counters are pure functions in trtllm_repository, tested on the
 CPU; this file only moves tensors and drives the LLM's asyncio API.
