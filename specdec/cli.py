@@ -45,6 +45,7 @@ def request_inputs(args: argparse.Namespace) -> dict:
         P.SPECULATIVE_METHOD: np.array([args.method], dtype=object),
         P.NUM_DRAFT_TOKENS: None if args.num_draft_tokens is None else np.int32([args.num_draft_tokens]),
         P.RANDOM_SEED: None if args.seed is None else np.uint64([args.seed]),
+        P.EXCLUDE_INPUT_IN_OUTPUT: np.bool_([True]),  # the CLI prints the answer only
     }
     return {name: value for name, value in inputs.items() if value is not None}
 

@@ -993,7 +993,8 @@ def test_trtllm_files_are_what_the_generator_writes(tmp_path):
     assert trtllm.main(["--out", str(tmp_path)]) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert [str(p) for p in generated] == [
-        "ensemble/1/baseline.yaml", "ensemble/1/draft-target.yaml", "ensemble/1/eagle3.yaml", "ensemble/config.pbtxt",
+        "ensemble/1/baseline.yaml", "ensemble/1/draft-target.yaml", "ensemble/1/eagle3.yaml", "ensemble/1/ngram.yaml",
+        "ensemble/config.pbtxt",
     ]
     for rel in generated:
         assert (tmp_path / rel).read_bytes() == (TRTLLM_REPO / rel).read_bytes(), rel
@@ -1009,7 +1010,7 @@ def _tree_release_configs(tmp_path) -> dict[str, dict]:
 
 def test_trtllm_configs_respect_the_budget_and_the_baseline_is_matched(tmp_path):
     configs = _trtllm_configs()
-    assert set(configs) == {"baseline", trtllm.DRAFT_TARGET, METHOD_EAGLE3}  # no tree for the pinned release
+    assert set(configs) == {"baseline", trtllm.DRAFT_TARGET, METHOD_EAGLE3, trtllm.NGRAM}  # no tree for the pinned release
     pbtxt_batch = read_pbtxt(TRTLLM_REPO / "ensemble" / "config.pbtxt").max_batch_size
     tree_release = _tree_release_configs(tmp_path)
     assert set(tree_release) == set(configs) | {METHOD_EAGLE3_TREE}
@@ -1133,7 +1134,7 @@ def test_trtllm_generator_accepts_the_linear_variant_for_a_sliding_window_target
         model="mistralai/Mistral-7B-Instruct-v0.1",
     )
     assert set(deployment.files()) == {"ensemble/config.pbtxt", "ensemble/1/baseline.yaml", "ensemble/1/eagle3.yaml",
-                                       "ensemble/1/draft-target.yaml"}
+                                       "ensemble/1/draft-target.yaml", "ensemble/1/ngram.yaml"}
     # From the CLI, the default Llama draft is left out for another target (it would not pair).
     (tmp_path / "config.json").write_text(json.dumps(SLIDING_WINDOW_TARGET))
     assert trtllm.main(["--target", "mistralai/Mistral-7B-Instruct-v0.1", "--target-config", str(tmp_path / "config.json"),
@@ -1210,7 +1211,6 @@ def test_trtllm_requests_map_to_llm_api_sampling_params():
     ({"min_length": -1}, EAGLE3, P.MIN_LENGTH),
     ({"repetition_penalty": 0.0}, EAGLE3, P.REPETITION_PENALTY),
     ({"return_log_probs": True}, EAGLE3, P.RETURN_LOG_PROBS),
-    ({"exclude_input_in_output": False}, EAGLE3, P.EXCLUDE_INPUT_IN_OUTPUT),
 ])
 def test_trtllm_invalid_requests_are_refused_naming_the_field(values, served, field):
     request = {"text_input": "Hi", "max_tokens": 16, **values}

@@ -225,3 +225,104 @@ def test_sampled_requests_through_the_server_equal_the_in_process_engine(triton_
         served = grpc_client.generate(request(prompt, max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7,
                                               method=method, num_draft_tokens=k))
         assert served.text == local, method
+
+
+# ---- the requests NVIDIA's clients send ---------------------------------------------------------
+def _unary(module, url: str, model: str, fields: dict):
+    from specdec_client.client import grpc_inputs
+
+    client = module.InferenceServerClient(url)
+    try:
+        return client.infer(model, grpc_inputs(module, fields))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("method, k", [("none", 0), ("eagle3", 5), ("ngram", 4)])
+def test_unary_infer_returns_what_the_stream_returns(triton_server, grpc_client, method, k):
+    """tritonclient's .infer (gRPC ModelInfer, HTTP infer) on ensemble_unary: one response,
+    the same text as the stream of `ensemble` for the same greedy request."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    req = request(PROMPTS[1], method=method, num_draft_tokens=k)
+    streamed = grpc_client.generate(req).text
+    for module, url in ((grpcclient, triton_server.endpoints.grpc), (httpclient, triton_server.endpoints.http)):
+        result = _unary(module, url, P.ENSEMBLE_UNARY, req.fields(stream=False))
+        assert result.as_numpy(P.TEXT_OUTPUT).reshape(-1)[0].decode() == streamed, module.__name__
+        assert int(result.as_numpy(P.OUTPUT_TOKENS).reshape(-1)[0]) > 0
+
+
+def test_unary_clients_meet_a_clear_answer_on_the_streaming_names(triton_server):
+    """Triton refuses unary calls to any decoupled model (why ensemble_unary exists), and
+    ensemble_unary refuses stream: true naming the field."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    fields = request(PROMPTS[0], max_tokens=4).fields(stream=False)
+    for module, url in ((grpcclient, triton_server.endpoints.grpc), (httpclient, triton_server.endpoints.http)):
+        with pytest.raises(Exception, match="decoupled"):
+            _unary(module, url, "ensemble", fields)
+        with pytest.raises(Exception, match="stream"):
+            _unary(module, url, P.ENSEMBLE_UNARY, {**fields, P.STREAM: True})
+    # Defaults as TensorRT-LLM's: without exclude_input_in_output the prompt comes first.
+    answer = _unary(grpcclient, triton_server.endpoints.grpc, P.ENSEMBLE_UNARY, fields)
+    echoed = _unary(grpcclient, triton_server.endpoints.grpc, P.ENSEMBLE_UNARY,
+                    {k: v for k, v in fields.items() if k != P.EXCLUDE_INPUT_IN_OUTPUT})
+    answer, echoed = (r.as_numpy(P.TEXT_OUTPUT).reshape(-1)[0].decode() for r in (answer, echoed))
+    assert echoed.endswith(answer) and PROMPTS[0] in echoed
+    assert ready(triton_server)
+
+
+def test_vllm_benchmarks_trt_llm_request_is_served(triton_server, grpc_client):
+    """vLLM's benchmark_serving `trt-llm` backend (backend_request_func.async_request_trt_llm):
+    POST /v2/models/ensemble/generate_stream with accumulate_tokens (a request parameter to
+    Triton, not an input), greedy, stream, and min_length = max_tokens for ignore_eos; it
+    reads text_output from each SSE event."""
+    body = {"accumulate_tokens": True, "text_input": PROMPTS[3], "temperature": 0.0, "top_p": 1.0, "max_tokens": 24,
+            "stream": True, "min_length": 24}
+    req = urllib.request.Request(triton_server.endpoints.http_url + "/v2/models/ensemble/generate_stream",
+                                 data=json.dumps(body).encode())
+    with urllib.request.urlopen(req) as resp:
+        events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    assert len(events) >= 2 and all("error" not in e for e in events)
+    text = "".join(e[P.TEXT_OUTPUT] for e in events)
+    assert text == grpc_client.generate(request(PROMPTS[3], max_tokens=24, min_length=24)).text
+    assert events[-1][P.FINISH_REASON] == "length"  # min_length held the end back to max_tokens
+
+
+def test_genai_perf_tensorrtllm_request_is_served(triton_server, grpc_client):
+    """genai-perf's tensorrtllm input (TensorRTLLMConverter, sent by perf_analyzer over a gRPC
+    stream): text_input, max_tokens, stream, min_length for deterministic lengths, plus the
+    [""] word lists TensorRT-LLM clients send for "none"."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    inputs = [
+        tensor(P.TEXT_INPUT, np.array([[PROMPTS[5].encode()]], dtype=np.object_), "BYTES"),
+        tensor(P.MAX_TOKENS, np.array([[16]], dtype=np.int32), "INT32"),
+        tensor(P.STREAM, np.array([[True]]), "BOOL"),
+        tensor(P.MIN_LENGTH, np.array([[16]], dtype=np.int32), "INT32"),
+        tensor(P.BAD_WORDS, np.array([[b""]], dtype=np.object_), "BYTES"),
+        tensor(P.STOP_WORDS, np.array([[b""]], dtype=np.object_), "BYTES"),
+    ]
+    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+    replies: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: replies.put((result, error)))
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    texts = []
+    while True:
+        result, error = replies.get(timeout=120)
+        assert error is None, error
+        texts.append(result.as_numpy(P.TEXT_OUTPUT).reshape(-1)[0].decode() if result.as_numpy(P.TEXT_OUTPUT) is not None else "")
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    assert len(texts) >= 2 and "".join(texts) == grpc_client.generate(request(PROMPTS[5], max_tokens=16, min_length=16)).text

@@ -27,6 +27,7 @@ def generate(server, model: str = "ensemble", **body) -> dict:
     body.setdefault("text_input", PROMPT)
     body.setdefault("max_tokens", 32)
     body.setdefault("return_perf_metrics", True)
+    body.setdefault("exclude_input_in_output", True)  # the answer alone (upstream's default echoes the prompt)
     req = urllib.request.Request(server.endpoints.http_url + f"/v2/models/{model}/generate", data=json.dumps(body).encode())
     try:
         with urllib.request.urlopen(req) as resp:
@@ -96,10 +97,48 @@ def test_out_of_range_rules_are_named(triton_server):
 
 
 def test_exclude_input_in_output_false_puts_the_prompt_first(triton_server):
+    """TensorRT-LLM's default (flag absent = false): a non-streamed answer starts with the prompt."""
     answer = generate(triton_server, num_draft_tokens=0)[P.TEXT_OUTPUT]
     whole = generate(triton_server, num_draft_tokens=0, exclude_input_in_output=False)[P.TEXT_OUTPUT]
     assert whole.endswith(answer) and PROMPT in whole[: -len(answer)]
-    assert generate(triton_server, num_draft_tokens=0, exclude_input_in_output=True)[P.TEXT_OUTPUT] == answer
+    body = {"text_input": PROMPT, "max_tokens": 32, "num_draft_tokens": 0}  # no flag at all
+    req = urllib.request.Request(triton_server.endpoints.http_url + "/v2/models/ensemble/generate", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req) as resp:
+        assert json.loads(resp.read())[P.TEXT_OUTPUT] == whole
+
+
+def test_min_tokens_is_min_length(triton_server):
+    """Current TensorRT-LLM ensembles send min_tokens; it holds back the end exactly as min_length."""
+    by_old = generate(triton_server, min_length=40, max_tokens=64, num_draft_tokens=0)
+    assert by_old[P.OUTPUT_TOKENS] >= 40
+    by_new = same_everywhere(triton_server, min_tokens=40, max_tokens=64)
+    assert by_new[P.TEXT_OUTPUT] == by_old[P.TEXT_OUTPUT]
+    with pytest.raises(AssertionError, match="min_tokens.*min_length"):
+        generate(triton_server, min_tokens=40, min_length=41)
+    # use_draft_logits (tensorrt_llm_bls) is accepted and changes nothing.
+    assert generate(triton_server, use_draft_logits=True, num_draft_tokens=0)[P.TEXT_OUTPUT] == \
+        generate(triton_server, num_draft_tokens=0)[P.TEXT_OUTPUT]
+
+
+def test_token_counts_come_with_their_flags(triton_server, tokenizer):
+    from specdec.serving.runtime import encode_prompt
+
+    plain = generate(triton_server, speculative_method="eagle3", num_draft_tokens=5)
+    assert P.NUM_INPUT_TOKENS not in plain and P.NUM_OUTPUT_TOKENS not in plain  # not asked for: absent, as upstream
+    counted = generate(triton_server, speculative_method="eagle3", num_draft_tokens=5,
+                       return_num_input_tokens=True, return_num_output_tokens=True)
+    assert counted[P.NUM_INPUT_TOKENS] == len(encode_prompt(tokenizer, PROMPT))
+    assert counted[P.NUM_OUTPUT_TOKENS] == counted[P.OUTPUT_TOKENS] == plain[P.OUTPUT_TOKENS]
+    only_in = generate(triton_server, num_draft_tokens=0, return_num_input_tokens=True)
+    assert P.NUM_INPUT_TOKENS in only_in and P.NUM_OUTPUT_TOKENS not in only_in
+    # Streamed: each response counts its own ids, held-back steps included, so they add up.
+    body = {"text_input": PROMPT, "max_tokens": 32, "stream": True, "speculative_method": "eagle3", "num_draft_tokens": 5,
+            "return_num_output_tokens": True, "return_perf_metrics": True}
+    req = urllib.request.Request(triton_server.endpoints.http_url + "/v2/models/ensemble/generate_stream",
+                                 data=json.dumps(body).encode())
+    with urllib.request.urlopen(req) as resp:
+        events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    assert len(events) >= 2 and sum(e[P.NUM_OUTPUT_TOKENS] for e in events) == events[-1][P.OUTPUT_TOKENS] == plain[P.OUTPUT_TOKENS]
 
 
 def test_log_probs_are_the_targets(triton_server, smol_dir, tokenizer):

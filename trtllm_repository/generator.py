@@ -10,6 +10,7 @@ specdec_wire, so specdec-client and the Locust scenarios drive it unchanged):
                     TensorRT-LLM release that honours it (DYNAMIC_TREE_SINCE; not the pinned one)
   draft-target.yaml an independent draft model (Draft_Target: Llama-3.2-1B-Instruct drafting
                     for Llama-3.1-8B-Instruct by default), linear
+  ngram.yaml        n-gram lookup (NGram: NGramDecodingConfig), no draft weights
 
 Keys other than `triton_config` go to `tensorrt_llm.LLM(...)` (as in TensorRT-LLM's own
 `llmapi` model); the container picks one file with LLM_CONFIG_PATH. The budget rules and
@@ -37,6 +38,7 @@ from specdec.config import (
     METHOD_DRAFT_MODEL,
     METHOD_EAGLE3,
     METHOD_EAGLE3_TREE,
+    METHOD_NGRAM,
     METHOD_NONE,
     ModelConfig,
     SpeculativeConfig,
@@ -44,6 +46,7 @@ from specdec.config import (
 from specdec.errors import ConfigError, InvalidRequestError, SpecDecError
 from specdec.serving.request import ServedOffer
 from specdec.serving.request import parse_request as parse_common
+from trtllm_repository.schedule import from_trtllm, to_trtllm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "deploy" / "trtllm" / "model_repository"
@@ -53,7 +56,14 @@ DEFAULT_DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 DEFAULT_DRAFT_TARGET = "meta-llama/Llama-3.2-1B-Instruct"  # an independent draft sharing the target's tokenizer
 DRAFT_TARGET = "draft-target"
 # TensorRT-LLM's decoding_type per method of ours.
-DECODING_TYPES = {METHOD_EAGLE3: "Eagle3", METHOD_EAGLE3_TREE: "Eagle3", METHOD_DRAFT_MODEL: "Draft_Target"}
+DECODING_TYPES = {METHOD_EAGLE3: "Eagle3", METHOD_EAGLE3_TREE: "Eagle3", METHOD_DRAFT_MODEL: "Draft_Target", METHOD_NGRAM: "NGram"}
+# Drafters TensorRT-LLM runs inside the target's forward (one-model EAGLE-3). In 1.2.x they
+# draft and verify greedily unless speculative_config.allow_advanced_sampling is set: a
+# request with temperature > 0 would get greedy output (llm_args.DecodingBaseConfig; the
+# two-model paths, Draft_Target and NGram, always sample). Later releases read sampling per
+# request and keep the flag as a no-op.
+ONE_MODEL_METHODS = (METHOD_EAGLE3, METHOD_EAGLE3_TREE)
+NGRAM = "ngram"
 # The TensorRT-LLM release the GPU image serves: NGC tritonserver 26.07-trtllm-python-py3
 # ships 1.2.1 (triton-inference-server/server docs/introduction/compatibility.md);
 # deploy/docker/Dockerfile.gpu asserts it at build time.
@@ -148,9 +158,12 @@ class TrtllmDeployment:
         for name, spec in self.variants.items():
             if spec is None:
                 continue
-            if spec.method == METHOD_DRAFT_MODEL:
+            if spec.method in (METHOD_DRAFT_MODEL, METHOD_NGRAM):
                 if spec.use_dynamic_tree:
-                    raise ConfigError(f"{name}.use_dynamic_tree", "TensorRT-LLM's Draft_Target decoding drafts a chain only")
+                    raise ConfigError(f"{name}.use_dynamic_tree", f"TensorRT-LLM's {DECODING_TYPES[spec.method]} decoding drafts a chain only")
+                if spec.method == METHOD_NGRAM and spec.prompt_lookup_min != 1:
+                    # TensorRT-LLM's NGram drafter tries every match length from max_matching_ngram_size down to 1.
+                    raise ConfigError(f"{name}.prompt_lookup_min", f"TensorRT-LLM's NGram matches down to 1 token; got {spec.prompt_lookup_min}")
             else:
                 expected = METHOD_EAGLE3_TREE if spec.use_dynamic_tree else METHOD_EAGLE3
                 if spec.method != expected:
@@ -168,20 +181,26 @@ class TrtllmDeployment:
 
     def speculative_config(self, spec: SpeculativeConfig) -> dict[str, Any]:
         """The `speculative_config` block, in TensorRT-LLM's field names (Eagle3DecodingConfig,
-        DraftTargetDecodingConfig)."""
-        out: dict[str, Any] = {
-            "decoding_type": DECODING_TYPES[spec.method],
-            "speculative_model": self.draft_target_model if spec.method == METHOD_DRAFT_MODEL else self.draft_model,
-            "max_draft_len": spec.max_draft_len,
-        }
+        DraftTargetDecodingConfig, NGramDecodingConfig)."""
+        out: dict[str, Any] = {"decoding_type": DECODING_TYPES[spec.method]}
+        if spec.method != METHOD_NGRAM:  # the n-gram lookup has no weights
+            out["speculative_model"] = self.draft_target_model if spec.method == METHOD_DRAFT_MODEL else self.draft_model
+        out["max_draft_len"] = spec.max_draft_len
+        if spec.method == METHOD_NGRAM:
+            out["max_matching_ngram_size"] = spec.prompt_lookup_max
+            # Each request looks up its own context, as ours does: no pool shared across
+            # requests (TensorRT-LLM's default), whose matches would depend on other tenants' text.
+            out["is_public_pool"] = False
+        if spec.method in ONE_MODEL_METHODS:
+            out["allow_advanced_sampling"] = True
         if spec.use_dynamic_tree:
             out["use_dynamic_tree"] = True
             out["dynamic_tree_max_topK"] = spec.dynamic_tree_max_topK
             out["max_total_draft_tokens"] = spec.max_total_draft_tokens
         if spec.max_concurrency is not None:
             out["max_concurrency"] = spec.max_concurrency
-        if spec.draft_len_schedule is not None:
-            out["draft_len_schedule"] = dict(spec.draft_len_schedule)
+        if spec.draft_len_schedule is not None:  # ours means batch <= key, TensorRT-LLM's batch >= key
+            out["draft_len_schedule"] = to_trtllm(spec.draft_len_schedule, spec.max_draft_len)
         return out
 
     def llm_config(self, name: str) -> dict[str, Any]:
@@ -226,13 +245,15 @@ def supports_dynamic_tree(trtllm_version: str) -> bool:
 
 def default_variants(
     max_draft_len: int = 3, tree_max_draft_len: int = 6, tree_topk: int = 10, tree_max_total_draft_tokens: int | None = 60,
-    draft_target_len: int = 4, trtllm_version: str = PINNED_TRTLLM,
+    draft_target_len: int = 4, trtllm_version: str = PINNED_TRTLLM, ngram_len: int = 4, ngram_size: int = 3,
 ) -> dict[str, SpeculativeConfig | None]:
     """The served files for one TensorRT-LLM release: the tree only where it is honoured."""
     variants: dict[str, SpeculativeConfig | None] = {
         BASELINE: None,
         DRAFT_TARGET: SpeculativeConfig(method=METHOD_DRAFT_MODEL, max_draft_len=draft_target_len),
         METHOD_EAGLE3: SpeculativeConfig(method=METHOD_EAGLE3, max_draft_len=max_draft_len),
+        # As model_repository/specdec.json's `ngram`: 4 draft tokens, match lengths 3..1.
+        NGRAM: SpeculativeConfig(method=METHOD_NGRAM, max_draft_len=ngram_len, prompt_lookup_max=ngram_size),
     }
     if supports_dynamic_tree(trtllm_version):
         variants[METHOD_EAGLE3_TREE] = SpeculativeConfig(
@@ -250,6 +271,8 @@ def _yaml_header(name: str, spec: SpeculativeConfig | None) -> str:
         what = "the matched baseline: no speculative_config, every other key as in the speculative variants"
     elif spec.method == METHOD_DRAFT_MODEL:
         what = f"an independent draft model (Draft_Target) proposing max_draft_len={spec.max_draft_len} tokens"
+    elif spec.method == METHOD_NGRAM:
+        what = f"n-gram lookup (NGram) proposing max_draft_len={spec.max_draft_len} tokens"
     elif spec.use_dynamic_tree:
         what = (
             f"EAGLE-3 dynamic tree (depth max_draft_len={spec.max_draft_len}, top-K {spec.dynamic_tree_max_topK}, "
@@ -388,12 +411,15 @@ def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None)
         decoding = spec_raw.get("decoding_type")
         if decoding not in set(DECODING_TYPES.values()):
             raise ConfigError("speculative_config.decoding_type", f"must be one of {sorted(set(DECODING_TYPES.values()))}, got {decoding!r}")
-        if decoding == "Draft_Target":
-            if not spec_raw.get("speculative_model"):
+        schedule = _our_schedule(spec_raw, config["max_batch_size"])
+        if decoding in ("Draft_Target", "NGram"):
+            if decoding == "Draft_Target" and not spec_raw.get("speculative_model"):
                 raise ConfigError("speculative_config.speculative_model", "Draft_Target needs the draft model")
-            spec = SpeculativeConfig(method=METHOD_DRAFT_MODEL, max_draft_len=spec_raw.get("max_draft_len"),
-                                     max_concurrency=spec_raw.get("max_concurrency"), draft_len_schedule=spec_raw.get("draft_len_schedule"))
-            return ServedVariant(METHOD_DRAFT_MODEL, spec.max_draft_len, config["max_batch_size"], config["max_seq_len"],
+            method = METHOD_DRAFT_MODEL if decoding == "Draft_Target" else METHOD_NGRAM
+            spec = SpeculativeConfig(method=method, max_draft_len=spec_raw.get("max_draft_len"),
+                                     prompt_lookup_max=spec_raw.get("max_matching_ngram_size", 2),  # TensorRT-LLM's default
+                                     max_concurrency=spec_raw.get("max_concurrency"), draft_len_schedule=schedule)
+            return ServedVariant(method, spec.max_draft_len, config["max_batch_size"], config["max_seq_len"],
                                  bool(triton.get("apply_chat_template", True)))
         tree = bool(spec_raw.get("use_dynamic_tree", False))
         if tree and trtllm_version is not None and not supports_dynamic_tree(trtllm_version):
@@ -409,7 +435,7 @@ def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None)
             dynamic_tree_max_topK=spec_raw.get("dynamic_tree_max_topK", 1),  # unused without a tree
             max_total_draft_tokens=spec_raw.get("max_total_draft_tokens"),
             max_concurrency=spec_raw.get("max_concurrency"),
-            draft_len_schedule=spec_raw.get("draft_len_schedule"),
+            draft_len_schedule=schedule,
         )
         method, budget = spec.method, int(spec.max_total_draft_tokens)
     return ServedVariant(
@@ -421,6 +447,17 @@ def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None)
     )
 
 
+def _our_schedule(spec_raw: Mapping[str, Any], max_batch_size: int) -> dict[int, int] | None:
+    """A model.yaml's draft_len_schedule (TensorRT-LLM's meaning) in ours, checked by TensorRT-LLM's rules."""
+    raw = spec_raw.get("draft_len_schedule")
+    if raw is None:
+        return None
+    try:
+        return from_trtllm(raw, spec_raw.get("max_draft_len"), max_batch_size)
+    except ConfigError as exc:
+        raise ConfigError("speculative_config.draft_len_schedule", str(exc)[len(exc.field) + 2:]) from None
+
+
 @dataclass(frozen=True)
 class LlmRequest:
     prompt: str
@@ -428,6 +465,9 @@ class LlmRequest:
     stream: bool
     return_perf_metrics: bool
     sampling: dict[str, Any] = field(default_factory=dict)  # tensorrt_llm.SamplingParams(**sampling)
+    exclude_input_in_output: bool = False  # False: a non-streamed answer starts with the prompt
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
 
 
 def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmRequest:
@@ -467,12 +507,12 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmReques
             sampling[theirs] = getattr(params, ours)
     if params.bad_words:
         sampling["bad"] = list(params.bad_words)
-    if params.return_log_probs or not req.exclude_input_in_output:
-        name = P.RETURN_LOG_PROBS if params.return_log_probs else P.EXCLUDE_INPUT_IN_OUTPUT
-        raise InvalidRequestError(name, "is not served by the TensorRT-LLM variant of this ensemble yet")
+    if params.return_log_probs:
+        raise InvalidRequestError(P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
     return LlmRequest(
         prompt=req.prompt, apply_chat_template=req.apply_chat_template, stream=req.stream,
-        return_perf_metrics=req.return_perf_metrics, sampling=sampling,
+        return_perf_metrics=req.return_perf_metrics, sampling=sampling, exclude_input_in_output=req.exclude_input_in_output,
+        return_num_input_tokens=req.return_num_input_tokens, return_num_output_tokens=req.return_num_output_tokens,
     )
 
 

@@ -84,6 +84,8 @@ class GenerateRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     bad_words: tuple[str, ...] = ()
+    # Sent always: TensorRT-LLM's default (false) puts the prompt before a non-streamed answer.
+    exclude_input_in_output: bool = True
 
     def fields(self, stream: bool) -> dict[str, Any]:
         """Input name -> python value (None values are omitted)."""
@@ -94,7 +96,7 @@ class GenerateRequest:
             P.RETURN_PERF_METRICS: self.return_perf_metrics, P.IGNORE_EOS: self.ignore_eos,
             P.APPLY_CHAT_TEMPLATE: self.apply_chat_template, P.MIN_LENGTH: self.min_length,
             P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
-            P.FREQUENCY_PENALTY: self.frequency_penalty,
+            P.FREQUENCY_PENALTY: self.frequency_penalty, P.EXCLUDE_INPUT_IN_OUTPUT: self.exclude_input_in_output,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:

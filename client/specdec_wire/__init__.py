@@ -34,6 +34,8 @@ IGNORE_EOS = "ignore_eos"
 # TensorRT-LLM ensemble inputs that shape the target's distribution or the output
 # (specdec.engine.logits_processing applies them to every tree node, so verification stays lossless).
 MIN_LENGTH = "min_length"
+# Current TensorRT-LLM ensembles call min_length min_tokens; both are accepted (one setting).
+MIN_TOKENS = "min_tokens"
 BAD_WORDS = "bad_words"
 END_ID = "end_id"
 PAD_ID = "pad_id"
@@ -42,6 +44,14 @@ RETURN_LOG_PROBS = "return_log_probs"
 REPETITION_PENALTY = "repetition_penalty"
 PRESENCE_PENALTY = "presence_penalty"
 FREQUENCY_PENALTY = "frequency_penalty"
+# tensorrt_llm_bls's switch for logits-comparison drafting: accepted and ignored (the
+# verifier always compares against the target's distribution; specdec.engine.acceptance).
+USE_DRAFT_LOGITS = "use_draft_logits"
+# TensorRT-LLM's token counts, each returned only when its flag is set.
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+NUM_INPUT_TOKENS = "num_input_tokens"  # the prompt's tokens (chat template included)
+NUM_OUTPUT_TOKENS = "num_output_tokens"  # the token ids this response carries (TensorRT-LLM's count)
 
 # Ours: the speculative_method that turns speculation off (the matched baseline).
 METHOD_NONE = "none"
@@ -97,12 +107,16 @@ REQUEST_INPUTS = (
     (SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
     (IGNORE_EOS, "TYPE_BOOL", (1,), True),
     (MIN_LENGTH, "TYPE_INT32", (1,), True),
+    (MIN_TOKENS, "TYPE_INT32", (1,), True),
     (BAD_WORDS, "TYPE_STRING", (-1,), True),
     (END_ID, "TYPE_INT32", (1,), True),
     (PAD_ID, "TYPE_INT32", (1,), True),
     (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", (1,), True),
     (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
     *PENALTY_INPUTS,
+    (USE_DRAFT_LOGITS, "TYPE_BOOL", (1,), True),
+    (RETURN_NUM_INPUT_TOKENS, "TYPE_BOOL", (1,), True),
+    (RETURN_NUM_OUTPUT_TOKENS, "TYPE_BOOL", (1,), True),
 )
 # Running totals the loop reports with every response (and the rate derived from them).
 PERF_COUNTS = (
@@ -114,13 +128,22 @@ PERF_COUNTS = (
 PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS, (FINISH_REASON, "TYPE_STRING", (1,)))
 # With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).
 LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)))
+# With return_num_input_tokens / return_num_output_tokens (TensorRT-LLM's names and shapes).
+TOKEN_COUNT_OUTPUTS = ((NUM_INPUT_TOKENS, "TYPE_INT32", (1,)), (NUM_OUTPUT_TOKENS, "TYPE_INT32", (1,)))
 
 # model name -> (inputs, outputs); the tests compare each config.pbtxt with these.
+ENSEMBLE_CONTRACT = (
+    tensor_specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
+    tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS, *TOKEN_COUNT_OUTPUTS),
+)
+# The non-decoupled twin of `ensemble` for unary clients (gRPC ModelInfer / HTTP infer:
+# tritonclient's .infer, perf_analyzer without --streaming). Triton (2.51) refuses unary
+# inference on any decoupled model, so one name cannot serve both; `ensemble` streams.
+ENSEMBLE_UNARY = "ensemble_unary"
+
 MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
-    "ensemble": (
-        tensor_specs((TEXT_INPUT, "TYPE_STRING", (1,)), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True), *REQUEST_INPUTS),
-        tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
-    ),
+    "ensemble": ENSEMBLE_CONTRACT,
+    ENSEMBLE_UNARY: ENSEMBLE_CONTRACT,
     # The ensemble's contract plus token ids (like TensorRT-LLM's tensorrt_llm_bls); the
     # same loop serves both names (specdec.triton_models.loop_model).
     "speculative_loop": (
@@ -128,7 +151,8 @@ MODELS: dict[str, tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = {
             (TEXT_INPUT, "TYPE_STRING", (1,), True), (APPLY_CHAT_TEMPLATE, "TYPE_BOOL", (1,), True),
             (INPUT_IDS, "TYPE_INT32", (-1,), True), *REQUEST_INPUTS,
         ),
-        tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS),
+        tensor_specs((TEXT_OUTPUT, "TYPE_STRING", (1,)), (OUTPUT_IDS, "TYPE_INT32", (-1,)), *PERF_OUTPUTS, *LOG_PROB_OUTPUTS,
+                     *TOKEN_COUNT_OUTPUTS),
     ),
 }
 

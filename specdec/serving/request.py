@@ -65,9 +65,12 @@ class ParsedRequest:
     num_draft_tokens: int
     stream: bool = False
     return_perf_metrics: bool = False
-    # TensorRT-LLM's: False puts the prompt before the generated text (and ids) of a
-    # non-streamed response; absent or True (our default) returns only what was generated.
-    exclude_input_in_output: bool = True
+    # TensorRT-LLM's, with its default: absent or False puts the prompt before the generated
+    # text (and ids) of a non-streamed response; True returns only what was generated.
+    # Streamed responses never repeat the prompt (TensorRT-LLM's streaming neither).
+    exclude_input_in_output: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
 
 
 def served_offer(settings: ServingConfig) -> ServedOffer:
@@ -155,7 +158,7 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedReques
         seed=request_seed(inputs),
         stop=_words(inputs, P.STOP_WORDS),
         ignore_eos=_scalar(inputs, P.IGNORE_EOS, False, bool),
-        min_length=_scalar(inputs, P.MIN_LENGTH, 0, int),
+        min_length=request_min_tokens(inputs),
         end_id=_scalar(inputs, P.END_ID, None, int),
         pad_id=_scalar(inputs, P.PAD_ID, None, int),
         bad_words=_words(inputs, P.BAD_WORDS),
@@ -165,12 +168,19 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedReques
         return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
     ).validate(offer.max_tokens_limit)
     method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
-    return ParsedRequest(
+    parsed = ParsedRequest(
         prompt=prompt, prompt_ids=prompt_ids,
         apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,
         stream=_scalar(inputs, P.STREAM, False, bool), return_perf_metrics=_scalar(inputs, P.RETURN_PERF_METRICS, False, bool),
-        exclude_input_in_output=_scalar(inputs, P.EXCLUDE_INPUT_IN_OUTPUT, True, bool),
+        exclude_input_in_output=_scalar(inputs, P.EXCLUDE_INPUT_IN_OUTPUT, False, bool),
+        return_num_input_tokens=_scalar(inputs, P.RETURN_NUM_INPUT_TOKENS, False, bool),
+        return_num_output_tokens=_scalar(inputs, P.RETURN_NUM_OUTPUT_TOKENS, False, bool),
     )
+    # use_draft_logits (tensorrt_llm_bls) is read only to check its form: our verifier
+    # always accepts against the target's distribution with the drafter's probabilities
+    # where it has them, which is what the flag switches on there.
+    _scalar(inputs, P.USE_DRAFT_LOGITS, False, bool)
+    return parsed
 
 
 def request_seed(inputs: Mapping[str, Any]) -> int | None:
@@ -179,3 +189,14 @@ def request_seed(inputs: Mapping[str, Any]) -> int | None:
     if old is not None and new is not None and old != new:
         raise InvalidRequestError(P.SEED, f"and {P.RANDOM_SEED} are the same setting under two names; got {new} and {old}")
     return new if old is None else old
+
+
+def request_min_tokens(inputs: Mapping[str, Any]) -> int:
+    """min_length, or min_tokens (its current TensorRT-LLM name); both only when they agree."""
+    old, new = _scalar(inputs, P.MIN_LENGTH, None, int), _scalar(inputs, P.MIN_TOKENS, None, int)
+    if old is not None and new is not None and old != new:
+        raise InvalidRequestError(P.MIN_TOKENS, f"and {P.MIN_LENGTH} are the same setting under two names; got {new} and {old}")
+    name, value = (P.MIN_LENGTH, old) if new is None else (P.MIN_TOKENS, new)
+    if value is not None and value < 0:  # named as the client sent it (the params say min_length)
+        raise InvalidRequestError(name, f"must be an integer >= 0, got {value}")
+    return 0 if value is None else value

@@ -262,8 +262,10 @@ class TritonPythonModel:
                     if update.finished:  # counters are current before the client hears the end
                         self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
                         self.metrics.flush()
-                    if stream and (update.text or update.finished or (self.streams_ids and update.token_ids)):
-                        response = self._response(request, req, update.text, update.token_ids, update.log_probs)
+                    # A counted stream hears held-back steps too, so its num_output_tokens add up.
+                    carries_ids = self.streams_ids or parsed.return_num_output_tokens
+                    if stream and (update.text or update.finished or (carries_ids and update.token_ids)):
+                        response = self._response(request, req, update.text, update.token_ids, update.log_probs, parsed)
                         if not send(sender, response, FINAL if update.finished else 0):
                             self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
                             return  # nobody is listening any more: stop generating
@@ -272,20 +274,23 @@ class TritonPythonModel:
                 if not parsed.exclude_input_in_output:  # TensorRT-LLM's default: the prompt, then the answer
                     prompt_text = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
                     text, ids = prompt_text + text, req.prompt_ids + ids
-                send(sender, self._response(request, req, text, ids, req.log_probs), FINAL)
+                send(sender, self._response(request, req, text, ids, req.log_probs, parsed), FINAL)
         except Exception as exc:  # noqa: BLE001 - every request must end with a final response
             send(sender, error_response(exc), FINAL)
         finally:
             self.metrics.flush()
 
     @staticmethod
-    def _response(request, req, text, token_ids, log_probs):
+    def _response(request, req, text, token_ids, log_probs, parsed):
         """Only the outputs the caller asked for (the ensemble asks for its own six); the
         log-prob outputs, when nothing in particular was asked for, only with return_log_probs
-        (asked for without it they are zeros, as TensorRT-LLM's are)."""
+        (asked for without it they are zeros, as TensorRT-LLM's are); the token counts only
+        with their return_num_* flag (TensorRT-LLM's rule; num_output_tokens counts the ids
+        this response carries, so a non-streamed echo of the prompt counts it too, as there)."""
         stats = req.stats
         wanted = set(request.requested_output_names())
         with_log_probs = req.params.return_log_probs
+        flagged = {P.NUM_INPUT_TOKENS: parsed.return_num_input_tokens, P.NUM_OUTPUT_TOKENS: parsed.return_num_output_tokens}
         if not with_log_probs or log_probs is None:
             log_probs = [0.0] * len(token_ids)
         values = {
@@ -299,10 +304,13 @@ class TritonPythonModel:
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
             P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
             P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),
+            P.NUM_INPUT_TOKENS: lambda: batched(P.NUM_INPUT_TOKENS, np.int32([len(req.prompt_ids)])),
+            P.NUM_OUTPUT_TOKENS: lambda: batched(P.NUM_OUTPUT_TOKENS, np.int32([len(token_ids)])),
         }
         return pb_utils.InferenceResponse([
             make() for name, make in values.items()
-            if name in wanted or (not wanted and (with_log_probs or name not in LOG_PROB_OUTPUTS))
+            if flagged.get(name, True)
+            and (name in wanted or (not wanted and (with_log_probs or name not in LOG_PROB_OUTPUTS)))
         ])
 
     def _record(self, method, update):

@@ -3,7 +3,7 @@
 Runs in NVIDIA's `<yy.mm>-trtllm-python-py3` container with this project installed
 (`pip install --no-deps .`). The served configuration is one of the generated YAML files
 next to this file, picked with LLM_CONFIG_PATH (baseline.yaml, eagle3.yaml,
-eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
+draft-target.yaml, ngram.yaml, eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
 `tensorrt_llm.LLM(...)`, as in TensorRT-LLM's own `llmapi` model. Request parsing, the
 method check and the perf counters are pure functions in trtllm_repository, tested on the
 CPU; this file only moves tensors and drives the LLM's asyncio API.
@@ -97,9 +97,18 @@ class TritonPythonModel:
         messages = [{"role": "user", "content": req.prompt}]
         return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
 
-    def _response(self, text, completion, req):
+    def _prompt_text(self, out):
+        # As our own ensemble echoes it: the prompt's tokens (chat template included), decoded.
+        tokenizer = getattr(self._llm.tokenizer, "tokenizer", self._llm.tokenizer)
+        return tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _response(self, text, completion, req, num_input_tokens, num_output_tokens):
         # The LLM API's finish reason ("stop", "length", ...) on the last response, "" before.
         outputs = [_tensor(P.TEXT_OUTPUT, text), _tensor(P.FINISH_REASON, getattr(completion, "finish_reason", None) or "")]
+        if req.return_num_input_tokens:
+            outputs.append(_tensor(P.NUM_INPUT_TOKENS, num_input_tokens))
+        if req.return_num_output_tokens:  # the ids this response carries (TensorRT-LLM's count)
+            outputs.append(_tensor(P.NUM_OUTPUT_TOKENS, num_output_tokens))
         if req.return_perf_metrics:
             metrics = getattr(completion, "request_perf_metrics", None)
             spec = getattr(metrics, "speculative_decoding", None)
@@ -122,7 +131,7 @@ class TritonPythonModel:
             generation = self._llm.generate_async(
                 self._prompt(req), self._sampling_params(**req.sampling), streaming=req.stream
             )
-            sent = ""
+            sent, sent_ids = "", 0
             async for out in generation:
                 if request.is_cancelled():
                     generation.abort()
@@ -132,8 +141,12 @@ class TritonPythonModel:
                 completion = out.outputs[0]
                 if req.stream or out.finished:
                     text = completion.text[len(sent):] if req.stream else completion.text
-                    sent = completion.text
-                    await self._send(sender, self._response(text, completion, req), FINAL if out.finished else 0)
+                    ids = len(completion.token_ids) - sent_ids
+                    sent, sent_ids = completion.text, len(completion.token_ids)
+                    if not req.stream and not req.exclude_input_in_output:  # TensorRT-LLM's default echo
+                        text, ids = self._prompt_text(out) + text, ids + len(out.prompt_token_ids)
+                    response = self._response(text, completion, req, len(out.prompt_token_ids), ids)
+                    await self._send(sender, response, FINAL if out.finished else 0)
         except Exception as exc:  # every request ends with a final response, errors included
             pb_utils.Logger.log_error(f"ensemble (TensorRT-LLM): {exc}")
             await self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL)
