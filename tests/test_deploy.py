@@ -433,10 +433,10 @@ def test_service_monitor_network_policy_pdb_and_service_select_the_server(rel):
 
 
 # ---- autoscaling, gRPC balancing, alerts and the dashboard ---------------------------------
-# The slot metrics the loop exports (issue 26; their definition lives with the serving code):
-# occupancy, a gauge per model, and the wait for a slot, a histogram (_bucket/_sum/_count).
-SLOT_OCCUPANCY = "specdec_slot_occupancy"
-SLOT_WAIT = "specdec_slot_wait_seconds"
+# The slot metrics the loop exports (the wire contract defines them): occupancy, a gauge per
+# model, and the wait for a slot, a histogram (_bucket/_sum/_count).
+SLOT_OCCUPANCY = P.SLOT_OCCUPANCY
+SLOT_WAIT = P.SLOT_WAIT_SECONDS
 # Triton's own metrics used here (Triton's metrics documentation; test_triton_metrics_used_here_are_served
 # checks them against a real server's scrape).
 TRITON_METRICS = {"nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_count",
@@ -449,7 +449,8 @@ def served_metrics() -> set[str]:
     """Every metric name a query may use: the wire contract's, the slot metrics (with the
     histogram's series) and Triton's."""
     wire = {v for k, v in vars(P).items() if k.isupper() and isinstance(v, str) and v.startswith("specdec_")}
-    return wire | {SLOT_OCCUPANCY} | {SLOT_WAIT + s for s in HISTOGRAM_SUFFIXES} | TRITON_METRICS
+    histograms = {name + s for name, spec in P.LOOP_METRICS.items() if spec[0] == "histogram" for s in HISTOGRAM_SUFFIXES}
+    return wire | histograms | TRITON_METRICS
 
 
 def metrics_in(query: str) -> set[str]:
@@ -465,7 +466,9 @@ def adapter_rules() -> dict[str, dict]:
 def test_slot_metric_names_agree_with_the_wire_contract():
     """Once the wire contract names the slot metrics, they must be the ones scaled and alerted on."""
     slot = {v for k, v in vars(P).items() if k.isupper() and isinstance(v, str) and v.startswith("specdec_") and "slot" in v}
-    assert slot <= {SLOT_OCCUPANCY, SLOT_WAIT}, f"rename {slot} in deploy/ (HPA, adapter, rules, dashboard) and here"
+    assert {SLOT_OCCUPANCY, SLOT_WAIT} <= slot, f"rename {slot} in deploy/ (HPA, adapter, rules, dashboard) and here"
+    for name in (SLOT_OCCUPANCY, SLOT_WAIT):
+        assert name in (K8S / "prometheus-adapter" / "values.yaml").read_text()
 
 
 @pytest.mark.parametrize("rel", ("overlays/cpu", "overlays/gpu"))
@@ -498,7 +501,7 @@ def test_prometheus_adapter_rules_query_the_served_metrics():
         # Every selector is the adapter's (namespace and pod of the HPA's pods), every aggregation by pod.
         assert query.count("{<<.LabelMatchers>>}") == len(_METRIC.findall(query)), name
         assert all(by.startswith("<<.GroupBy>>") for by in re.findall(r"by \(([^)]*)\)", query)), name
-    assert rules[SLOT_OCCUPANCY]["metricsQuery"] == f"max by (<<.GroupBy>>) ({SLOT_OCCUPANCY}{{<<.LabelMatchers>>}})"
+    assert rules[SLOT_OCCUPANCY]["metricsQuery"] == f"sum by (<<.GroupBy>>) ({SLOT_OCCUPANCY}{{<<.LabelMatchers>>}})"
     p99 = rules["specdec_slot_wait_p99_seconds"]["metricsQuery"]
     assert f"histogram_quantile(0.99, sum by (<<.GroupBy>>, le) (rate({SLOT_WAIT}_bucket" in p99
     assert f"or (sum by (<<.GroupBy>>) (rate({SLOT_WAIT}_count" in p99  # 0, not NaN, when nothing waited
@@ -544,7 +547,7 @@ def test_prometheus_rules_parse_and_query_the_served_metrics():
     records = {r["record"]: r["expr"] for r in rules if "record" in r}
     assert "rate(nv_inference_queue_duration_us[1m])" in records["triton:queue_us_per_request:rate1m"]
     assert "rate(nv_inference_request_success[1m])" in records["triton:queue_us_per_request:rate1m"]
-    assert SLOT_OCCUPANCY in records["specdec:slot_occupancy:max"]
+    assert SLOT_OCCUPANCY in records["specdec:slot_occupancy:sum"]
 
 
 def test_grafana_dashboard_parses_and_queries_the_served_metrics():
