@@ -326,3 +326,23 @@ def test_genai_perf_tensorrtllm_request_is_served(triton_server, grpc_client):
     client.stop_stream()
     client.close()
     assert len(texts) >= 2 and "".join(texts) == grpc_client.generate(request(PROMPTS[5], max_tokens=16, min_length=16)).text
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3", "eagle3-apart"])
+def test_a_long_prompt_joins_a_running_stream_in_chunks(triton_server, grpc_client, method):
+    """A prompt longer than engine.prefill_chunk_tokens (256) arriving while another stream
+    decodes is prefilled in chunks beside it (its START answers no tokens, the loop
+    continues it; the drafter served apart gets the whole prompt's features): both texts
+    equal the ones each gets alone."""
+    long_prompt = "Summarise these notes, keeping every number: " + " ".join(
+        f"step {i}: the server restarted after {3 * i} minutes and {i + 2} requests were retried;" for i in range(18))
+    running = request(PROMPTS[4], max_tokens=96, ignore_eos=True, method=method)
+    joining = request(long_prompt, max_tokens=24, ignore_eos=True, method=method)
+    solo = [grpc_client.generate(running).text, grpc_client.generate(joining).text]
+    with SpecDecClient(triton_server.endpoints.grpc) as first, SpecDecClient(triton_server.endpoints.grpc) as second:
+        stream = first.stream(running)
+        text = next(stream).text
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(lambda: second.generate(joining).text)
+            text += "".join(chunk.text for chunk in stream)
+            assert [text, joined.result()] == solo
