@@ -72,13 +72,14 @@ def test_greedy_and_sampled_requests_in_one_step(smol_model, smol_tokenizer, shi
     plain = run_all(engine, prompts[:2], greedy, METHOD_NONE, 0, concurrent=2)
 
     batches: list[set[bool]] = []  # per verification: which kinds (greedy?) it held
-    verify = target_module.TargetPass.verify
+    run = target_module.TargetPass.run  # the one target forward (prompt chunks and trees)
 
-    def recording(self, items, want_hidden=False):
-        batches.append({self._get(seq_id).params.greedy for seq_id, _ in items})
-        return verify(self, items, want_hidden)
+    def recording(self, prefilling, items, want_hidden=False, prefill_tokens=None):
+        if items:
+            batches.append({self._get(seq_id).params.greedy for seq_id, _ in items})
+        return run(self, prefilling, items, want_hidden, prefill_tokens)
 
-    monkeypatch.setattr(target_module.TargetPass, "verify", recording)
+    monkeypatch.setattr(target_module.TargetPass, "run", recording)
     for method in MIXED:
         batches.clear()
         k = settings.default_draft_tokens(method)
