@@ -141,6 +141,8 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         # rows (sequence, tokens, depths, mask): the chunks (causal chains), then [root] + tree
         rows = [(seq, chunk, None, None) for _, seq, chunk in chunks]
         rows += [(seq, *tree.input_rows(seq.root_token)) for seq, tree in zip(seqs, trees)]
+        if not rows:
+            return {}, []
         order = sorted(range(len(rows)), key=lambda r: rows[r][0].slot)  # contiguous slots make the cache a view
         row_of = {r: b for b, r in enumerate(order)}
         chains_only = not items
