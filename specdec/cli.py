@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer prompts and shapes (smoke run)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model-dir", default=None)
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (make bench-llamacpp builds it): "
+                   "run it on the same GGUF in the same run")
     p.set_defaults(func=cmd_bench_engine)
     return parser
 

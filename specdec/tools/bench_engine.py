@@ -233,6 +233,16 @@ def print_table(result: dict) -> None:
         t1.add_row(dtype, str(p["prompts"]), str(p["prompt_tokens"]), str(p["padded_tokens"]), f"{p['packed_prompt_tok_s']:.0f}",
                    f"{p['padded_prompt_tok_s']:.0f}", f"{p['packed_fraction_of_probe']:.2f}", f"{p['padded_fraction_of_probe']:.2f}")
     console.print(t1)
+    peer = result.get("llama_cpp")
+    if peer:
+        t3 = Table(title=f"llama.cpp (llama-bench, {peer['model_type']}, {peer['model_bytes'] / 1e6:.0f} MB) beside our engine")
+        for col in ("runtime", "decode tok/s (c=1)", "prompt tok/s", "ours / llama.cpp decode", "ours / llama.cpp prompt"):
+            t3.add_column(col)
+        t3.add_row("llama.cpp", f"{peer['decode_tok_s']:.1f}", f"{peer['prompt_tok_s']:.0f}", "", "")
+        for dtype, r in result["dtypes"].items():
+            t3.add_row(f"ours {dtype}", f"{r['baseline_tok_s']:.1f}", f"{r['prefill']['packed_prompt_tok_s']:.0f}",
+                       f"{peer[f'ours_{dtype}_decode_over_llama_cpp']:.2f}", f"{peer[f'ours_{dtype}_prefill_over_llama_cpp']:.2f}")
+        console.print(t3)
     spec = result.get("speculative")
     if spec:
         t2 = Table(title=f"plain vs n-gram (K={spec['config']['num_draft_tokens']}), in process")
@@ -261,6 +271,16 @@ def run_engine_bench(args) -> dict:
                           "prefill_wave": {"prompts": len(wave), "seed": 1, "prompt_tokens": [16, 320]}},
               "dtypes": {dtype: bench_dtype(model_dir, dtype, prompts, wave, args.quick) for dtype in ("float32", "bfloat16")}}
     result["bf16_over_fp32_baseline"] = result["dtypes"]["bfloat16"]["baseline_tok_s"] / result["dtypes"]["float32"]["baseline_tok_s"]
+    if getattr(args, "llama_bench", None):  # the peer on the same GGUF, same machine, same run
+        from specdec.engine.models.loading import default_gguf_path
+        from specdec.tools.llama_cpp import llama_bench
+
+        wave_tokens = result["dtypes"]["float32"]["prefill"]["prompt_tokens"]
+        peer = llama_bench(Path(args.llama_bench), default_gguf_path(), wave_tokens, NEW_TOKENS, torch.get_num_threads())
+        for dtype, r in result["dtypes"].items():
+            peer[f"ours_{dtype}_decode_over_llama_cpp"] = r["baseline_tok_s"] / peer["decode_tok_s"]
+            peer[f"ours_{dtype}_prefill_over_llama_cpp"] = r["prefill"]["packed_prompt_tok_s"] / peer["prompt_tok_s"]
+        result["llama_cpp"] = peer
     result["speculative"] = bench_speculative(model_dir, prompts, args.quick)
     floor = result["dtypes"]["float32"]["bandwidth_floor_tok_s"]  # the speculative runs serve float32
     for run in result["speculative"]["runs"]:
