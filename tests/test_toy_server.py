@@ -80,7 +80,8 @@ def toy_server(tmp_path_factory):
 
 def first3(server, method: str, seed: int) -> tuple[tuple[int, ...], int]:
     body = {P.INPUT_IDS: PROMPT, P.MAX_TOKENS: PARAMS.max_tokens, P.TEMPERATURE: PARAMS.temperature, P.TOP_P: PARAMS.top_p,
-            P.IGNORE_EOS: True, P.RANDOM_SEED: seed, P.SPECULATIVE_METHOD: method, P.RETURN_PERF_METRICS: True}
+            P.IGNORE_EOS: True, P.RANDOM_SEED: seed, P.SPECULATIVE_METHOD: method, P.RETURN_PERF_METRICS: True,
+            P.EXCLUDE_INPUT_IN_OUTPUT: True}  # the generated ids only (upstream echoes the prompt by default)
     req = urllib.request.Request(server.endpoints.http_url + "/v2/models/speculative_loop/generate", data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=120) as resp:
         reply = json.loads(resp.read())
