@@ -2,7 +2,7 @@
 # Chunked prefill A/B through Triton at c=16: the same tree, engine.prefill_chunk_tokens 256 (default) vs 0 (whole prompts),
 # alternating; 32 ShareGPT prompts (<= 512 tokens) per block, so later requests arrive while others decode.
 cd /work/main
-for round in 1; do
+for round in 1 2; do
   for mode in chunk256 chunk0; do
     if [ $mode = chunk0 ]; then export SPECDEC_SETTINGS=/tmp/notes/chunk0.json; else unset SPECDEC_SETTINGS; fi
     timeout 900 .venv/bin/specdec-client bench --start-server --methods baseline,eagle3-hybrid,ngram-adaptive --concurrency 16 \
