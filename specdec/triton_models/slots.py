@@ -19,9 +19,12 @@ class SharedSlots:
         tritonserver for every Python stub it starts)."""
         directory = Path(tempfile.gettempdir()) / f"specdec-slots-{server_id or os.getppid()}"
         directory.mkdir(mode=0o700, exist_ok=True)
-        self.count = count
         self._fds = [os.open(directory / f"slot-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(count)]
         self._held: set[int] = set()  # this process's: flock would let it take its own lock twice
+
+    @property
+    def count(self) -> int:
+        return len(self._fds)
 
     @property
     def held(self) -> int:
