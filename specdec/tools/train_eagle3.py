@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from specdec.tools.sharegpt import sharegpt_conversations
 from specdec.engine.drafters.base import Drafter
@@ -51,6 +52,19 @@ def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[lis
     return out
 
 
+def feature_layers(cfg) -> tuple[int, ...]:
+    """The target layers one feature cache records: the EAGLE-3 taps, then the last layer
+    (Medusa heads read its output through the target's final norm); one generation pass
+    feeds both heads' training."""
+    return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
+
+
+def split_features(hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """[T, 4H] recorded layers -> (EAGLE-3 taps [T, 3H], last layer [T, H]), fp16."""
+    H = hidden.shape[-1] // 4
+    return hidden[:, : 3 * H].half().contiguous(), hidden[:, 3 * H :].half().contiguous()
+
+
 class _TapRecorder(Drafter):
     """Drafts nothing; keeps the tap-layer outputs the verifier hands to drafters, so each
     self-distilled sequence comes out of its generation pass with its features (no second
@@ -72,11 +86,12 @@ class _TapRecorder(Drafter):
         seq.drafter_state[self.name].append(hidden.half())
 
     def on_finish(self, seq):
-        taps = torch.cat(seq.drafter_state.pop(self.name))  # positions 0 .. len(all_ids) - 2
+        taps, last = split_features(torch.cat(seq.drafter_state.pop(self.name)))  # positions 0 .. len(all_ids) - 2
         ids = seq.all_ids
         labels = torch.full((len(taps),), -1, dtype=torch.int32)
         labels[len(seq.prompt_ids) - 1 :] = torch.tensor(ids[len(seq.prompt_ids) : len(taps) + 1], dtype=torch.int32)
-        self.finished[seq.request_id] = {"tokens": torch.tensor(ids[: len(taps)], dtype=torch.int32), "taps": taps, "labels": labels}
+        self.finished[seq.request_id] = {"tokens": torch.tensor(ids[: len(taps)], dtype=torch.int32), "taps": taps, "last": last,
+                                         "labels": labels}
 
 
 def benchmark_prompt_texts(first: int = 1000) -> set[str]:
@@ -96,7 +111,7 @@ def benchmark_prompt_texts(first: int = 1000) -> set[str]:
 
 
 def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]],
-                            feature_dir: Path, batch: int = 32, shard: int = 64) -> list[dict]:
+                            feature_dir: Path, batch: int = 32, shard: int = 64, generate: bool = True) -> list[dict]:
     """First-turn ShareGPT prompts answered by the target itself (greedy, batched in our
     engine), with features recorded during generation: drafting happens on the target's
     own text, so train on it too. Cached in shards; re-running resumes."""
@@ -109,7 +124,7 @@ def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: 
     texts = [t for t in sharegpt_prompts(n + len(exclude) + 64, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
              if t.strip() not in reserved]
     prompts = [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]  # never the held-out prompts
-    recorder = _TapRecorder(target.cfg.eagle3_tap_layers())
+    recorder = _TapRecorder(feature_layers(target.cfg))
     engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {recorder.name: recorder})
 
     def make(start: int, stop: int) -> list[dict]:
@@ -123,26 +138,29 @@ def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: 
         return [recorder.finished[k] for k in sorted(recorder.finished, key=int)]
 
     return cached_shards(feature_dir, len(prompts), shard, make, "self-distill (prompts; answer tokens)",
-                         lambda part: sum(int((f["labels"] >= 0).sum()) for f in part))
+                         lambda part: sum(int((f["labels"] >= 0).sum()) for f in part), generate)
 
 
 @torch.inference_mode()
-def target_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...]) -> list[dict]:
-    """Tap-layer outputs [T, 3H] (fp16) and the target's argmax next token [T] per sequence."""
+def target_features(target: Transformer, seqs: list[list[int]]) -> list[dict]:
+    """EAGLE-3 taps [T, 3H], the last layer's output [T, H] (fp16) and the target's argmax
+    next token [T] per sequence."""
     cache = target.new_cache(len(seqs), max(len(s) for s in seqs) + 1, 1)
     slots = [cache.allocate() for _ in seqs]
-    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=taps)
-    return [
-        {"tokens": torch.tensor(s, dtype=torch.int32), "taps": out.hidden_taps[b, : len(s)].half(),
-         "labels": out.logits[b, : len(s)].argmax(-1).int()}
-        for b, s in enumerate(seqs)
-    ]
+    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=feature_layers(target.cfg))
+    features = []
+    for b, s in enumerate(seqs):
+        taps, last = split_features(out.hidden_taps[b, : len(s)])
+        features.append({"tokens": torch.tensor(s, dtype=torch.int32), "taps": taps, "last": last,
+                         "labels": out.logits[b, : len(s)].argmax(-1).int()})
+    return features
 
 
-def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: str, count) -> list[dict]:
+def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: str, count, make_missing: bool = True) -> list[dict]:
     """Features for items [0, total) in shards of `shard` files under feature_dir: existing
     shards are read, missing ones made by make_part(start, stop) and saved, so a re-run
-    resumes. `count(part)` is the tokens a part adds (for the progress line)."""
+    resumes. `count(part)` is the tokens a part adds (for the progress line). Without
+    make_missing, the shards made so far (up to the first missing one) are the data."""
     feature_dir.mkdir(parents=True, exist_ok=True)
     features: list[dict] = []
     t0, made = time.perf_counter(), 0
@@ -151,6 +169,9 @@ def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: s
         if path.is_file():
             features += torch.load(path, weights_only=True)
             continue
+        if not make_missing:
+            print(f"{label}: using the {len(features)} of {total} made so far (--no-generate)", flush=True)
+            break
         part = make_part(start, min(start + shard, total))
         torch.save(part, path)
         features += part
@@ -159,12 +180,12 @@ def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: s
     return features
 
 
-def build_features(target: Transformer, seqs: list[list[int]], taps: tuple[int, ...], feature_dir: Path, shard: int = 16) -> list[dict]:
+def build_features(target: Transformer, seqs: list[list[int]], feature_dir: Path, shard: int = 16) -> list[dict]:
     def make(start: int, stop: int) -> list[dict]:
         chunk = sorted(seqs[start:stop], key=len)
         part: list[dict] = []
         for i in range(0, len(chunk), 4):  # small ragged batches of similar length
-            part += target_features(target, chunk[i : i + 4], taps)
+            part += target_features(target, chunk[i : i + 4])
         return part
 
     return cached_shards(feature_dir, len(seqs), shard, make, "features (sequences)", lambda part: sum(len(f["tokens"]) for f in part))
@@ -417,13 +438,15 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
     p.add_argument("--self-distill-tokens", type=int, default=self_distill_tokens)
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
+    p.add_argument("--no-generate", action="store_true", help="train on the self-distilled shards made so far (no generation)")
+    p.add_argument("--features-only", action="store_true", help="make the feature cache, then stop (no training)")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=eval_prompts)
     p.add_argument("--eval-tokens", type=int, default=eval_tokens)
-    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/eagle3-features/<settings>)")
+    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/head-features/<settings>)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
 
 
@@ -435,14 +458,14 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
     seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
     n_held = max(1, int(len(seqs) * args.holdout))
-    feature_dir = Path(args.features_dir or cache_root() / "eagle3-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
-    features = build_features(target, seqs, target.cfg.eagle3_tap_layers(), feature_dir)
+    feature_dir = Path(args.features_dir or cache_root() / "head-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    features = build_features(target, seqs, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
         distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
-                                                        held_openings, distill_dir, batch=args.gen_batch)
+                                                        held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
     return seqs, n_held, train_set, held
 
 
@@ -465,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     taps = target.cfg.eagle3_tap_layers()
     seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     t_features = time.perf_counter() - t_start
+    if args.features_only:
+        print(f"features: {len(train_set)} training sequences, {sum(len(f['tokens']) for f in train_set)} tokens ({t_features:.0f} s)")
+        return 0
     if args.init_from:  # continue training a head (its draft vocabulary and tap layers stay)
         head = load_eagle3(Path(args.init_from), frozen_embedding(target), target.cfg)
         if head.cfg.tap_layers != tuple(taps):
