@@ -163,6 +163,23 @@ def test_merged_continuation_shares_prefixes_and_keeps_children_distinct():
     assert all(len({merged.tokens[c] for c in k}) == len(k) for k in kids)
 
 
+def test_a_continuation_joins_sampled_draws_first_as_one_hot_rows():
+    """Sampled chain 5 -> 6 (q rows a, b) and 7 under the root (row c), continuation 5 -> 8:
+    the continuation's nodes come first with one-hot rows; the sampled 5 joins the
+    continuation's 5, its sampled child 6 hangs below it with its own row."""
+    from specdec.engine.tree import IID_SAMPLED
+
+    q = torch.softmax(torch.randn(3, 10), -1)
+    tree = DraftTree([5, 6, 7], [-1, 0, -1], q, IID_SAMPLED)
+    merged = tree.merged([5, 8])
+    assert merged.scheme == IID_SAMPLED
+    assert merged.tokens == [5, 8, 6, 7] and merged.parents == [-1, 0, 0, -1]
+    assert torch.equal(merged.draft_probs[0], torch.nn.functional.one_hot(torch.tensor(5), 10).float())
+    assert torch.equal(merged.draft_probs[1], torch.nn.functional.one_hot(torch.tensor(8), 10).float())
+    assert torch.equal(merged.draft_probs[2], q[1]) and torch.equal(merged.draft_probs[3], q[2])
+    assert merged.children()[0] == [0, 3] and merged.children()[1] == [1, 2]  # the continuation is tried first
+
+
 class TableHead(Eagle3Head):
     """A head whose next-token log-probs depend only on the input token (a lookup table)."""
 
@@ -476,9 +493,9 @@ def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     576-wide taps and 49k vocabulary cannot pair with a 12-token target, so a head in the
     published layout sized for it stands in). "shipped": model_repository/specdec.json's
     eagle3-hybrid settings as they are; sampled requests draft the head's sampled chains
-    with draft probabilities, which take no n-gram continuation (a deterministic branch
-    cannot join i.i.d. draws). "dynamic_tree": the same with EAGLE-2 trees, deterministic
-    under sampling, so the n-gram continuations ARE merged and verified by the one-hot rule."""
+    with draft probabilities, and the n-gram continuation joins them as one-hot draws
+    (DraftTree._merged_sampled). "dynamic_tree": the same with EAGLE-2 trees, deterministic
+    under sampling, the continuations verified by the one-hot rule. Both must merge."""
     from specdec.serving.runtime import served_methods
     from specdec.engine.tree import DraftTree
 
@@ -500,7 +517,4 @@ def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     counts = sample_first3(target, drafter, PARAMS, seed0=3000)
     p = chi_square_p(counts, exact_first3(target, PARAMS))
     assert p > 1e-3, f"{variant}: chi-square p={p:.2e}"
-    if variant == "dynamic_tree":
-        assert sum(merges) > 0, "no n-gram continuation joined a tree"
-    else:
-        assert not merges
+    assert sum(merges) > 0, "no n-gram continuation joined a tree"

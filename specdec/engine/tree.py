@@ -103,11 +103,11 @@ class DraftTree:
 
     def merged(self, continuation: list[int], confidence: float = float("nan")) -> "DraftTree":
         """This tree plus a chain of tokens from the root, sharing any prefix it already has
-        (one tree, one verification). Deterministic trees only: every node's children stay
-        distinct tokens, which the one-hot acceptance rule needs. New nodes get `confidence`
-        (NaN: not stated, planned by position)."""
-        if self.scheme != DETERMINISTIC:
-            raise ValueError("only deterministic trees can take merged continuations")
+        (one tree, one verification). New nodes get `confidence` (NaN: not stated, planned
+        by position). Deterministic trees: every node's children stay distinct tokens, which
+        the one-hot acceptance rule needs. I.i.d.-sampled trees: see _merged_sampled."""
+        if self.scheme == IID_SAMPLED:
+            return self._merged_sampled(continuation, confidence)
         tokens, parents = list(self.tokens), list(self.parents)
         conf = list(self.confidence) if self.confidence is not None else [float("nan")] * len(tokens)
         child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
@@ -122,6 +122,47 @@ class DraftTree:
                 child[(node, tok)] = nxt
             node = nxt
         return DraftTree(tokens, parents, None, DETERMINISTIC, conf)
+
+    def _merged_sampled(self, continuation: list[int], confidence: float) -> "DraftTree":
+        """A deterministic continuation joined to sampled draws, still lossless: a
+        deterministic draft is an i.i.d. draft from the one-hot q, for which the SpecInfer
+        rule (accept with min(1, p/q), residual max(p - q, 0)) is exactly the one-hot rule,
+        and recursive rejection holds for drafts with different q as long as each is drawn
+        independently of the others. The continuation's nodes come first so that each is
+        tried before its sampled siblings; a sampled node equal to a continuation node at
+        the same parent joins it (it would be tried after a rejection that zeroed its
+        token, i.e. never accepted) and its sampled subtree hangs below the shared node."""
+        V = self.draft_probs.shape[-1]
+        tokens, parents, rows = [], [], []
+        child: dict[tuple[int, int], int] = {}
+        node = ROOT
+        for tok in continuation:
+            child[(node, tok)] = len(tokens)
+            tokens.append(tok)
+            parents.append(node)
+            rows.append(None)  # one-hot
+            node = len(tokens) - 1
+        mapped: list[int] = []
+        for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
+            at = ROOT if parent == ROOT else mapped[parent]
+            shared = child.get((at, tok))
+            if shared is not None:
+                mapped.append(shared)
+                continue
+            mapped.append(len(tokens))
+            tokens.append(tok)
+            parents.append(at)
+            rows.append(i)
+        probs = torch.zeros(len(tokens), V, dtype=self.draft_probs.dtype)
+        for n, (tok, row) in enumerate(zip(tokens, rows)):
+            if row is None:
+                probs[n, tok] = 1.0
+            else:
+                probs[n] = self.draft_probs[row]
+        conf = None
+        if self.confidence is not None:
+            conf = [confidence if row is None else self.confidence[row] for row in rows]
+        return DraftTree(tokens, parents, probs, IID_SAMPLED, conf)
 
     def input_rows(self, root_token: int) -> tuple[list[int], list[int], Tensor]:
         """What the decoder takes for [root] + nodes: tokens, depth offsets (root = 0) and

@@ -22,7 +22,7 @@ from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, cast_lin
 from specdec.engine.models.llama import build_batch
 from specdec.engine.sampling import logits_to_probs
 from specdec.engine.sequences import SequenceState
-from specdec.engine.tree import DETERMINISTIC, ROOT, DraftTree
+from specdec.engine.tree import ROOT, DraftTree
 from specdec.engine.drafters.base import KeepDrafting, SlotCacheDrafter
 from specdec.engine.drafters.ngram import find_continuations
 from specdec.config import REPO_ROOT
@@ -87,7 +87,7 @@ class Eagle3Drafter(SlotCacheDrafter):
         lookups = {i: self._lookup(seqs[i], budgets[i]) for i in active} if self.config.hybrid_ngram else {}
         head_budgets = [max(1, budgets[i] - len(lookups.get(i, ()))) for i in active]
         for i, tree in zip(active, draft([seqs[i] for i in active], [states[i] for i in active], head_budgets, keep_drafting)):
-            trees[i] = tree.merged(lookups[i]) if lookups.get(i) and tree.scheme == DETERMINISTIC else tree
+            trees[i] = tree.merged(lookups[i]) if lookups.get(i) else tree
         return trees
 
     def _lookup(self, seq: SequenceState, budget: int) -> list[int]:
