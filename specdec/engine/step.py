@@ -30,7 +30,7 @@ import specdec_wire as P
 
 from specdec.config import METHOD_NONE, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.base import Drafter
-from specdec.engine.drafters.service import DraftService
+from specdec.engine.drafters.service import DraftService, union_of_layers
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.engine.models.llama import Transformer
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
@@ -92,15 +92,14 @@ class Speculator(KeyedSequences[_Sequence]):
         """drafters: the co-located ones (their configs carry their load controls); methods:
         every served method's config, those drafted apart included (for theirs);
         apart_tap_layers: target layers a drafter served apart needs (returned on request);
-        they must agree with the co-located drafters' (one forward taps them)."""
+        one forward taps the union of theirs and the co-located drafters'."""
         super().__init__()
         self.config = config
-        self.drafts = DraftService(drafters or {})
+        drafters = drafters or {}
+        taps = union_of_layers([apart_tap_layers] + [d.tap_layers for d in drafters.values()])
+        self.drafts = DraftService(drafters, hidden_layers=taps)
         self.methods = dict(methods or {})
-        taps, apart = self.drafts.tap_layers, tuple(apart_tap_layers)
-        if taps and apart and taps != apart:
-            raise ConfigError("methods", f"drafters need different target layers {taps} and {apart}")
-        self.target_pass = TargetPass(target, config, tap_layers=taps or apart)
+        self.target_pass = TargetPass(target, config, tap_layers=taps)
         self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
         self.planner = BudgetPlanner()
         self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification

@@ -11,6 +11,7 @@ import torch
 from specdec.config import METHOD_NGRAM, SERVED_SETTINGS, EngineConfig, ModelConfig, ServingConfig, SpeculativeConfig, resolve_model_dir
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.registry import BuildContext, kind_of
+from specdec.engine.drafters.service import union_of_layers
 from specdec.serving.spec_engine import SpecEngine
 from specdec.engine.step import Speculator
 from specdec.errors import ConfigError
@@ -55,11 +56,8 @@ def tap_layers_of(spec: SpeculativeConfig, target_cfg: ModelConfig) -> tuple[int
 
 
 def tap_layers_for(target_cfg: ModelConfig, speculative: Mapping[str, SpeculativeConfig]) -> tuple[int, ...]:
-    """The target layers the configured drafters need; they must agree (one forward taps them)."""
-    wanted = {taps for spec in speculative.values() if (taps := tap_layers_of(spec, target_cfg))}
-    if len(wanted) > 1:
-        raise ConfigError("methods", f"drafters need different target layers {sorted(wanted)}; serve them separately")
-    return next(iter(wanted), ())
+    """Every target layer the configured drafters need, ascending (one forward taps the union)."""
+    return union_of_layers(tap_layers_of(spec, target_cfg) for spec in speculative.values())
 
 
 def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:

@@ -310,20 +310,21 @@ def heldout_top1(head: Eagle3Head, held: list[dict], steps: int, target_to_draft
     return [h / max(1, c) for h, c in zip(hits, counts)]
 
 
-def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prompts: list[list[int]], max_tokens: int) -> dict:
-    """Real greedy EAGLE-3 decoding (linear, K=5) on held-out conversation openings."""
+def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prompts: list[list[int]], max_tokens: int,
+                       method: str = "eagle3", draft_len: int = 5) -> dict:
+    """Real greedy decoding with the head (linear, K=draft_len) on held-out conversation openings."""
     from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
     from specdec.serving.spec_engine import SpecEngine
     from specdec.serving.runtime import build_drafters
 
     engine_cfg = EngineConfig(max_batch_size=4, max_seq_len=2048)
-    spec = {"eagle3": SpeculativeConfig(method="eagle3", max_draft_len=5, speculative_model=str(head_dir))}
+    spec = {method: SpeculativeConfig(method=method, max_draft_len=draft_len, speculative_model=str(head_dir))}
     engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
     for i, ids in enumerate(held_prompts):
-        for _ in engine.generate(ids, SamplingParams(max_tokens=max_tokens), "eagle3", 5, request_id=f"h{i}"):
+        for _ in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method, draft_len, request_id=f"h{i}"):
             pass
     s = engine.stats
-    return {"prompts": len(held_prompts), "max_tokens": max_tokens, "num_draft_tokens": 5,
+    return {"prompts": len(held_prompts), "max_tokens": max_tokens, "num_draft_tokens": draft_len,
             "mean_acceptance_length": s.mean_acceptance_length, "acceptance_rate": s.acceptance_rate,
             "per_position_acceptance": s.per_position_acceptance}
 

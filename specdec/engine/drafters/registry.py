@@ -67,4 +67,4 @@ def resolve_path(path: str | None, default: Path) -> Path:
 
 def _load_builtin_drafters() -> None:
     # Importing a drafter module registers it.
-    from specdec.engine.drafters import draft_model, eagle3, ngram  # noqa: F401
+    from specdec.engine.drafters import draft_model, eagle3, medusa, ngram  # noqa: F401

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Hashable, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from specdec.config import SamplingParams
@@ -22,20 +23,36 @@ from specdec.engine.tree import DraftTree
 _DRAFT_SEED_OFFSET = 0x5EED
 
 
+def union_of_layers(layer_sets) -> tuple[int, ...]:
+    return tuple(sorted({layer for layers in layer_sets for layer in layers}))
+
+
 class DraftService(KeyedSequences[SequenceState]):
     where = "drafter"
 
-    def __init__(self, drafters: Mapping[str, Drafter]):
+    def __init__(self, drafters: Mapping[str, Drafter], hidden_layers: Sequence[int] | None = None):
+        """hidden_layers: the target layers (in order) of the hidden states this service is
+        handed (default: the ones its drafters need); each drafter gets its own columns."""
         super().__init__()
         self.drafters = dict(drafters)
+        self.hidden_layers = tuple(self.tap_layers if hidden_layers is None else hidden_layers)
+        missing = set(self.tap_layers) - set(self.hidden_layers)
+        if missing:
+            raise ConfigError("tap_layers", f"drafters need target layers {sorted(missing)} the hidden states do not carry")
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        """The target layers (in order) whose outputs the drafters need; all must agree."""
-        wanted = {d.tap_layers for d in self.drafters.values() if d.tap_layers}
-        if len(wanted) > 1:
-            raise ConfigError("tap_layers", f"drafters need different target layers {sorted(wanted)}; serve them separately")
-        return next(iter(wanted), ())
+        """Every target layer (ascending) whose output a drafter needs: one forward taps the
+        union (EAGLE-3's three layers and a Medusa head's last layer side by side)."""
+        return union_of_layers(d.tap_layers for d in self.drafters.values())
+
+    def _hidden_for(self, drafter: Drafter, hidden: Tensor | None) -> Tensor | None:
+        """The columns of `drafter`'s layers, in its order."""
+        if hidden is None or not drafter.tap_layers or drafter.tap_layers == self.hidden_layers:
+            return hidden
+        width = hidden.shape[-1] // len(self.hidden_layers)
+        blocks = [hidden[..., i * width : (i + 1) * width] for i in (self.hidden_layers.index(l) for l in drafter.tap_layers)]
+        return torch.cat(blocks, dim=-1)
 
     def needs_hidden(self, method: str) -> bool:
         drafter = self.drafters.get(method)
@@ -53,7 +70,7 @@ class DraftService(KeyedSequences[SequenceState]):
             method=method, generator=make_generator(seed), last_used=time.monotonic(),
         )
         self._seqs[seq_id] = seq
-        self.drafters[method].on_prefill(seq, hidden)
+        self.drafters[method].on_prefill(seq, self._hidden_for(self.drafters[method], hidden))
 
     def propose(self, items: Sequence[tuple[Hashable, int]], cut_for=None) -> list[DraftTree]:
         """items: (seq_id, budget). Each drafter is called once for all of its sequences.
@@ -84,7 +101,8 @@ class DraftService(KeyedSequences[SequenceState]):
         seq = self._get(seq_id)
         seq.output_ids.extend(emitted)
         seq.last_used = time.monotonic()
-        self.drafters[seq.method].on_verified(seq, list(emitted), accepted, hidden)
+        drafter = self.drafters[seq.method]
+        drafter.on_verified(seq, list(emitted), accepted, self._hidden_for(drafter, hidden))
 
     def release(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)

@@ -1,0 +1,183 @@
+"""`specdec train-medusa`: train Medusa heads for the target on this machine.
+
+The data and features are train-eagle3's (one cache: the same ShareGPT conversations and
+target-answered prompts record the EAGLE-3 taps and the last layer's output), so both
+heads learn from the same text. Head k at position t learns the target's own argmax at
+t + 2 + k (Medusa-1: the target frozen, one residual block per head, loss weights 0.8^k;
+the heads share one lm_head over the draft vocabulary, started from the target's rows).
+Writes config.json, model.safetensors, train_log.json and README.md (the model card).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.config import default_model_dir
+from specdec.engine.models.loading import load_transformer
+from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
+from specdec.serving.runtime import load_tokenizer
+from specdec.tools.train_eagle3 import (
+    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, length_bucketed, make_batch, plot_curve, training_data,
+    user_openings,
+)
+
+
+def medusa_batch(features: list[dict], num_heads: int, target_to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last-layer outputs [B, T, H], labels [K, B, T]): head k's label at t is the draft id
+    of the target's prediction at t + k + 1 (make_batch's step k + 1)."""
+    last, _, labels = make_batch([{**f, "taps": f["last"]} for f in features], num_heads + 1, target_to_draft)
+    return last, labels[1:]
+
+
+def init_heads(target, num_heads: int, vocab_ids: torch.Tensor) -> MedusaHeads:
+    """Residual blocks at zero (each head starts as the target's own next-token guess, as
+    Medusa does), lm_head from the target's rows of the draft vocabulary, the target's norm."""
+    heads = MedusaHeads(MedusaConfig.for_target(target.cfg, num_heads, len(vocab_ids)))
+    with torch.no_grad():
+        for block in heads.medusa_head:
+            block[0].linear.weight.zero_()
+            block[0].linear.bias.zero_()
+        heads.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab_ids])
+        heads.norm.weight.copy_(target.norm.weight.detach().float())
+        heads.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        heads.t2d.zero_()
+        heads.t2d[vocab_ids] = True
+    heads.norm.weight.requires_grad_(False)  # the target's, frozen
+    return heads
+
+
+def train(heads: MedusaHeads, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
+    rng = random.Random(args.seed)
+    log, step, t0 = [], 0, time.perf_counter()
+    heads.train()
+    for epoch in range(args.epochs):
+        order = length_bucketed(train_set, args.batch_size, rng)
+        for i in range(0, len(order), args.batch_size):
+            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            last, labels = medusa_batch([train_set[j] for j in order[i : i + args.batch_size]], heads.cfg.num_heads, target_to_draft)
+            keep = (labels >= 0).any(0)  # [B, T] positions some head has a label for
+            logits = heads(last[keep])  # [K, N, Vd]
+            losses = [F.cross_entropy(logits[k], labels[k][keep], ignore_index=-100) for k in range(heads.cfg.num_heads)]
+            loss = sum(STEP_WEIGHT**k * l for k, l in enumerate(losses))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            step += 1
+            if step % args.log_every == 0 or step == total:
+                with torch.no_grad():
+                    acc = [((logits[k].argmax(-1) == labels[k][keep]) & (labels[k][keep] >= 0)).sum().item()
+                           / max(1, (labels[k][keep] >= 0).sum().item()) for k in range(heads.cfg.num_heads)]
+                entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "step_losses": [l.item() for l in losses],
+                         "train_top1_by_position": acc, "elapsed_s": time.perf_counter() - t0}
+                log.append(entry)
+                print(f"step {step}/{total} loss {loss.item():.3f} top1 {[round(a, 3) for a in acc]} ({entry['elapsed_s']:.0f} s)", flush=True)
+    heads.eval()
+    return log
+
+
+@torch.no_grad()
+def heldout_top1(heads: MedusaHeads, held: list[dict], target_to_draft: torch.Tensor) -> list[float]:
+    """P(head k's argmax equals the target's token at t + 2 + k), held out; targets outside
+    the draft vocabulary count as misses."""
+    K = heads.cfg.num_heads
+    hits, counts = [0] * K, [0] * K
+    for i in range(0, len(held), 8):
+        part = held[i : i + 8]
+        last, labels = medusa_batch(part, K, torch.zeros_like(target_to_draft))  # any label (in the vocab or not)
+        _, draft_labels = medusa_batch(part, K, target_to_draft)
+        logits = heads(last)
+        for k in range(K):
+            valid = labels[k] >= 0
+            hits[k] += ((logits[k].argmax(-1) == draft_labels[k]) & valid & (draft_labels[k] >= 0)).sum().item()
+            counts[k] += valid.sum().item()
+    return [h / max(1, c) for h, c in zip(hits, counts)]
+
+
+def write_model_card(out: Path, record: dict) -> None:
+    curve = record["curve"]
+    plot_curve(out / "train_curve.png", curve, "weighted loss",
+               {f"top-1 head {k}": [c["train_top1_by_position"][k] for c in curve] for k in range(record["num_heads"])},
+               "train top-1 vs target")
+    d, b, acc = record["data"], record["budget"], record["heldout_acceptance"]
+    (out / "README.md").write_text(f"""# Medusa heads for SmolLM2-135M-Instruct (trained here)
+
+Trained on this repository's CPU by:
+
+```bash
+{record['command']}
+```
+
+- {record['num_heads']} heads, one residual block each (Medusa-1), on the output of target layer {record['source_layer']} through
+  the target's final norm; one shared lm_head over the {record['draft_vocab']}-token draft vocabulary (started from the target's rows)
+- data: train-eagle3's feature cache: {d['sequences']} sequences (ShareGPT conversations and prompts answered by
+  the target, greedy; the held-out conversations and the prompts the benchmarks draw are never trained on),
+  {d['labelled_tokens']} labelled tokens; labels: the target's own argmax
+- budget: {b['train_s'] / 60:.1f} min on {b['threads']} threads; {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer
+  steps, lr {record['lr']}, head k weighted 0.8^k
+
+## Held-out results
+
+- top-1 agreement with the target by head (head k guesses the token k + 2 after the position; teacher-forced,
+  held-out conversations): {', '.join(f'{a:.3f}' for a in record['heldout_top1_by_head'])}
+- real greedy Medusa decoding (linear, {acc['num_draft_tokens']} draft tokens) on {acc['prompts']} held-out conversation
+  openings, {acc['max_tokens']} new tokens: mean acceptance length {acc['mean_acceptance_length']:.2f},
+  per-position acceptance {', '.join(f'{a:.2f}' for a in acc['per_position_acceptance'])}
+""")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="models/medusa-smollm2-135m")
+    add_data_arguments(p, conversations=600, max_len=256, self_distill_tokens=192, eval_prompts=16, eval_tokens=128)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-sequences", type=int, default=0, help="train on at most this many sequences (0: all)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir or default_model_dir())
+    tokenizer = load_tokenizer(model_dir)
+    target = load_transformer(model_dir, dtype="float32")
+    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
+    if args.max_sequences:
+        train_set = random.Random(args.seed).sample(train_set, min(args.max_sequences, len(train_set)))
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
+    heads = init_heads(target, args.num_heads, vocab_ids)
+    target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
+    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+    t0 = time.perf_counter()
+    log = train(heads, train_set, args, target_to_draft)
+    t_train = time.perf_counter() - t0
+    out = Path(args.out)
+    save_medusa(heads, out)
+    top1 = heldout_top1(heads, held, target_to_draft)
+    openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
+    acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens, "medusa", args.num_heads)
+    record = {
+        "command": "specdec train-medusa " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
+        "num_heads": args.num_heads, "source_layer": heads.cfg.source_layer, "draft_vocab": len(vocab_ids), "lr": args.lr,
+        "data": {"sequences": len(train_set), "labelled_tokens": sum(int((f["labels"] >= 0).sum()) for f in train_set)},
+        "budget": {"train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs, "batch_size": args.batch_size,
+                   "optimizer_steps": log[-1]["step"] if log else 0},
+        "heldout_top1_by_head": top1, "heldout_acceptance": acceptance, "curve": log,
+    }
+    (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_model_card(out, record)
+    print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_head", "heldout_acceptance")}, indent=2))
+    return 0
