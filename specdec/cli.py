@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-openai", help="what the OpenAI front end adds to end-to-end latency at c=1 -> results/openai/")
     sub.add_parser("bench-aiperf", help="NVIDIA aiperf through the OpenAI front end vs specdec-client bench, same prompts -> results/aiperf/")
     sub.add_parser("bench-draft", help="draft models' cost, acceptance and tok/s vs the baseline, in process -> results/draft/")
+    sub.add_parser("bench-drafters", help="every drafting family side by side (MAL, draft ms, tok/s vs baseline), in process -> results/drafters/")
     sub.add_parser("check-stops", help="stop strings: every method ends where the baseline ends (text, ids, reason) -> results/stops/")
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
@@ -168,6 +169,7 @@ OWN_FLAGS = {
     "bench-aiperf": ("specdec.tools.bench_aiperf", "main"),
     "bench-draft": ("specdec.tools.bench_draft", "main"),
     "bench-serving": ("specdec.tools.bench_serving", "main"),
+    "bench-drafters": ("specdec.tools.bench_drafters", "main"),
     "check-stops": ("specdec.tools.check_stops", "main"),
     "trtllm-config": ("trtllm_repository", "main"),
     "demo": ("specdec.tools.demo", "main"),

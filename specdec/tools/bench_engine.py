@@ -140,6 +140,9 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
             for n, a, n0, a0 in zip(after.drafted_per_position, after.accepted_per_position, padded(drafted_before), padded(accepted_before))
         ],
         "tokens": sum(count.values()),
+        # Per sequence step (a verification of one sequence; at c=1 an engine step): drafting and verifying time.
+        "draft_ms_per_seq_step": 1e3 * (after.draft_seconds - stats_before["draft_seconds"]) / steps if steps else 0.0,
+        "verify_ms_per_seq_step": 1e3 * (after.verify_seconds - stats_before["verify_seconds"]) / steps if steps else 0.0,
     }
 
 
