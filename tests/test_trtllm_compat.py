@@ -1,20 +1,23 @@
 """What TensorRT-LLM's clients and configs mean, without a server: the request fields newer
 ensembles send (min_tokens, use_draft_logits, return_num_*), upstream's default for
-exclude_input_in_output, and draft_len_schedule translated between the two runtimes'
-meanings (ours: batch <= key; TensorRT-LLM's: batch >= key)."""
+exclude_input_in_output, draft_len_schedule translated between the two runtimes'
+meanings (ours: batch <= key; TensorRT-LLM's: batch >= key), and our medusa settings as
+TensorRT-LLM's MedusaDecodingConfig (a static medusa_choices tree, engine backend)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
 import yaml
 
 import specdec_wire as P
-from specdec.config import METHOD_EAGLE3, METHOD_NGRAM, SpeculativeConfig
+from specdec.config import METHOD_EAGLE3, METHOD_MEDUSA, METHOD_NGRAM, ServingConfig, SpeculativeConfig
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.serving.request import ServedOffer, parse_request
 from trtllm_repository import generator as trtllm
+from trtllm_repository.medusa_choices import check_choices, derive_choices
 from trtllm_repository.schedule import check_trtllm_schedule, from_trtllm, ours_draft_len, to_trtllm, trtllm_draft_len
 
 OFFER = ServedOffer({"ngram": 4}, "ngram", 8, 512)
@@ -175,3 +178,122 @@ def test_trtllm_requests_take_the_new_fields():
     assert req.return_num_input_tokens and req.return_num_output_tokens
     assert req.exclude_input_in_output is False  # upstream's default: the model echoes the prompt
     assert trtllm.parse_request(inputs(text_input="Hi", max_tokens=8, exclude_input_in_output=True), served).exclude_input_in_output
+
+
+# ---- Medusa: MedusaDecodingConfig on the TensorRT engine backend ---------------------------------
+# The methods model_repository/specdec.json is to serve (not there yet): a chain and a tree.
+MEDUSA_SETTINGS = {
+    "engine": {"max_num_draft_tokens": 16},
+    "methods": {
+        "eagle3": {"method": "eagle3", "max_draft_len": 5},
+        "medusa": {"method": "medusa", "max_draft_len": 4},
+        "medusa-tree": {"method": "medusa", "max_draft_len": 4, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4,
+                        "max_total_draft_tokens": 12},
+    },
+}
+MEDUSA_HEADS = "example-org/Llama-3.1-8B-Instruct-medusa"  # a name only: nothing is loaded
+TREE_4X4_12 = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],  # sum of positions 0: the argmax chain
+               [1], [0, 1], [1, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0]]  # sum 1, shallow first
+
+
+def _medusa_configs(**deployment) -> dict[str, dict]:
+    variants = {trtllm.BASELINE: None, trtllm.BASELINE_TENSORRT: None,
+                **trtllm.medusa_variants(ServingConfig.from_dict(MEDUSA_SETTINGS))}
+    files = trtllm.TrtllmDeployment(target=trtllm.ModelConfig.from_hf_dict(trtllm.LLAMA_3_1_8B_INSTRUCT), variants=variants,
+                                    **{"medusa_model": MEDUSA_HEADS, **deployment}).files()
+    return {rel.split("/")[-1][: -len(".yaml")]: yaml.safe_load(text) for rel, text in files.items() if rel.endswith(".yaml")}
+
+
+def test_medusa_choices_are_the_argmax_chain_and_the_cheapest_nodes_of_the_topk_tree():
+    chain = SpeculativeConfig(method=METHOD_MEDUSA, max_draft_len=4)
+    assert derive_choices(chain) == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    tree = SpeculativeConfig(method=METHOD_MEDUSA, max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=4,
+                             max_total_draft_tokens=12)
+    assert derive_choices(tree) == TREE_4X4_12
+    for depth, topk in itertools.product((1, 2, 3, 6), (1, 2, 4, 10)):
+        for budget in range(depth, topk * depth + 1):
+            spec = SpeculativeConfig(method=METHOD_MEDUSA, max_draft_len=depth, use_dynamic_tree=True,
+                                     dynamic_tree_max_topK=topk, max_total_draft_tokens=budget)
+            choices = derive_choices(spec)
+            assert len(choices) == budget and max(map(len, choices)) == depth
+            assert all(i < topk for path in choices for i in path)
+            assert check_choices(choices, num_heads=depth) == choices  # a tree TensorRT-LLM can build
+            costs = [(sum(p), len(p), p) for p in choices]
+            assert costs == sorted(costs)  # the documented order: cheapest first, shallower, lexicographic
+
+
+def test_medusa_choices_trtllm_would_refuse_are_refused_by_name():
+    for bad in ([], [[0, 1]], [[0], [0]], [[-1]], [[0], [0, 0], [0, 0, 0]]):
+        with pytest.raises(ConfigError) as err:
+            check_choices(bad, num_heads=2)
+        assert err.value.field == "speculative_config.medusa_choices", bad
+
+
+def test_medusa_variants_use_medusa_decoding_configs_fields_on_the_engine_backend():
+    """MedusaDecodingConfig (1.2.x llm_args): medusa_choices, num_medusa_heads, plus
+    DecodingBaseConfig's max_draft_len and speculative_model (alias speculative_model_dir).
+    supports_backend refuses pytorch, so the files say backend: tensorrt, without the
+    PyTorch-only cuda_graph_config, and baseline-tensorrt.yaml is their matched baseline."""
+    configs = _medusa_configs()
+    assert configs["medusa"]["speculative_config"] == {
+        "decoding_type": "Medusa", "speculative_model": MEDUSA_HEADS, "max_draft_len": 4, "num_medusa_heads": 4,
+        "medusa_choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}
+    # The engine backend's max_draft_len is the tree's node count (build_config.max_draft_len).
+    assert configs["medusa-tree"]["speculative_config"] == {
+        "decoding_type": "Medusa", "speculative_model": MEDUSA_HEADS, "max_draft_len": 12, "num_medusa_heads": 4,
+        "medusa_choices": TREE_4X4_12}
+    assert set(configs) == {"baseline", "baseline-tensorrt", "medusa", "medusa-tree"}  # eagle3 is not a medusa method
+    for name in ("medusa", "medusa-tree", "baseline-tensorrt"):
+        assert configs[name]["backend"] == "tensorrt" and "cuda_graph_config" not in configs[name]
+        rest = {k: v for k, v in configs[name].items() if k != "speculative_config"}
+        assert rest == configs["baseline-tensorrt"], f"{name} is not matched"
+    assert configs["baseline"]["backend"] == "pytorch" and "cuda_graph_config" in configs["baseline"]
+
+
+def test_medusa_files_are_read_back_and_hand_edits_refused_by_name():
+    configs = _medusa_configs()
+    for name, tokens in (("medusa", 4), ("medusa-tree", 12)):
+        served = trtllm.served_variant(configs[name], trtllm.PINNED_TRTLLM)
+        assert (served.method, served.num_draft_tokens) == (METHOD_MEDUSA, tokens)
+        assert served.offer().methods == {METHOD_MEDUSA: tokens}
+    assert trtllm.served_variant(configs["baseline-tensorrt"]).method == "none"
+    edits = {
+        "backend": lambda c: c.update(backend="pytorch"),
+        "cuda_graph_config": lambda c: c.update(cuda_graph_config={"max_batch_size": 64}),
+        "speculative_config.max_draft_len": lambda c: c["speculative_config"].update(max_draft_len=4),
+        "speculative_config.medusa_choices": lambda c: c["speculative_config"].update(num_medusa_heads=3),
+        "speculative_config.num_medusa_heads": lambda c: c["speculative_config"].pop("num_medusa_heads"),
+        "speculative_config.speculative_model": lambda c: c["speculative_config"].pop("speculative_model"),
+        "speculative_config.max_concurrency": lambda c: c["speculative_config"].update(max_concurrency=4),
+    }
+    for field, edit in edits.items():
+        config = _medusa_configs()["medusa-tree"]
+        edit(config)
+        with pytest.raises(ConfigError) as err:
+            trtllm.served_variant(config)
+        assert err.value.field == field
+
+
+def test_medusa_needs_heads_in_trtllms_format_and_no_pytorch_only_controls():
+    with pytest.raises(ConfigError) as err:
+        _medusa_configs(medusa_model=None)
+    assert err.value.field == "medusa_model" and "draft-vocabulary lm_head" in str(err.value)
+    target = trtllm.ModelConfig.from_hf_dict(trtllm.LLAMA_3_1_8B_INSTRUCT)
+    for field, value in (("max_concurrency", 4), ("adaptive", True)):
+        spec = SpeculativeConfig(method=METHOD_MEDUSA, max_draft_len=4, **{field: value})
+        with pytest.raises(ConfigError) as err:
+            trtllm.TrtllmDeployment(target=target, variants={"m": spec}, medusa_model=MEDUSA_HEADS)
+        assert err.value.field == f"m.{field}"
+
+
+def test_the_cli_writes_medusa_files_only_for_settings_with_medusa_methods(tmp_path):
+    settings = tmp_path / "specdec.json"
+    settings.write_text(json.dumps(MEDUSA_SETTINGS))
+    out = tmp_path / "repo"
+    assert trtllm.main(["--settings", str(settings), "--out", str(out)]) == 2  # no heads named
+    assert trtllm.main(["--settings", str(settings), "--medusa-model", MEDUSA_HEADS, "--out", str(out)]) == 0
+    written = sorted(p.stem for p in (out / "ensemble" / "1").glob("*.yaml"))
+    assert written == ["baseline", "baseline-tensorrt", "draft-target", "eagle3", "medusa", "medusa-tree", "ngram"]
+    assert yaml.safe_load((out / "ensemble" / "1" / "medusa-tree.yaml").read_text()) == _medusa_configs()["medusa-tree"]
+    # The served settings have no medusa method yet: nothing changes (tests/test_deploy.py checks the files).
+    assert not trtllm.medusa_variants(ServingConfig.from_file(trtllm.DEFAULT_SETTINGS))

@@ -11,6 +11,9 @@ specdec_wire, so specdec-client and the Locust scenarios drive it unchanged):
   draft-target.yaml an independent draft model (Draft_Target: Llama-3.2-1B-Instruct drafting
                     for Llama-3.1-8B-Instruct by default), linear
   ngram.yaml        n-gram lookup (NGram: NGramDecodingConfig), no draft weights
+  medusa*.yaml      Medusa heads (MedusaDecodingConfig), one file per `medusa` method of the
+                    served settings (model_repository/specdec.json), with baseline-tensorrt.yaml:
+                    TensorRT-LLM runs Medusa on its TensorRT engine backend only (trtllm_repository/medusa_choices.py)
 
 Keys other than `triton_config` go to `tensorrt_llm.LLM(...)` (as in TensorRT-LLM's own
 `llmapi` model); the container picks one file with LLM_CONFIG_PATH. The budget rules and
@@ -37,14 +40,17 @@ from specdec.config import (
     METHOD_DRAFT_MODEL,
     METHOD_EAGLE3,
     METHOD_EAGLE3_TREE,
+    METHOD_MEDUSA,
     METHOD_NGRAM,
     METHOD_NONE,
     ModelConfig,
+    ServingConfig,
     SpeculativeConfig,
 )
 from specdec.errors import ConfigError, InvalidRequestError, SpecDecError
 from specdec.serving.request import ServedOffer
 from specdec.serving.request import parse_request as parse_common
+from trtllm_repository.medusa_choices import check_choices, derive_choices
 from trtllm_repository.schedule import from_trtllm, to_trtllm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +61,8 @@ DEFAULT_DRAFT = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 DEFAULT_DRAFT_TARGET = "meta-llama/Llama-3.2-1B-Instruct"  # an independent draft sharing the target's tokenizer
 DRAFT_TARGET = "draft-target"
 # TensorRT-LLM's decoding_type per method of ours.
-DECODING_TYPES = {METHOD_EAGLE3: "Eagle3", METHOD_EAGLE3_TREE: "Eagle3", METHOD_DRAFT_MODEL: "Draft_Target", METHOD_NGRAM: "NGram"}
+DECODING_TYPES = {METHOD_EAGLE3: "Eagle3", METHOD_EAGLE3_TREE: "Eagle3", METHOD_DRAFT_MODEL: "Draft_Target", METHOD_NGRAM: "NGram",
+                  METHOD_MEDUSA: "Medusa"}
 # Drafters TensorRT-LLM runs inside the target's forward (one-model EAGLE-3). In 1.2.x they
 # draft and verify greedily unless speculative_config.allow_advanced_sampling is set: a
 # request with temperature > 0 would get greedy output (llm_args.DecodingBaseConfig; the
@@ -74,6 +81,20 @@ PINNED_TRTLLM = "1.2.1"
 DYNAMIC_TREE_SINCE = "1.3.0rc13"
 DEFAULT_CONFIG_FILE = "eagle3.yaml"  # what the model serves when LLM_CONFIG_PATH is unset
 BASELINE = "baseline"
+DEFAULT_SETTINGS = REPO_ROOT / "model_repository" / "specdec.json"  # its `medusa` methods become medusa*.yaml
+PYTORCH_BACKEND = "pytorch"
+# Medusa in 1.2.x: MedusaDecodingConfig.supports_backend(backend) is `backend not in ("pytorch",
+# "_autodeploy")`, so TorchLlmArgs refuses it ("Speculation type Medusa does not support backend
+# pytorch"); TrtLlmArgs.validate_speculative_config takes it (build_config.max_draft_len =
+# max_draft_len, DecodingConfig(DecodingMode.Medusa(), medusa_choices)). Checked in
+# NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py of the 1.2 line (DecodingBaseConfig with
+# allow_advanced_sampling, Eagle3DecodingConfig refused by TrtLlmArgs, no dynamic tree before
+# 1.3.0rc13) and, unchanged, in the 1.0/1.1 files; the TensorRT backend's LLM is
+# tensorrt_llm._tensorrt_engine.LLM (examples/llm-api/llm_medusa_decoding.py). The medusa files
+# and their matched baseline therefore say backend: tensorrt and leave out cuda_graph_config,
+# a TorchLlmArgs field the TensorRT backend's LLM refuses as an invalid argument.
+TENSORRT_BACKEND = "tensorrt"
+BASELINE_TENSORRT = "baseline-tensorrt"  # the matched baseline of the medusa files
 
 # Llama-3.1-8B-Instruct's config.json (the values SpeculativeConfig.check_target needs and
 # the rest of ModelConfig), so the default generation works offline without the weights.
@@ -128,6 +149,10 @@ class TrtllmDeployment:
     draft_model: str = DEFAULT_DRAFT
     draft_target_model: str = DEFAULT_DRAFT_TARGET
     draft_target: ModelConfig | None = None  # its config.json, checked against the target when given
+    # Medusa heads in TensorRT-LLM's own format (FasterDecoding Medusa: per-head residual
+    # blocks and full-vocabulary lm_heads, config.json medusa_num_heads) trained for `model`.
+    # Ours (models/medusa-smollm2-135m) share one draft-vocabulary lm_head and do not load there.
+    medusa_model: str | None = None
     # TensorRT-LLM preallocates its runtime buffers (KV-cache blocks, CUDA graphs, draft
     # buffers) from these, so they are stated, not left to defaults.
     max_batch_size: int = 64
@@ -157,7 +182,9 @@ class TrtllmDeployment:
         for name, spec in self.variants.items():
             if spec is None:
                 continue
-            if spec.method in (METHOD_DRAFT_MODEL, METHOD_NGRAM):
+            if spec.method == METHOD_MEDUSA:
+                self._check_medusa(name, spec)
+            elif spec.method in (METHOD_DRAFT_MODEL, METHOD_NGRAM):
                 if spec.use_dynamic_tree:
                     raise ConfigError(f"{name}.use_dynamic_tree", f"TensorRT-LLM's {DECODING_TYPES[spec.method]} decoding drafts a chain only")
                 if spec.method == METHOD_NGRAM and spec.prompt_lookup_min != 1:
@@ -178,10 +205,35 @@ class TrtllmDeployment:
             if self.draft_target.max_position_embeddings < self.max_seq_len:
                 raise ConfigError("max_seq_len", f"{self.max_seq_len} exceeds the draft's context ({self.draft_target.max_position_embeddings})")
 
+    def _check_medusa(self, name: str, spec: SpeculativeConfig) -> None:
+        """What TensorRT-LLM's engine-backend Medusa cannot take from our settings, refused by name."""
+        if self.medusa_model is None:
+            raise ConfigError("medusa_model", f"{name} needs Medusa heads in TensorRT-LLM's (FasterDecoding) format for "
+                                              f"{self.model}: pass --medusa-model (ours share one draft-vocabulary lm_head "
+                                              "and do not load there)")
+        if spec.adaptive:
+            raise ConfigError(f"{name}.adaptive", "TensorRT-LLM verifies one fixed Medusa tree; our planner has no counterpart there")
+        for load_control in ("max_concurrency", "draft_len_schedule"):
+            if getattr(spec, load_control) is not None:
+                raise ConfigError(f"{name}.{load_control}", "is PyTorch backend only in TensorRT-LLM; Medusa runs on its "
+                                                            "TensorRT engine backend")
+
+    def backend(self, name: str) -> str:
+        spec = self.variants[name]
+        medusa = (spec is not None and spec.method == METHOD_MEDUSA) or name == BASELINE_TENSORRT
+        return TENSORRT_BACKEND if medusa else PYTORCH_BACKEND
+
     def speculative_config(self, spec: SpeculativeConfig) -> dict[str, Any]:
         """The `speculative_config` block, in TensorRT-LLM's field names (Eagle3DecodingConfig,
-        DraftTargetDecodingConfig, NGramDecodingConfig)."""
+        DraftTargetDecodingConfig, NGramDecodingConfig, MedusaDecodingConfig)."""
         out: dict[str, Any] = {"decoding_type": DECODING_TYPES[spec.method]}
+        if spec.method == METHOD_MEDUSA:
+            choices = derive_choices(spec)
+            out["speculative_model"] = self.medusa_model  # speculative_model_dir is its alias in 1.2.x
+            out["max_draft_len"] = len(choices)  # the engine-backend meaning: draft tokens (tree nodes) a step
+            out["num_medusa_heads"] = spec.max_draft_len  # heads used: the tree's depth
+            out["medusa_choices"] = choices
+            return out
         if spec.method != METHOD_NGRAM:  # the n-gram lookup has no weights
             out["speculative_model"] = self.draft_target_model if spec.method == METHOD_DRAFT_MODEL else self.draft_model
         out["max_draft_len"] = spec.max_draft_len
@@ -206,7 +258,7 @@ class TrtllmDeployment:
         """One model.yaml as a dict: LLM(...) keyword arguments plus `triton_config`."""
         config: dict[str, Any] = {
             "model": self.model,
-            "backend": "pytorch",
+            "backend": self.backend(name),
             "dtype": self.dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_batch_size": self.max_batch_size,
@@ -217,6 +269,8 @@ class TrtllmDeployment:
             "kv_cache_config": {"free_gpu_memory_fraction": self.free_gpu_memory_fraction, "enable_block_reuse": False},
             "cuda_graph_config": {"max_batch_size": self.max_batch_size, "enable_padding": True},
         }
+        if config["backend"] == TENSORRT_BACKEND:
+            del config["cuda_graph_config"]
         spec = self.variants[name]
         if spec is not None:
             config["speculative_config"] = self.speculative_config(spec)
@@ -265,9 +319,31 @@ def default_variants(
     return variants
 
 
+def medusa_variants(settings: ServingConfig) -> dict[str, SpeculativeConfig]:
+    """The served settings' `medusa` methods, by name (each becomes <name>.yaml)."""
+    return {name: spec for name, spec in settings.methods.items() if spec.method == METHOD_MEDUSA}
+
+
+_MEDUSA_BACKEND_NOTE = (
+    "# TensorRT engine backend (backend: tensorrt): TensorRT-LLM 1.2.x's PyTorch backend has no Medusa\n"
+    "# (MedusaDecodingConfig.supports_backend), so the model builds tensorrt_llm._tensorrt_engine.LLM;\n"
+    "# compare with baseline-tensorrt.yaml. speculative_model: Medusa heads in TensorRT-LLM's own\n"
+    "# (FasterDecoding) format for the target; ours share one draft-vocabulary lm_head and do not load.\n"
+)
+
+
 def _yaml_header(name: str, spec: SpeculativeConfig | None) -> str:
-    if spec is None:
+    note = ""
+    if spec is None and name == BASELINE_TENSORRT:
+        what = "the matched baseline of the medusa files: no speculative_config, TensorRT engine backend"
+        note = "# backend: tensorrt as the medusa files (TensorRT-LLM 1.2.x runs Medusa on that backend only).\n"
+    elif spec is None:
         what = "the matched baseline: no speculative_config, every other key as in the speculative variants"
+    elif spec.method == METHOD_MEDUSA:
+        shape = (f"a static tree of the heads' top-{spec.dynamic_tree_max_topK} guesses, {spec.max_total_draft_tokens} nodes"
+                 if spec.use_dynamic_tree else "a chain of the heads' argmaxes")
+        what = f"Medusa heads, {shape}, depth {spec.max_draft_len} (medusa_choices: trtllm_repository/medusa_choices.py)"
+        note = _MEDUSA_BACKEND_NOTE
     elif spec.method == METHOD_DRAFT_MODEL:
         what = f"an independent draft model (Draft_Target) proposing max_draft_len={spec.max_draft_len} tokens"
     elif spec.method == METHOD_NGRAM:
@@ -284,6 +360,7 @@ def _yaml_header(name: str, spec: SpeculativeConfig | None) -> str:
         f"# Variant {name!r}: {what}.\n"
         "# Keys other than triton_config are passed to tensorrt_llm.LLM(...); serve this file with\n"
         f"# LLM_CONFIG_PATH={name}.yaml. max_batch_size sizes preallocated buffers (KV cache, CUDA graphs).\n"
+        + note
     )
 
 
@@ -358,7 +435,7 @@ def stale_files(files: Mapping[str, str], out: Path) -> list[str]:
 class ServedVariant:
     """What one model.yaml serves, as the request path needs it."""
 
-    method: str  # none | eagle3 | eagle3-tree | draft_model
+    method: str  # none | eagle3 | eagle3-tree | draft_model | ngram | medusa
     num_draft_tokens: int  # draft tokens per verification step (0 for the baseline)
     max_batch_size: int
     max_tokens_limit: int
@@ -391,6 +468,9 @@ def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None)
         decoding = spec_raw.get("decoding_type")
         if decoding not in set(DECODING_TYPES.values()):
             raise ConfigError("speculative_config.decoding_type", f"must be one of {sorted(set(DECODING_TYPES.values()))}, got {decoding!r}")
+        if decoding == "Medusa":
+            return ServedVariant(METHOD_MEDUSA, _medusa_draft_tokens(config), config["max_batch_size"], config["max_seq_len"],
+                                 bool(triton.get("apply_chat_template", True)))
         schedule = _our_schedule(spec_raw, config["max_batch_size"])
         if decoding in ("Draft_Target", "NGram"):
             if decoding == "Draft_Target" and not spec_raw.get("speculative_model"):
@@ -425,6 +505,30 @@ def served_variant(config: Mapping[str, Any], trtllm_version: str | None = None)
         max_tokens_limit=config["max_seq_len"],
         apply_chat_template=bool(triton.get("apply_chat_template", True)),
     )
+
+
+def _medusa_draft_tokens(config: Mapping[str, Any]) -> int:
+    """A medusa file checked by TensorRT-LLM's engine-backend rules; its draft tokens a step."""
+    spec_raw = config["speculative_config"]
+    if config.get("backend") != TENSORRT_BACKEND:
+        raise ConfigError("backend", f"TensorRT-LLM runs Medusa on its TensorRT engine backend only ({TENSORRT_BACKEND!r}), "
+                                     f"got {config.get('backend')!r}")
+    if "cuda_graph_config" in config:
+        raise ConfigError("cuda_graph_config", "is a PyTorch backend setting; the TensorRT backend's LLM refuses it")
+    if not spec_raw.get("speculative_model"):
+        raise ConfigError("speculative_config.speculative_model", "Medusa needs its heads (TensorRT-LLM's format)")
+    for load_control in ("max_concurrency", "draft_len_schedule"):
+        if spec_raw.get(load_control) is not None:
+            raise ConfigError(f"speculative_config.{load_control}", "is PyTorch backend only in TensorRT-LLM")
+    heads = spec_raw.get("num_medusa_heads")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ConfigError("speculative_config.num_medusa_heads", f"must be an integer >= 1, got {heads!r}")
+    choices = check_choices(spec_raw.get("medusa_choices"), heads)
+    if spec_raw.get("max_draft_len") != len(choices):
+        raise ConfigError("speculative_config.max_draft_len",
+                          f"is the engine's Medusa token budget: must equal the {len(choices)} nodes of medusa_choices, "
+                          f"got {spec_raw.get('max_draft_len')!r}")
+    return len(choices)
 
 
 def _our_schedule(spec_raw: Mapping[str, Any], max_batch_size: int) -> dict[int, int] | None:
@@ -519,7 +623,8 @@ def perf_counts(output_tokens: int, accepted: int, drafted: int) -> dict[str, fl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specdec trtllm-config",
-        description="Write the TensorRT-LLM (LLM API) model repository: baseline, EAGLE-3 (linear; dynamic tree where the release honours it) and Draft_Target.",
+        description="Write the TensorRT-LLM (LLM API) model repository: baseline, EAGLE-3 (linear; dynamic tree where the release honours it), "
+                    "Draft_Target, NGram and, for the settings' medusa methods, Medusa.",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model repository to write (default: %(default)s)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files there differ")
@@ -529,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-target-model", default=DEFAULT_DRAFT_TARGET, help="independent draft model for draft-target.yaml")
     p.add_argument("--draft-target-config", type=Path, default=None, help="its config.json (required for other draft models)")
     p.add_argument("--draft-target-len", type=int, default=4, help="draft-target.yaml's max_draft_len")
+    p.add_argument("--settings", type=Path, default=DEFAULT_SETTINGS,
+                   help="served settings whose `medusa` methods become medusa files (default: %(default)s)")
+    p.add_argument("--medusa-model", default=None,
+                   help="Medusa heads in TensorRT-LLM's (FasterDecoding) format for the target; needed when --settings has medusa methods")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--max-num-tokens", type=int, default=8192)
@@ -552,6 +661,12 @@ def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
     pairs = args.target == DEFAULT_TARGET or args.draft_target_model != DEFAULT_DRAFT_TARGET
     if not pairs:  # the default draft pairs with the default target only; others name theirs
         del variants[DRAFT_TARGET]
+    medusa = medusa_variants(ServingConfig.from_file(args.settings))
+    if medusa:
+        taken = sorted(set(medusa) & (set(variants) | {BASELINE_TENSORRT}))
+        if taken:
+            raise ConfigError(f"methods.{taken[0]}", "names a file the generator writes already: rename the method")
+        variants.update({BASELINE_TENSORRT: None, **medusa})
     return TrtllmDeployment(
         target=target_model_config(args.target, args.target_config),
         variants=variants,
@@ -559,6 +674,7 @@ def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
         draft_model=args.draft,
         draft_target_model=args.draft_target_model,
         draft_target=target_model_config(args.draft_target_model, args.draft_target_config, "draft_target_config") if pairs else None,
+        medusa_model=args.medusa_model,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,

@@ -4,7 +4,9 @@ Runs in NVIDIA's `<yy.mm>-trtllm-python-py3` container with this project install
 (`pip install --no-deps .`). The served configuration is one of the generated YAML files
 next to this file, picked with LLM_CONFIG_PATH (baseline.yaml, eagle3.yaml,
 draft-target.yaml, ngram.yaml, eagle3-tree.yaml; default eagle3.yaml): keys other than `triton_config` go to
-`tensorrt_llm.LLM(...)`, as in TensorRT-LLM's own `llmapi` model. Request parsing, the
+`tensorrt_llm.LLM(...)`, as in TensorRT-LLM's own `llmapi` model; a file with `backend: tensorrt`
+(medusa*.yaml, baseline-tensorrt.yaml: 1.2.x runs Medusa on the TensorRT engine backend only) goes to
+`tensorrt_llm._tensorrt_engine.LLM` (not yet run on a GPU). Request parsing, the
 method check and the perf counters are pure functions in trtllm_repository, tested on the
 CPU; this file only moves tensors and drives the LLM's asyncio API.
 
@@ -63,7 +65,12 @@ class TritonPythonModel:
                 "max_batch_size",
                 f"config.pbtxt has {model_config['max_batch_size']} but {name} has {self.served.max_batch_size}",
             )
-        from tensorrt_llm import LLM, SamplingParams
+        from tensorrt_llm import SamplingParams
+
+        if config.get("backend") == "tensorrt":
+            from tensorrt_llm._tensorrt_engine import LLM
+        else:
+            from tensorrt_llm import LLM
 
         self._sampling_params = SamplingParams
         self._loop = asyncio.new_event_loop()
