@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -72,6 +72,18 @@ DRAFT_SIZES := 1 2 4
 bench-draft: prepare
 	for n in $(DRAFT_SIZES); do test -f tmp/drafts/L$$n/config.json || $(BIN)/specdec train-draft --layers $$n --out tmp/drafts/L$$n; done
 	$(BIN)/specdec bench-draft $(foreach n,$(DRAFT_SIZES),tmp/drafts/L$(n)) models/draft-smollm2-135m --out results/draft
+
+# Every drafting family side by side in process (MAL, draft and verify ms per step, tok/s vs the baseline),
+# c=1 and c=4, greedy and T=0.7 -> results/drafters/ (~15 min on 2 cores)
+bench-drafters: prepare
+	$(BIN)/specdec bench-drafters --out results/drafters
+
+# The same families through Triton, side by side with the baseline, c=1 and c=4, greedy and T=0.7 (~30 min on 2 cores)
+HEADS_BENCH = --start-server --num-prompts 12 --max-tokens 64 --concurrency 1,4 \
+	--methods eagle3,eagle3-tree,eagle3-hybrid,medusa,medusa-tree,draft_model-colocated,ngram
+bench-heads: prepare
+	$(BIN)/specdec-client bench $(HEADS_BENCH) --out results/bench/heads-greedy
+	$(BIN)/specdec-client bench $(HEADS_BENCH) --temperature 0.7 --out results/bench/heads-t07
 
 # What the OpenAI front end adds to end-to-end latency at c=1 (paired with gRPC to the ensemble) -> results/openai/
 bench-openai: prepare

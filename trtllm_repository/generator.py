@@ -662,6 +662,14 @@ def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
     if not pairs:  # the default draft pairs with the default target only; others name theirs
         del variants[DRAFT_TARGET]
     medusa = medusa_variants(ServingConfig.from_file(args.settings))
+    if medusa and args.medusa_model is None:
+        # The shipped medusa methods serve heads TensorRT-LLM cannot load (one shared draft-vocabulary
+        # lm_head); their files are written only for heads in its format.
+        print(f"medusa methods {sorted(medusa)} skipped: pass --medusa-model (heads in TensorRT-LLM's format) to write them",
+              file=sys.stderr)
+        medusa = {}
+    # Load controls are PyTorch-backend settings in TensorRT-LLM; its engine backend verifies every step.
+    medusa = {name: spec.replace(max_concurrency=None, draft_len_schedule=None) for name, spec in medusa.items()}
     if medusa:
         taken = sorted(set(medusa) & (set(variants) | {BASELINE_TENSORRT}))
         if taken:
