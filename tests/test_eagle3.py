@@ -258,7 +258,8 @@ def test_serving_config_checks_eagle_budgets():
 
 def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     """The whole training pipeline on a tiny budget: features, vocabulary, TTT training,
-    held-out evaluation, a head in the published layout with its model card."""
+    held-out evaluation, a head in the published layout with its model card; then Medusa
+    heads trained on the same cached features."""
     from specdec.tools.train_eagle3 import main as train_main
 
     out = tmp_path / "head"
@@ -270,6 +271,16 @@ def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     head = load_eagle3(out, smol_model.embed, smol_model.cfg)
     assert head.cfg.draft_vocab_size == 2048 and int(head.t2d.sum()) == 2048
     assert torch.equal(head.draft_to_target[head.t2d[head.draft_to_target]], head.draft_to_target)
+    # Medusa heads from the same feature cache (its last-layer column), the same way.
+    from specdec.engine.models.medusa_heads import load_medusa
+    from specdec.tools.train_medusa import main as train_medusa
+
+    assert train_medusa(["--quick", "--num-heads", "3", "--out", str(tmp_path / "medusa"), "--features-dir", str(tmp_path / "features")]) == 0
+    record = json.loads((tmp_path / "medusa" / "train_log.json").read_text())
+    assert record["budget"]["optimizer_steps"] >= 1 and len(record["heldout_top1_by_head"]) == 3
+    heads = load_medusa(tmp_path / "medusa", smol_model.cfg)
+    assert heads.cfg.num_heads == 3 and heads.cfg.source_layer == smol_model.cfg.num_layers - 1
+    assert (tmp_path / "medusa" / "README.md").is_file()
 
 
 def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model, smol_tokenizer):

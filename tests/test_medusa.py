@@ -138,3 +138,20 @@ def test_medusa_sampling_is_lossless(toy_medusa, tree):
     counts = sample_first3(target, MedusaDrafter(heads, spec), PARAMS, seed0=4000)
     p = chi_square_p(counts, exact_first3(target, PARAMS))
     assert p > 1e-3, f"chi-square p={p:.2e}"
+
+
+def test_head_k_learns_the_token_k_plus_2_after_its_position():
+    """On a self-distilled answer (labels = the next token), head k's label at position t is
+    token t + k + 2: head 0 guesses the token after the root (t + 1, the target's own guess)."""
+    from specdec.tools.train_medusa import medusa_batch
+
+    tokens = torch.arange(10, 30, dtype=torch.int32)
+    labels = torch.cat([tokens[1:], torch.tensor([-1], dtype=torch.int32)])  # the target's guess at t is token t + 1
+    feature = {"tokens": tokens, "last": torch.randn(20, 4).half(), "taps": torch.randn(20, 12).half(), "labels": labels}
+    identity = torch.arange(64)
+    last, head_labels = medusa_batch([feature], 3, identity)
+    assert last.shape == (1, 20, 4) and head_labels.shape == (3, 1, 20)
+    for k in range(3):
+        for t in range(20 - k - 2):
+            assert int(head_labels[k, 0, t]) == int(tokens[t + k + 2]), (k, t)
+        assert (head_labels[k, 0, 20 - k - 2 :] == -100).all()  # past the end: no label

@@ -31,9 +31,10 @@ from specdec.tools.train_eagle3 import (
 
 def medusa_batch(features: list[dict], num_heads: int, target_to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(last-layer outputs [B, T, H], labels [K, B, T]): head k's label at t is the draft id
-    of the target's prediction at t + k + 1 (make_batch's step k + 1)."""
-    last, _, labels = make_batch([{**f, "taps": f["last"]} for f in features], num_heads + 1, target_to_draft)
-    return last, labels[1:]
+    of the target's prediction at position t + k + 1, i.e. of token t + k + 2 (make_batch's
+    step k: EAGLE-3's first step guesses the same token from the same position)."""
+    last, _, labels = make_batch([{**f, "taps": f["last"]} for f in features], num_heads, target_to_draft)
+    return last, labels
 
 
 def init_heads(target, num_heads: int, vocab_ids: torch.Tensor) -> MedusaHeads:
