@@ -67,10 +67,11 @@ def test_sse_and_non_streaming_http_match_grpc(triton_server, grpc_client, http_
     assert grpc_client.generate(request(prompt, method="ngram", num_draft_tokens=4), stream=False).text == ref
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3-tree", "eagle3-busy", "eagle3-apart"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree", "eagle3-busy", "eagle3-apart", "medusa-tree"])
 def test_concurrent_streams_equal_solo(triton_server, grpc_client, method):
     """eagle3-busy (conftest) drafts nothing while more than 4 streams run, so its drafter
-    catches up on skipped steps as the batch drains."""
+    catches up on skipped steps as the batch drains. medusa-tree's heads read the target's
+    last layer from the same forward that taps EAGLE-3's layers for the other methods."""
     solo = [grpc_client.generate(request(p, method=method)).text for p in PROMPTS]
 
     def run(prompt):

@@ -144,7 +144,7 @@ def test_stop_sets_include_a_later_listed_earlier_stop():
 
 # ---- the real engine and the real server -------------------------------------------------
 
-ENGINE_METHODS = ("ngram", "eagle3-hybrid", "eagle3-tree-adaptive", "draft_model-colocated")
+ENGINE_METHODS = ("ngram", "eagle3-hybrid", "eagle3-tree-adaptive", "draft_model-colocated", "medusa")
 
 
 @pytest.fixture(scope="module")
