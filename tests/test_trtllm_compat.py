@@ -290,10 +290,16 @@ def test_the_cli_writes_medusa_files_only_for_settings_with_medusa_methods(tmp_p
     settings = tmp_path / "specdec.json"
     settings.write_text(json.dumps(MEDUSA_SETTINGS))
     out = tmp_path / "repo"
-    assert trtllm.main(["--settings", str(settings), "--out", str(out)]) == 2  # no heads named
-    assert trtllm.main(["--settings", str(settings), "--medusa-model", MEDUSA_HEADS, "--out", str(out)]) == 0
+    # No heads named: the medusa methods are skipped (ours do not load in TensorRT-LLM), the rest written.
+    assert trtllm.main(["--settings", str(settings), "--out", str(out)]) == 0
     written = sorted(p.stem for p in (out / "ensemble" / "1").glob("*.yaml"))
+    assert written == ["baseline", "draft-target", "eagle3", "ngram"]
+    assert trtllm.main(["--settings", str(settings), "--medusa-model", MEDUSA_HEADS, "--out", str(tmp_path / "with")]) == 0
+    written = sorted(p.stem for p in (tmp_path / "with" / "ensemble" / "1").glob("*.yaml"))
     assert written == ["baseline", "baseline-tensorrt", "draft-target", "eagle3", "medusa", "medusa-tree", "ngram"]
-    assert yaml.safe_load((out / "ensemble" / "1" / "medusa-tree.yaml").read_text()) == _medusa_configs()["medusa-tree"]
-    # The served settings have no medusa method yet: nothing changes (tests/test_deploy.py checks the files).
-    assert not trtllm.medusa_variants(ServingConfig.from_file(trtllm.DEFAULT_SETTINGS))
+    assert yaml.safe_load((tmp_path / "with" / "ensemble" / "1" / "medusa-tree.yaml").read_text()) == _medusa_configs()["medusa-tree"]
+    # The served settings ship medusa methods (with load controls, not carried to the engine backend).
+    assert set(trtllm.medusa_variants(ServingConfig.from_file(trtllm.DEFAULT_SETTINGS))) == {"medusa", "medusa-tree"}
+    assert trtllm.main(["--medusa-model", MEDUSA_HEADS, "--out", str(tmp_path / "shipped")]) == 0
+    shipped = yaml.safe_load((tmp_path / "shipped" / "ensemble" / "1" / "medusa.yaml").read_text())
+    assert "max_concurrency" not in shipped["speculative_config"] and shipped["backend"] == "tensorrt"
