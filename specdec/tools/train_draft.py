@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import shutil
 import statistics
 import sys
@@ -40,7 +38,7 @@ from specdec.config import default_model_dir
 
 from specdec.engine.models.loading import load_safetensors_dir, load_transformer
 from specdec.serving.runtime import load_tokenizer
-from specdec.tools.train_eagle3 import add_data_arguments, draft_vocabulary, length_bucketed, plot_curve, training_data, user_openings
+from specdec.tools.train_eagle3 import add_data_arguments, draft_vocabulary, optimize, plot_curve, training_data, user_openings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -91,34 +89,14 @@ def make_batch(features: list[dict], target_to_draft: torch.Tensor):
 
 
 def train(model, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
-    rng = random.Random(args.seed)
-    log, step, t0 = [], 0, time.perf_counter()
-    model.train()
-    for epoch in range(args.epochs):
-        order = length_bucketed(train_set, args.batch_size, rng)
-        for i in range(0, len(order), args.batch_size):
-            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            ids, mask, labels = make_batch([train_set[j] for j in order[i : i + args.batch_size]], target_to_draft)
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            if step % args.log_every == 0 or step == total:
-                valid = labels >= 0
-                top1 = ((logits.argmax(-1) == labels) & valid).sum().item() / max(1, valid.sum().item())
-                entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "train_top1": top1, "elapsed_s": time.perf_counter() - t0}
-                log.append(entry)
-                print(f"step {step}/{total} loss {loss.item():.3f} top1 {top1:.3f} ({entry['elapsed_s']:.0f} s)", flush=True)
-    model.eval()
-    return log
+    def loss_of(batch: list[dict]):
+        ids, mask, labels = make_batch(batch, target_to_draft)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        valid = labels >= 0
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100), lambda: {
+            "train_top1": ((logits.argmax(-1) == labels) & valid).sum().item() / max(1, valid.sum().item())}
+
+    return optimize(model, train_set, args, loss_of, clip=1.0)
 
 
 @torch.no_grad()

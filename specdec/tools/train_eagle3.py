@@ -258,39 +258,56 @@ def length_bucketed(train_set: list[dict], batch_size: int, rng: random.Random) 
     return [j for b in batches for j in b]
 
 
-def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
-    params = [p for n, p in head.named_parameters() if not n.startswith("embed.")]
+def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
+    """The training loop the head, Medusa and draft-model trainers share: AdamW on the
+    module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
+    batches of args.batch_size for args.epochs. loss_of(batch features) -> (loss, report)
+    where report() gives the log entry's measurements (called on logged steps only)."""
+    params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches_per_epoch = math.ceil(len(train_set) / args.batch_size)
-    total = batches_per_epoch * args.epochs
+    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
     rng = random.Random(args.seed)
     log, step, t0 = [], 0, time.perf_counter()
-    head.train()
+    module.train()
     for epoch in range(args.epochs):
         order = length_bucketed(train_set, args.batch_size, rng)
         for i in range(0, len(order), args.batch_size):
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
                 group["lr"] = lr
-            taps, next_tokens, labels = make_batch([train_set[j] for j in order[i : i + args.batch_size]], args.ttt_steps, target_to_draft)
-            outputs = head.ttt_forward(taps, next_tokens, args.ttt_steps)
-            losses = [F.cross_entropy(o.flatten(0, 1), labels[k].flatten(), ignore_index=-100) for k, o in enumerate(outputs)]
-            loss = sum(STEP_WEIGHT**k * l for k, l in enumerate(losses))
+            loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
             step += 1
             if step % args.log_every == 0 or step == total:
                 with torch.no_grad():
-                    acc = [((o.argmax(-1) == labels[k]) & (labels[k] >= 0)).sum().item() / max(1, (labels[k] >= 0).sum().item())
-                           for k, o in enumerate(outputs)]
-                entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "step_losses": [l.item() for l in losses],
-                         "train_top1_by_position": acc, "elapsed_s": time.perf_counter() - t0}
+                    entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), **report(), "elapsed_s": time.perf_counter() - t0}
                 log.append(entry)
-                print(f"step {step}/{total} loss {loss.item():.3f} top1 {[round(a, 3) for a in acc]} ({entry['elapsed_s']:.0f} s)", flush=True)
-    head.eval()
+                top1 = entry.get("train_top1_by_position", entry.get("train_top1"))
+                shown = [round(a, 3) for a in top1] if isinstance(top1, list) else round(top1, 3)
+                print(f"step {step}/{total} loss {loss.item():.3f} top1 {shown} ({entry['elapsed_s']:.0f} s)", flush=True)
+    module.eval()
     return log
+
+
+def top1_by_position(outputs, labels) -> list[float]:
+    """Train top-1 agreement per draft position (labels -100: none)."""
+    return [((o.argmax(-1) == labels[k]) & (labels[k] >= 0)).sum().item() / max(1, (labels[k] >= 0).sum().item())
+            for k, o in enumerate(outputs)]
+
+
+def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
+    def loss_of(batch: list[dict]):
+        taps, next_tokens, labels = make_batch(batch, args.ttt_steps, target_to_draft)
+        outputs = head.ttt_forward(taps, next_tokens, args.ttt_steps)
+        losses = [F.cross_entropy(o.flatten(0, 1), labels[k].flatten(), ignore_index=-100) for k, o in enumerate(outputs)]
+        return sum(STEP_WEIGHT**k * l for k, l in enumerate(losses)), lambda: {
+            "step_losses": [l.item() for l in losses], "train_top1_by_position": top1_by_position(outputs, labels)}
+
+    head.embed.weight.requires_grad_(False)  # the target's, frozen
+    return optimize(head, train_set, args, loss_of)
 
 
 @torch.no_grad()

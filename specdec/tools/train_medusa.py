@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -24,8 +23,8 @@ from specdec.engine.models.loading import load_transformer
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
 from specdec.serving.runtime import load_tokenizer
 from specdec.tools.train_eagle3 import (
-    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, length_bucketed, make_batch, plot_curve, training_data,
-    user_openings,
+    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, top1_by_position,
+    training_data, user_openings,
 )
 
 
@@ -55,38 +54,16 @@ def init_heads(target, num_heads: int, vocab_ids: torch.Tensor) -> MedusaHeads:
 
 
 def train(heads: MedusaHeads, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
-    rng = random.Random(args.seed)
-    log, step, t0 = [], 0, time.perf_counter()
-    heads.train()
-    for epoch in range(args.epochs):
-        order = length_bucketed(train_set, args.batch_size, rng)
-        for i in range(0, len(order), args.batch_size):
-            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            last, labels = medusa_batch([train_set[j] for j in order[i : i + args.batch_size]], heads.cfg.num_heads, target_to_draft)
-            keep = (labels >= 0).any(0)  # [B, T] positions some head has a label for
-            logits = heads(last[keep])  # [K, N, Vd]
-            losses = [F.cross_entropy(logits[k], labels[k][keep], ignore_index=-100) for k in range(heads.cfg.num_heads)]
-            loss = sum(STEP_WEIGHT**k * l for k, l in enumerate(losses))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            step += 1
-            if step % args.log_every == 0 or step == total:
-                with torch.no_grad():
-                    acc = [((logits[k].argmax(-1) == labels[k][keep]) & (labels[k][keep] >= 0)).sum().item()
-                           / max(1, (labels[k][keep] >= 0).sum().item()) for k in range(heads.cfg.num_heads)]
-                entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), "step_losses": [l.item() for l in losses],
-                         "train_top1_by_position": acc, "elapsed_s": time.perf_counter() - t0}
-                log.append(entry)
-                print(f"step {step}/{total} loss {loss.item():.3f} top1 {[round(a, 3) for a in acc]} ({entry['elapsed_s']:.0f} s)", flush=True)
-    heads.eval()
-    return log
+    def loss_of(batch: list[dict]):
+        last, labels = medusa_batch(batch, heads.cfg.num_heads, target_to_draft)
+        keep = (labels >= 0).any(0)  # [B, T] positions some head has a label for
+        logits = heads(last[keep])  # [K, N, Vd]
+        kept = labels[:, keep]
+        losses = [F.cross_entropy(logits[k], kept[k], ignore_index=-100) for k in range(heads.cfg.num_heads)]
+        return sum(STEP_WEIGHT**k * l for k, l in enumerate(losses)), lambda: {
+            "step_losses": [l.item() for l in losses], "train_top1_by_position": top1_by_position(logits, kept)}
+
+    return optimize(heads, train_set, args, loss_of)
 
 
 @torch.no_grad()
