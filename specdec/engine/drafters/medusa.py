@@ -21,7 +21,7 @@ from specdec.config import METHOD_MEDUSA, REPO_ROOT, ModelConfig, SpeculativeCon
 from specdec.engine.drafters.base import Drafter, KeepDrafting
 from specdec.engine.drafters.registry import BuildContext, DrafterKind, register, resolve_path
 from specdec.engine.drafters.tree_search import Expansion, dynamic_trees
-from specdec.engine.models.eagle3_head import draft_log_probs, mapped_logits
+from specdec.engine.models.eagle3_head import cast_linears, draft_log_probs, mapped_logits
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, load_medusa
 from specdec.engine.sampling import logits_to_probs
 from specdec.engine.sequences import SequenceState
@@ -97,7 +97,8 @@ def heads_dir(spec: SpeculativeConfig) -> Path:
 
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> MedusaDrafter:
-    return MedusaDrafter(load_medusa(heads_dir(spec), ctx.target_cfg), spec)
+    # Weight-only bf16 for the heads' linears, as for the EAGLE-3 head (engine.draft_dtype): drafts only.
+    return MedusaDrafter(cast_linears(load_medusa(heads_dir(spec), ctx.target_cfg), getattr(torch, ctx.engine.draft_dtype)), spec)
 
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:

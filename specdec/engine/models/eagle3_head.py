@@ -246,7 +246,7 @@ class Eagle3Head(nn.Module):
             raise ModelLoadError(f"EAGLE-3 checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
-def cast_linears(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:
+def cast_linears(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
     where oneDNN has bf16 kernels), norms and activations stay float32."""
     if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not onednn_supports(dtype):

@@ -85,7 +85,10 @@ class MedusaHeads(nn.Module):
     def forward(self, last_hidden: Tensor) -> Tensor:
         """[..., H] output of the target's last layer -> [K, ..., Vd] draft logits."""
         h = self.norm(last_hidden.float())
-        return torch.stack([self.lm_head(head(h)).float() for head in self.medusa_head])
+        guesses = torch.stack([head(h) for head in self.medusa_head])  # [K, ..., H]
+        # One lm_head GEMM over every head's rows: its weight (the heads' largest) is read once a
+        # step, not once per head (4x less memory traffic at batch 1, where decoding is bandwidth bound).
+        return self.lm_head(guesses.reshape(-1, guesses.shape[-1])).float().reshape(*guesses.shape[:-1], -1)
 
 
 def save_medusa(heads: MedusaHeads, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
