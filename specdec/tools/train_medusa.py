@@ -102,7 +102,8 @@ Trained on this repository's CPU by:
   the target's final norm; one shared lm_head over the {record['draft_vocab']}-token draft vocabulary (started from the target's rows)
 - data: train-eagle3's feature cache: {d['sequences']} sequences (ShareGPT conversations and prompts answered by
   the target, greedy; the held-out conversations and the prompts the benchmarks draw are never trained on),
-  {d['labelled_tokens']} labelled tokens; labels: the target's own argmax
+  {d['labelled_tokens']} labelled tokens; labels: the target's own argmax; the cache is made by
+  `specdec train-eagle3 --features-only` with the same data options (one generation pass feeds both heads)
 - budget: {b['train_s'] / 60:.1f} min on {b['threads']} threads; {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer
   steps, lr {record['lr']}, head k weighted 0.8^k
 
