@@ -108,7 +108,7 @@ def test_speculation_per_model_id_and_extra_body(sdk, api):
     (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
-    (dict(extra_body={"speculative_method": "medusa"}), 400, "speculative_method"),
+    (dict(extra_body={"speculative_method": "lookahead"}), 400, "speculative_method"),
     (dict(model="gpt-4o"), 404, "model"),
     (dict(messages=[]), 400, "messages"),
 ])

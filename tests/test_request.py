@@ -52,7 +52,7 @@ def test_defaults_method_budget_and_baseline():
     (dict(text_input="Hi", temperature=-0.5), P.TEMPERATURE),
     (dict(text_input="Hi", temperature=1.0, top_p=0.0), P.TOP_P),
     (dict(text_input="Hi", top_k=-1), P.TOP_K),
-    (dict(text_input="Hi", speculative_method="medusa"), P.SPECULATIVE_METHOD),
+    (dict(text_input="Hi", speculative_method="lookahead"), P.SPECULATIVE_METHOD),
     (dict(text_input="Hi", num_draft_tokens=17), P.NUM_DRAFT_TOKENS),
     (dict(text_input="Hi", num_draft_tokens=-1), P.NUM_DRAFT_TOKENS),
     (dict(text_input="Hi", random_seed=1, seed=2), P.SEED),

@@ -155,7 +155,7 @@ BAD = [
     ({"top_k": -2}, "top_k"),
     ({"num_draft_tokens": -1}, "num_draft_tokens"),
     ({"num_draft_tokens": 999}, "num_draft_tokens"),
-    ({"method": "medusa"}, "speculative_method"),
+    ({"method": "lookahead"}, "speculative_method"),
 ]
 
 

@@ -340,7 +340,7 @@ def test_speculative_config_rules():
     with pytest.raises(ConfigError, match="max_total_draft_tokens"):
         SpeculativeConfig(max_draft_len=4, use_dynamic_tree=True, max_total_draft_tokens=3)
     with pytest.raises(ConfigError, match="method"):
-        SpeculativeConfig(method="medusa")
+        SpeculativeConfig(method="lookahead")
     from specdec.config import ModelConfig
 
     base = dict(model_type="mistral", vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
@@ -361,7 +361,7 @@ def test_bad_speculative_requests_leave_others_running(tiny_target):
                         drafters={"ngram": NgramDrafter(SpeculativeConfig())})
     engine.add_request("ok", [5, 6, 7, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True), "ngram", 4)
     engine.step()
-    for method, k, field in (("medusa", 4, "speculative_method"), ("ngram", -1, "num_draft_tokens"), ("ngram", 9, "num_draft_tokens")):
+    for method, k, field in (("lookahead", 4, "speculative_method"), ("ngram", -1, "num_draft_tokens"), ("ngram", 9, "num_draft_tokens")):
         with pytest.raises(InvalidRequestError) as err:
             engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4), method, k)
         assert err.value.field == field
