@@ -42,8 +42,13 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> int:
-    """Draw one token from a [V] distribution with the request's generator."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token from a [V] distribution with the request's generator, by inverse CDF:
+    torch.multinomial takes ~0.9 ms on a 49k vocabulary on CPU, a cumsum and a binary search
+    ~0.05 ms, and a sampled step draws once per drafted node plus once for the target.
+    right=True skips zero-probability tokens (their CDF equals their predecessor's)."""
+    cdf = probs.float().cumsum(-1)
+    x = uniform(generator) * float(cdf[-1])
+    return min(int(torch.searchsorted(cdf, torch.tensor([x]), right=True)), probs.shape[-1] - 1)
 
 
 def uniform(generator: torch.Generator) -> float:

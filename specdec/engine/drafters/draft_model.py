@@ -29,7 +29,7 @@ from specdec.config import METHOD_DRAFT_MODEL, ModelConfig, SpeculativeConfig
 from specdec.errors import ConfigError, ModelLoadError
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.models.loading import load_safetensors_dir, prepare_gguf, transformer_from_state
-from specdec.engine.sampling import logits_to_probs
+from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import DraftTree
 from specdec.engine.drafters.base import KeepDrafting, SlotCacheDrafter
@@ -159,7 +159,7 @@ class DraftModelDrafter(SlotCacheDrafter):
             conf = float(torch.softmax(draft_logits.float(), -1)[d]) if planned else 1.0
             return self._to_target(d), None, conf
         q = logits_to_probs(self._target_logits(draft_logits.float()), seq.params)
-        token = int(torch.multinomial(q, 1, generator=seq.generator))
+        token = sample(q, seq.generator)
         return token, q, float(q[token])
 
     def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:

@@ -20,7 +20,7 @@ from torch import Tensor
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, ModelConfig, SpeculativeConfig
 from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
 from specdec.engine.models.llama import build_batch
-from specdec.engine.sampling import logits_to_probs
+from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import ROOT, DraftTree
 from specdec.engine.drafters.base import KeepDrafting, SlotCacheDrafter
@@ -160,7 +160,7 @@ class Eagle3Drafter(SlotCacheDrafter):
         if seq.params.greedy:
             return int(self.draft_to_target[int(draft_logits.argmax())]), None
         q = logits_to_probs(mapped_logits(self.head, draft_logits), seq.params)  # same processing as the target
-        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+        return sample(q, seq.generator), q
 
     def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
         """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth; each node's

@@ -23,7 +23,7 @@ from specdec.engine.drafters.registry import BuildContext, DrafterKind, register
 from specdec.engine.drafters.tree_search import Expansion, dynamic_trees
 from specdec.engine.models.eagle3_head import cast_linears, draft_log_probs, mapped_logits
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, load_medusa
-from specdec.engine.sampling import logits_to_probs
+from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import DraftTree
 
@@ -72,7 +72,7 @@ class MedusaDrafter(Drafter):
                 out.append(DraftTree.chain(tokens, None, top[:n, b].tolist()))
                 continue
             q = logits_to_probs(mapped_logits(self.heads, logits[:n, b]), seq.params)  # [n, V], the target's processing
-            tokens = [int(torch.multinomial(q[k], 1, generator=seq.generator)) for k in range(n)]
+            tokens = [sample(q[k], seq.generator) for k in range(n)]
             out.append(DraftTree.chain(tokens, q, [float(q[k, t]) for k, t in enumerate(tokens)]))
         return out
 
