@@ -3,6 +3,8 @@ layers one target forward computes beside EAGLE-3's), greedy identity (chains an
 beside EAGLE-3 in one engine) and statistical losslessness of sampled chains and trees."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_eagle3 import tiny  # noqa: F401  (the fixture: a tiny target and an EAGLE-3 head for it)
@@ -32,9 +34,7 @@ def random_heads(target_cfg, num_heads: int = 3, draft_vocab: int | None = None,
             block[0].linear.weight.copy_(torch.randn(block[0].linear.weight.shape, generator=g) * 0.3)
             block[0].linear.bias.copy_(torch.randn(block[0].linear.bias.shape, generator=g) * 0.3)
         heads.lm_head.weight.copy_(torch.randn(heads.lm_head.weight.shape, generator=g) * sharpness / target_cfg.hidden_size**0.5)
-        heads.d2t.copy_(vocab_ids - torch.arange(Vd))
-        heads.t2d.zero_()
-        heads.t2d[vocab_ids] = True
+    heads.set_vocabulary(vocab_ids)
     return heads.eval()
 
 
@@ -48,7 +48,7 @@ def test_checkpoint_round_trips_in_medusa_names(tiny, tmp_path):  # noqa: F811
     x = torch.randn(5, target.cfg.hidden_size)
     assert torch.equal(again(x), heads(x)) and again(x).shape == (3, 5, heads.cfg.draft_vocab_size)
     assert heads.cfg.source_layer == target.cfg.num_layers - 1
-    bigger = target.cfg.__class__(**{**target.cfg.__dict__, "hidden_size": target.cfg.hidden_size * 2})
+    bigger = dataclasses.replace(target.cfg, hidden_size=target.cfg.hidden_size * 2)
     with pytest.raises(ModelLoadError, match="do not fit"):
         load_medusa(tmp_path / "m", bigger)
 

@@ -320,8 +320,11 @@ def default_variants(
 
 
 def medusa_variants(settings: ServingConfig) -> dict[str, SpeculativeConfig]:
-    """The served settings' `medusa` methods, by name (each becomes <name>.yaml)."""
-    return {name: spec for name, spec in settings.methods.items() if spec.method == METHOD_MEDUSA}
+    """The served settings' `medusa` methods, by name (each becomes <name>.yaml), without
+    their load controls: PyTorch-backend settings in TensorRT-LLM, whose engine backend
+    (the one Medusa runs on) verifies every step."""
+    return {name: spec.replace(max_concurrency=None, draft_len_schedule=None)
+            for name, spec in settings.methods.items() if spec.method == METHOD_MEDUSA}
 
 
 _MEDUSA_BACKEND_NOTE = (
@@ -668,8 +671,6 @@ def deployment_from_args(args: argparse.Namespace) -> TrtllmDeployment:
         print(f"medusa methods {sorted(medusa)} skipped: pass --medusa-model (heads in TensorRT-LLM's format) to write them",
               file=sys.stderr)
         medusa = {}
-    # Load controls are PyTorch-backend settings in TensorRT-LLM; its engine backend verifies every step.
-    medusa = {name: spec.replace(max_concurrency=None, draft_len_schedule=None) for name, spec in medusa.items()}
     if medusa:
         taken = sorted(set(medusa) & (set(variants) | {BASELINE_TENSORRT}))
         if taken:

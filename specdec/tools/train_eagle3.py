@@ -59,10 +59,10 @@ def feature_layers(cfg) -> tuple[int, ...]:
     return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
 
 
-def split_features(hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """[T, 4H] recorded layers -> (EAGLE-3 taps [T, 3H], last layer [T, H]), fp16."""
-    H = hidden.shape[-1] // 4
-    return hidden[:, : 3 * H].half().contiguous(), hidden[:, 3 * H :].half().contiguous()
+def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
+    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]), fp16."""
+    H = hidden.shape[-1] // num_layers
+    return hidden[:, :-H].half().contiguous(), hidden[:, -H:].half().contiguous()
 
 
 class _TapRecorder(Drafter):
@@ -86,7 +86,7 @@ class _TapRecorder(Drafter):
         seq.drafter_state[self.name].append(hidden.half())
 
     def on_finish(self, seq):
-        taps, last = split_features(torch.cat(seq.drafter_state.pop(self.name)))  # positions 0 .. len(all_ids) - 2
+        taps, last = split_features(torch.cat(seq.drafter_state.pop(self.name)), len(self.tap_layers))  # positions 0 .. len(all_ids) - 2
         ids = seq.all_ids
         labels = torch.full((len(taps),), -1, dtype=torch.int32)
         labels[len(seq.prompt_ids) - 1 :] = torch.tensor(ids[len(seq.prompt_ids) : len(taps) + 1], dtype=torch.int32)
@@ -147,10 +147,11 @@ def target_features(target: Transformer, seqs: list[list[int]]) -> list[dict]:
     next token [T] per sequence."""
     cache = target.new_cache(len(seqs), max(len(s) for s in seqs) + 1, 1)
     slots = [cache.allocate() for _ in seqs]
-    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=feature_layers(target.cfg))
+    layers = feature_layers(target.cfg)
+    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=layers)
     features = []
     for b, s in enumerate(seqs):
-        taps, last = split_features(out.hidden_taps[b, : len(s)])
+        taps, last = split_features(out.hidden_taps[b, : len(s)], len(layers))
         features.append({"tokens": torch.tensor(s, dtype=torch.int32), "taps": taps, "last": last,
                          "labels": out.logits[b, : len(s)].argmax(-1).int()})
     return features
@@ -214,9 +215,7 @@ def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, s
     with torch.no_grad():
         head.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab_ids])  # start from the target's head
         head.norm.weight.copy_(target.norm.weight.detach().float())
-        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
-        head.t2d.zero_()
-        head.t2d[vocab_ids] = True
+        head.set_vocabulary(vocab_ids)
         # The last target layer's MLP is a better start than noise for the head's MLP.
         last = target.layers[-1]
         head.mlp.w13.weight.copy_(last.mlp.w13.weight.detach().float())
@@ -306,8 +305,7 @@ def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.
         return sum(STEP_WEIGHT**k * l for k, l in enumerate(losses)), lambda: {
             "step_losses": [l.item() for l in losses], "train_top1_by_position": top1_by_position(outputs, labels)}
 
-    head.embed.weight.requires_grad_(False)  # the target's, frozen
-    return optimize(head, train_set, args, loss_of)
+    return optimize(head, train_set, args, loss_of)  # the embedding is frozen_embedding's: not trained
 
 
 @torch.no_grad()

@@ -46,9 +46,7 @@ def init_heads(target, num_heads: int, vocab_ids: torch.Tensor) -> MedusaHeads:
             block[0].linear.bias.zero_()
         heads.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab_ids])
         heads.norm.weight.copy_(target.norm.weight.detach().float())
-        heads.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
-        heads.t2d.zero_()
-        heads.t2d[vocab_ids] = True
+        heads.set_vocabulary(vocab_ids)
     heads.norm.weight.requires_grad_(False)  # the target's, frozen
     return heads
 

@@ -93,7 +93,29 @@ class Eagle3Config:
         )
 
 
-class Eagle3Head(nn.Module):
+class DraftVocabulary(nn.Module):
+    """A reduced output vocabulary (the published EAGLE-3 buffers): draft id d is target id
+    d + d2t[d]; t2d marks the target ids the drafter can propose. The EAGLE-3 head and the
+    Medusa heads share it."""
+
+    def _register_vocabulary(self, draft_vocab_size: int, vocab_size: int) -> None:
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+    @property
+    def draft_to_target(self) -> Tensor:
+        """[Vd] target id of each draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def set_vocabulary(self, vocab_ids: Tensor) -> None:
+        """vocab_ids: [Vd] ascending target ids."""
+        self.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        self.t2d.zero_()
+        self.t2d[vocab_ids] = True
+
+
+class Eagle3Head(DraftVocabulary):
     def __init__(self, cfg: Eagle3Config, embed: nn.Embedding):
         super().__init__()
         self.cfg = cfg
@@ -108,14 +130,8 @@ class Eagle3Head(nn.Module):
         self.mlp = MLP(mcfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self._register_vocabulary(cfg.draft_vocab_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(mcfg), persistent=False)
-
-    @property
-    def draft_to_target(self) -> Tensor:
-        """[Vd] target id of each draft id."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int) -> KVCache:
         c = self.cfg
@@ -246,7 +262,7 @@ class Eagle3Head(nn.Module):
             raise ModelLoadError(f"EAGLE-3 checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
-def cast_linears(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_linears(head: DraftVocabulary, dtype: torch.dtype) -> DraftVocabulary:
     """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
     where oneDNN has bf16 kernels), norms and activations stay float32."""
     if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not onednn_supports(dtype):

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from specdec.config import ModelConfig
 from specdec.errors import ModelLoadError
+from specdec.engine.models.eagle3_head import DraftVocabulary
 from specdec.engine.models.llama import Linear, RMSNorm
 
 
@@ -66,7 +67,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x).float())
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabulary):
     def __init__(self, cfg: MedusaConfig):
         super().__init__()
         self.cfg = cfg
@@ -74,13 +75,7 @@ class MedusaHeads(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)  # a copy of the target's final norm
         self.medusa_head = nn.ModuleList(nn.Sequential(ResBlock(H)) for _ in range(cfg.num_heads))
         self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-
-    @property
-    def draft_to_target(self) -> Tensor:
-        """[Vd] target id of each draft id."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self._register_vocabulary(cfg.draft_vocab_size, cfg.vocab_size)
 
     def forward(self, last_hidden: Tensor) -> Tensor:
         """[..., H] output of the target's last layer -> [K, ..., Vd] draft logits."""
