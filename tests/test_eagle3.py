@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import save_tiny_hf
@@ -165,19 +166,38 @@ def test_merged_continuation_shares_prefixes_and_keeps_children_distinct():
 
 def test_a_continuation_joins_sampled_draws_first_as_one_hot_rows():
     """Sampled chain 5 -> 6 (q rows a, b) and 7 under the root (row c), continuation 5 -> 8:
-    the continuation's nodes come first with one-hot rows; the sampled 5 joins the
-    continuation's 5, its sampled child 6 hangs below it with its own row."""
+    the continuation's nodes come first with one-hot rows; the sampled 5 stays as a leaf
+    (its rejection step) after the continuation's 5, its sampled child 6 hangs below the
+    continuation's 5 with its own row."""
     from specdec.engine.tree import IID_SAMPLED
 
     q = torch.softmax(torch.randn(3, 10), -1)
     tree = DraftTree([5, 6, 7], [-1, 0, -1], q, IID_SAMPLED)
     merged = tree.merged([5, 8])
     assert merged.scheme == IID_SAMPLED
-    assert merged.tokens == [5, 8, 6, 7] and merged.parents == [-1, 0, 0, -1]
+    assert merged.tokens == [5, 8, 5, 6, 7] and merged.parents == [-1, 0, -1, 0, -1]
     assert torch.equal(merged.draft_probs[0], torch.nn.functional.one_hot(torch.tensor(5), 10).float())
     assert torch.equal(merged.draft_probs[1], torch.nn.functional.one_hot(torch.tensor(8), 10).float())
-    assert torch.equal(merged.draft_probs[2], q[1]) and torch.equal(merged.draft_probs[3], q[2])
-    assert merged.children()[0] == [0, 3] and merged.children()[1] == [1, 2]  # the continuation is tried first
+    assert [torch.equal(merged.draft_probs[n], q[r]) for n, r in ((2, 0), (3, 1), (4, 2))] == [True] * 3
+    assert merged.children()[0] == [0, 2, 4] and merged.children()[1] == [1, 3]  # the continuation is tried first
+
+
+def test_a_sampled_draw_equal_to_the_continuation_keeps_its_rejection_step():
+    """Exact case where dropping the joined draw's rejection step is lossy: root target
+    p = (.2, .4, .4), draft q = (.5, .5, 0), continuation [0]. Without the step the first
+    emitted token would be distributed (.2, .6, .2); with it, p."""
+    from specdec.engine.acceptance import verify_sampled
+    from specdec.engine.sampling import sample
+    from specdec.engine.tree import IID_SAMPLED
+
+    p, q = torch.tensor([0.2, 0.4, 0.4]), torch.tensor([0.5, 0.5, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = [0, 0, 0]
+    for _ in range(6000):
+        tree = DraftTree([sample(q, gen)], [-1], q[None], IID_SAMPLED).merged([0])
+        counts[verify_sampled(tree, p.expand(len(tree) + 1, 3), gen).emitted[0]] += 1
+    pvalue = chi_square_p(np.array(counts, dtype=float), p.double().numpy())
+    assert pvalue > 1e-3, f"first token {counts} vs p = {p.tolist()}: chi-square p={pvalue:.2e}"
 
 
 class TableHead(Eagle3Head):

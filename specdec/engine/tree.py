@@ -129,9 +129,13 @@ class DraftTree:
         rule (accept with min(1, p/q), residual max(p - q, 0)) is exactly the one-hot rule,
         and recursive rejection holds for drafts with different q as long as each is drawn
         independently of the others. The continuation's nodes come first so that each is
-        tried before its sampled siblings; a sampled node equal to a continuation node at
-        the same parent joins it (it would be tried after a rejection that zeroed its
-        token, i.e. never accepted) and its sampled subtree hangs below the shared node."""
+        tried before its sampled siblings. A sampled node equal to a continuation node at
+        the same parent is tried after a rejection that zeroed its token, so it is never
+        accepted, but its rejection still moves the residual (p <- norm(max(p - q, 0))) and
+        the recovered token must come from that residual: dropping the step is lossy (p =
+        (.2, .4, .4), q = (.5, .5, 0), continuation [0] would emit (.2, .6, .2)). So it stays
+        as a leaf in its place among its siblings, and its sampled subtree, drawn for the
+        same context, hangs below the continuation's node."""
         V = self.draft_probs.shape[-1]
         tokens, parents, rows = [], [], []
         child: dict[tuple[int, int], int] = {}
@@ -146,11 +150,8 @@ class DraftTree:
         for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
             at = ROOT if parent == ROOT else mapped[parent]
             shared = child.get((at, tok))
-            if shared is not None:
-                mapped.append(shared)
-                continue
-            mapped.append(len(tokens))
-            tokens.append(tok)
+            mapped.append(len(tokens) if shared is None else shared)
+            tokens.append(tok)  # shared: the rejection step, a leaf
             parents.append(at)
             rows.append(i)
         probs = torch.zeros(len(tokens), V, dtype=self.draft_probs.dtype)
