@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("train-medusa", help="train Medusa heads for the target (see: specdec train-medusa --help)")
+    sub.add_parser("distill-answers", help="the target's greedy answers to ShareGPT prompts, as token ids -> data/answers/ (resumable)")
     sub.add_parser("train-draft", help="train an independent draft model for the target (see: specdec train-draft --help)")
     sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of the Triton server (see: specdec openai --help)")
     sub.add_parser("bench-openai", help="what the OpenAI front end adds to end-to-end latency at c=1 -> results/openai/")
@@ -163,6 +164,7 @@ OWN_FLAGS = {
     "serve": ("specdec.launcher", "serve_main"),  # the launcher passes extras to tritonserver
     "train-eagle3": ("specdec.tools.train_eagle3", "main"),
     "train-medusa": ("specdec.tools.train_medusa", "main"),
+    "distill-answers": ("specdec.tools.distill_answers", "main"),
     "train-draft": ("specdec.tools.train_draft", "main"),
     "openai": ("specdec_openai.frontend", "main"),
     "bench-openai": ("specdec.tools.bench_openai", "main"),

