@@ -238,6 +238,13 @@ class SpeculativeConfig:
     # head's tree, one tree and one verification, shared prefixes deduplicated. Greedy and
     # deterministic (top-k) trees only: a sampled chain keeps its own acceptance rule.
     hybrid_ngram: bool = False
+    # Dynamic trees under sampling (T > 0): draw each node's children from the drafter's q
+    # (i.i.d., the SpecInfer rule) while choosing the shape from what was drawn (a node
+    # stops drawing children at a duplicate or once they cover sampled_tree_mass of q; the
+    # most probable paths grow), instead of the deterministic top-k tree (one-hot rule).
+    # Greedy requests keep the top-k tree.
+    sampled_tree: bool = False
+    sampled_tree_mass: float = 0.8
     # Where the drafter runs when served: true = beside the target in the `verifier` model,
     # one call per step (TensorRT-LLM's one-model EAGLE-3); false = in the `drafter` model,
     # its own process (a draft call and a verify call per step; the two-model path).
@@ -253,6 +260,10 @@ class SpeculativeConfig:
             object.__setattr__(self, "draft_len_schedule", _parse_schedule(self.draft_len_schedule))
         if self.hybrid_ngram and self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
             raise ConfigError("hybrid_ngram", f"merges n-gram drafts into an EAGLE-3 tree; method is {self.method!r}")
+        if self.sampled_tree and (not self.use_dynamic_tree or self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE)):
+            raise ConfigError("sampled_tree", "draws EAGLE-3 dynamic trees: needs method eagle3 with use_dynamic_tree: true")
+        if not 0.0 < self.sampled_tree_mass <= 1.0:
+            raise ConfigError("sampled_tree_mass", f"must be in (0, 1], got {self.sampled_tree_mass!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError("adaptive", f"must be true or false, got {self.adaptive!r}")
         if self.adaptive and (self.max_concurrency is not None or self.draft_len_schedule is not None):

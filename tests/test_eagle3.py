@@ -200,6 +200,33 @@ def test_a_sampled_draw_equal_to_the_continuation_keeps_its_rejection_step():
     assert pvalue > 1e-3, f"first token {counts} vs p = {p.tolist()}: chi-square p={pvalue:.2e}"
 
 
+def test_sampled_tree_shape_follows_only_earlier_draws():
+    """tree_search.sampled_trees on scripted draws (top-k 2, mass .75, budget 6, depth 3):
+    the root draws 0 then 1 (covered .8: stop); node 0 draws 3 (.9: stop); node 1 draws 4
+    twice (the duplicate is kept as a leaf and ends its draws); the next level grows the
+    best non-duplicates (3|0, then 4|1) until the budget ends the tree at 5|3. Rows are q
+    at each node's parent, in draw order."""
+    from specdec.engine.drafters.tree_search import sampled_trees
+    from specdec.engine.tree import IID_SAMPLED
+
+    q = {"root": torch.tensor([.5, .3, .2, 0, 0, 0]), 0: torch.tensor([0, 0, 0, .9, .1, 0]),
+         1: torch.tensor([0, 0, 0, .4, .4, .2]), 2: torch.tensor([0, 0, 0, 0, 0, 1.0]), 3: torch.tensor([1.0, 0, 0, 0, 0, 0])}
+    script = iter([0, 1, 3, 4, 4, 5])
+    expanded = []
+
+    def expand(rows):
+        expanded.append((rows[0].nodes, rows[0].level))
+        return torch.stack([q[n].clamp(min=1e-30).log() for n in rows[0].nodes])[None]
+
+    tree = sampled_trees([q["root"]], expand, lambda b, logits: torch.softmax(logits, -1), lambda b, dist: next(script),
+                         top_k=2, max_depth=3, budgets=[6], mass=0.75)[0]
+    assert tree.scheme == IID_SAMPLED
+    assert tree.tokens == [0, 1, 3, 4, 4, 5] and tree.parents == [-1, -1, 0, 1, 1, 2]
+    assert expanded == [([0, 1], 0), ([2, 3], 1)]
+    for node, row in enumerate(["root", "root", 0, 1, 1, 2]):
+        assert torch.allclose(tree.draft_probs[node], q[row], atol=1e-6), node
+
+
 class TableHead(Eagle3Head):
     """A head whose next-token log-probs depend only on the input token (a lookup table)."""
 
@@ -252,15 +279,40 @@ def toy_eagle(tmp_path_factory):
     return target, load_eagle3(root / "h", target.embed, target.cfg)
 
 
-@pytest.mark.parametrize("tree", [pytest.param(False, marks=pytest.mark.slow, id="chain_sampled"), pytest.param(True, id="dynamic_tree")])
+class _CountingEagle3(Eagle3Drafter):
+    """The real drafter; counts the nodes it proposed (sample_first3 checks that the planner
+    verified fewer)."""
+
+    proposed = 0
+    branching = 0  # trees with a node (or the root) of two or more children
+    iid = 0  # trees drafted under the i.i.d. rule
+
+    def propose(self, seqs, budgets, keep_drafting=None):
+        from specdec.engine.tree import IID_SAMPLED
+
+        trees = super().propose(seqs, budgets, keep_drafting)
+        self.proposed += sum(len(t) for t in trees)
+        self.branching += sum(any(len(k) > 1 for k in t.children()) for t in trees)
+        self.iid += sum(t.scheme == IID_SAMPLED for t in trees)
+        return trees
+
+
+@pytest.mark.parametrize("tree", [pytest.param("chain", marks=pytest.mark.slow, id="chain_sampled"), "dynamic_tree", "sampled_tree"])
 def test_eagle3_sampling_is_lossless(toy_eagle, tree):
+    """chain: sampled chains (i.i.d. rule); dynamic_tree: EAGLE-2 top-k trees (one-hot rule);
+    sampled_tree: trees drawn from q whose shape follows the draws (i.i.d. rule), which must
+    branch for the test to mean anything."""
     target, head = toy_eagle
-    spec = (SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2)
-            if tree else SpeculativeConfig(method="eagle3", max_draft_len=4))
-    drafter = Eagle3Drafter(head, spec, 500, 32)
+    spec = {"chain": SpeculativeConfig(method="eagle3", max_draft_len=4),
+            "dynamic_tree": SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2),
+            "sampled_tree": SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2,
+                                              sampled_tree=True, sampled_tree_mass=1.0)}[tree]
+    drafter = _CountingEagle3(head, spec, 500, 32)
     counts = sample_first3(target, drafter, PARAMS, seed0=2000)
     p = chi_square_p(counts, exact_first3(target, PARAMS))
     assert p > 1e-3, f"chi-square p={p:.2e}"
+    if tree == "sampled_tree":
+        assert drafter.branching > 0 and drafter.iid, "no sampled tree branched"
 
 
 def test_serving_config_checks_eagle_budgets():
@@ -505,19 +557,7 @@ def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
     assert len(accepted) == 5 and all(n > 0 for n in accepted), accepted
 
 
-class _CountingEagle3(Eagle3Drafter):
-    """The real drafter; counts the nodes it proposed (sample_first3 checks that the planner
-    verified fewer)."""
-
-    proposed = 0
-
-    def propose(self, seqs, budgets, keep_drafting=None):
-        trees = super().propose(seqs, budgets, keep_drafting)
-        self.proposed += sum(len(t) for t in trees)
-        return trees
-
-
-@pytest.mark.parametrize("variant", ["shipped", pytest.param("dynamic_tree", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", ["shipped", pytest.param("dynamic_tree", marks=pytest.mark.slow), "sampled_tree"])
 def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     """The real eagle3-hybrid drafter (Eagle3Drafter with hybrid_ngram and the planner), not
     tests/toy.py's BigramDrafter copy, drafting for a toy target (the shipped head's
@@ -526,7 +566,8 @@ def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     eagle3-hybrid settings as they are; sampled requests draft the head's sampled chains
     with draft probabilities, and the n-gram continuation joins them as one-hot draws
     (DraftTree._merged_sampled). "dynamic_tree": the same with EAGLE-2 trees, deterministic
-    under sampling, the continuations verified by the one-hot rule. Both must merge."""
+    under sampling, the continuations verified by the one-hot rule. "sampled_tree": trees
+    drawn from q (sampled_tree) with the continuation joined as one-hot draws. All must merge."""
     from specdec.serving.runtime import served_methods
     from specdec.engine.tree import DraftTree
 
@@ -535,6 +576,9 @@ def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     assert spec.hybrid_ngram and spec.adaptive
     if variant == "dynamic_tree":
         spec = spec.replace(max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=6)
+    if variant == "sampled_tree":
+        spec = spec.replace(max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=6,
+                            sampled_tree=True, sampled_tree_mass=1.0)
     merges = []  # nodes each merge added
     merge = DraftTree.merged
 

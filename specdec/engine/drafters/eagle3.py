@@ -27,7 +27,7 @@ from specdec.engine.drafters.base import KeepDrafting, SlotCacheDrafter
 from specdec.engine.drafters.ngram import find_continuations
 from specdec.config import REPO_ROOT
 from specdec.engine.drafters.registry import BuildContext, DrafterKind, register, resolve_path
-from specdec.engine.drafters.tree_search import Expansion, draft_pass_batch, dynamic_trees
+from specdec.engine.drafters.tree_search import Expansion, draft_pass_batch, dynamic_trees, sampled_trees
 
 
 MAX_BACKLOG = 512  # pairs a sequence not drafting may hold back (3H floats each: 7 KB for SmolLM2)
@@ -80,14 +80,21 @@ class Eagle3Drafter(SlotCacheDrafter):
         active = [i for i, b in enumerate(budgets) if b > 0]
         if not active:
             return trees
-        if self.config.use_dynamic_tree:
-            draft = self._dynamic_trees
-        else:
-            draft = self._chains
         lookups = {i: self._lookup(seqs[i], budgets[i]) for i in active} if self.config.hybrid_ngram else {}
-        head_budgets = [max(1, budgets[i] - len(lookups.get(i, ()))) for i in active]
-        for i, tree in zip(active, draft([seqs[i] for i in active], [states[i] for i in active], head_budgets, keep_drafting)):
-            trees[i] = tree.merged(lookups[i]) if lookups.get(i) else tree
+        head_budget = {i: max(1, budgets[i] - len(lookups.get(i, ()))) for i in active}
+        if not self.config.use_dynamic_tree:
+            groups = [(self._chains, active)]
+        elif self.config.sampled_tree:  # sampled requests draw their trees, greedy ones take the top-k tree
+            sampled = [i for i in active if not seqs[i].params.greedy]
+            groups = [(self._sampled_trees, sampled), (self._dynamic_trees, [i for i in active if seqs[i].params.greedy])]
+        else:
+            groups = [(self._dynamic_trees, active)]
+        for draft, rows in groups:
+            if not rows:
+                continue
+            made = draft([seqs[i] for i in rows], [states[i] for i in rows], [head_budget[i] for i in rows], keep_drafting)
+            for i, tree in zip(rows, made):
+                trees[i] = tree.merged(lookups[i]) if lookups.get(i) else tree
         return trees
 
     def _lookup(self, seq: SequenceState, budget: int) -> list[int]:
@@ -162,9 +169,9 @@ class Eagle3Drafter(SlotCacheDrafter):
         q = logits_to_probs(mapped_logits(self.head, draft_logits), seq.params)  # same processing as the target
         return sample(q, seq.generator), q
 
-    def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
-        """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth; each node's
-        pass starts from its parent's head output."""
+    def _tree_expander(self, states: list[_HeadState]):
+        """The tree searches' expand: one batched head pass over every row's frontier, each
+        node's pass starting from its parent's head output; returns the draft logits."""
         parent_hidden = torch.stack([s.last_hidden for s in states])  # [B, H]
         hidden_of: list[dict[int, Tensor]] = [{} for _ in states]  # candidate -> head output at it
 
@@ -179,12 +186,27 @@ class Eagle3Drafter(SlotCacheDrafter):
             for b, r in enumerate(rows):
                 for j, node in enumerate(r.nodes):
                     hidden_of[b][node] = out_hidden[b, j]
-            return draft_log_probs(out_logits)
+            return out_logits
 
+        return expand
+
+    def _dynamic_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
+        """EAGLE-2 dynamic trees (tree_search), one batched head pass per depth."""
+        expand = self._tree_expander(states)
         root_logp = draft_log_probs(torch.stack([s.last_logits for s in states]))  # [B, Vd]
         cfg = self.config
-        return dynamic_trees(root_logp, expand, cfg.dynamic_tree_max_topK, cfg.max_draft_len, budgets,
-                             lambda d: int(self.draft_to_target[d]), keep_drafting)
+        return dynamic_trees(root_logp, lambda rows: draft_log_probs(expand(rows)), cfg.dynamic_tree_max_topK, cfg.max_draft_len,
+                             budgets, lambda d: int(self.draft_to_target[d]), keep_drafting)
+
+    def _sampled_trees(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
+        """sampled_tree: trees drawn from the head's q (tree_search.sampled_trees)."""
+        def to_q(b: int, draft_logits: Tensor) -> Tensor:
+            return logits_to_probs(mapped_logits(self.head, draft_logits), seqs[b].params)  # same processing as the target
+
+        cfg = self.config
+        return sampled_trees([to_q(b, s.last_logits) for b, s in enumerate(states)], self._tree_expander(states), to_q,
+                             lambda b, q: sample(q, seqs[b].generator), cfg.dynamic_tree_max_topK, cfg.max_draft_len, budgets,
+                             cfg.sampled_tree_mass, keep_drafting)
 
 
 DEFAULT_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"

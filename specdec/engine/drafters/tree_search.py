@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specdec.engine.models.llama import ForwardBatch
-from specdec.engine.tree import DETERMINISTIC, ROOT, DraftTree
+from specdec.engine.tree import DETERMINISTIC, IID_SAMPLED, ROOT, DraftTree
 
 
 @dataclass
@@ -78,6 +78,77 @@ def dynamic_trees(
             cands[b] += new
             frontier[b] = [start + i for i in sorted(range(len(new)), key=lambda i: -new[i].score)[:top_k]]
     return [rerank(cands[b], budgets[b]) for b in range(B)]
+
+
+def sampled_trees(
+    root_q: Sequence[Tensor],  # per row: [V] q at the root (target vocabulary, processed like the target)
+    expand: ExpandFn,  # the draft logits at each expanded node: [B, N, Vd]
+    to_q: Callable[[int, Tensor], Tensor],  # (row, [Vd] draft logits) -> [V] q
+    draw: Callable[[int, Tensor], int],  # (row, q) -> a token drawn from q with the row's generator
+    top_k: int,
+    max_depth: int,
+    budgets: Sequence[int],
+    mass: float,
+    keep_drafting: Callable[[int, Sequence[float]], bool] | None = None,
+) -> list[DraftTree]:
+    """Dynamic trees under sampling, lossless with the i.i.d. rule (SpecInfer's recursive
+    rejection): every node is a fresh draw from q at its parent, and every decision about
+    the shape (draw another sibling, grow this node, stop at the budget) is made from
+    what was drawn *before*, never from the draw it keeps or drops. Recursive rejection
+    stays exact when the number of drafts is such a stopping rule; keeping the best of a
+    pool of draws (EAGLE-2's rerank) would not be.
+
+    Level by level: each frontier node draws up to top_k children, stopping after a
+    duplicate (kept: its rejection step is part of the rule; never grown, it is never
+    accepted) or once its distinct children cover `mass` of q; the next frontier is the
+    level's top_k non-duplicate nodes by path probability. Node indices follow draw order,
+    so a prefix (the budget's truncation) is a stopping rule too."""
+    B = len(root_q)
+    cands: list[list[Candidate]] = [[] for _ in range(B)]
+    rows: list[list[Tensor]] = [[] for _ in range(B)]  # q at each node's parent
+    frontier: list[list[tuple[int, Tensor]]] = [[(ROOT, root_q[b])] for b in range(B)]
+    written: list[list[int]] = [[] for _ in range(B)]
+    for level in range(max_depth):
+        grown: list[list[int]] = []
+        for b in range(B):
+            new: list[int] = []
+            for node, q in frontier[b]:
+                base = 0.0 if node == ROOT else cands[b][node].score
+                seen, covered = set(), 0.0
+                for _ in range(top_k):
+                    if len(cands[b]) >= budgets[b]:
+                        break
+                    token = draw(b, q)
+                    prob = float(q[token])
+                    cands[b].append(Candidate(token, node, base + math.log(prob), level + 1))
+                    rows[b].append(q)
+                    if token in seen:  # a duplicate: rejected for sure, and ends this node's draws
+                        break
+                    new.append(len(cands[b]) - 1)
+                    seen.add(token)
+                    covered += prob
+                    if covered >= mass:
+                        break
+            grown.append(sorted(new, key=lambda c: -cands[b][c].score)[:top_k] if len(cands[b]) < budgets[b] else [])
+        if level + 1 == max_depth or not any(grown):
+            break
+        if keep_drafting is not None:  # decided from the levels drawn so far: a stopping rule too
+            best = [math.exp(max(cands[b][c].score for c in grown[b])) if grown[b] else 0.0 for b in range(B)]
+            if not keep_drafting(level + 1, best):
+                break
+        batch = [_expansion(cands[b], grown[b], written[b], level) for b in range(B)]
+        logits = expand(batch)  # [B, N, Vd]
+        for b in range(B):
+            written[b] += grown[b]
+            frontier[b] = [(c, to_q(b, logits[b, j])) for j, c in enumerate(grown[b])]
+    trees = []
+    for b in range(B):
+        if not cands[b]:
+            trees.append(DraftTree())
+            continue
+        conf = [math.exp(c.score - (0.0 if c.parent == ROOT else cands[b][c.parent].score)) for c in cands[b]]
+        trees.append(DraftTree([c.token for c in cands[b]], [c.parent for c in cands[b]], torch.stack(rows[b]), IID_SAMPLED, conf))
+    return trees
 
 
 def _expansion(cands: list[Candidate], frontier: list[int], written: list[int], level: int) -> Expansion:
