@@ -11,12 +11,13 @@ here is asserted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams, default_model_dir
+from specdec.config import EngineConfig, SamplingParams, ServingConfig, default_model_dir
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_drafters, encode_prompt, load_tokenizer, served_methods
 from specdec.serving.spec_engine import SpecEngine
@@ -33,11 +34,16 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(model_dir)
     prompts = [encode_prompt(tokenizer, t) for t in sharegpt_prompts(args.prompts, seed=0, tokenizer=tokenizer, min_tokens=16, max_tokens=256)]
     target = load_transformer(model_dir)
-    methods = {name: spec for name, spec in served_methods().items() if name in args.methods}
+    served = dict(ServingConfig.from_file(Path(args.settings)).methods) if args.settings else served_methods()
+    methods = {name: spec for name, spec in served.items() if name in args.methods}
+    if missing := [m for m in args.methods if m not in methods]:
+        raise SystemExit(f"not in the settings: {', '.join(missing)}")
     cfg = EngineConfig(max_batch_size=max(args.concurrency), max_seq_len=2048)
     engine = SpecEngine(target, cfg, tokenizer, build_drafters(target.cfg, methods, cfg, model_dir, embed=target.embed))
     run_requests(engine, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), "none", 0, 1)  # warm-up
-    result: dict = {"env": env_record("float32"), "prompts": len(prompts), "max_tokens": args.max_tokens, "runs": []}
+    result: dict = {"env": env_record("float32"), "prompts": len(prompts), "max_tokens": args.max_tokens,
+                    "settings": args.settings or "model_repository/specdec.json", "methods": {m: dataclasses.asdict(methods[m]) for m in args.methods},
+                    "runs": []}
     for temperature in args.temperatures:
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=temperature, seed=0 if temperature else None)
         for c in args.concurrency:
@@ -64,7 +70,7 @@ def markdown(result: dict) -> str:
         for name, r in row["methods"].items():
             lines.append(f"| {name} | {r['over_baseline']:.2f}x | {r['mean_acceptance_length']:.2f} | {r['draft_ms_per_seq_step']:.1f} | "
                          f"{r['verify_ms_per_seq_step']:.1f} | {', '.join(f'{a:.2f}' for a in r['per_position_acceptance'][:6])} |")
-    lines.append(f"\n{result['prompts']} ShareGPT prompts x {result['max_tokens']} tokens, in process, settings of model_repository/specdec.json.")
+    lines.append(f"\n{result['prompts']} ShareGPT prompts x {result['max_tokens']} tokens, in process, settings of {result['settings']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--settings", default=None, help="serving settings (JSON) naming the methods (default: model_repository/specdec.json)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="results/drafters")

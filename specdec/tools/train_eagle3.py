@@ -233,6 +233,7 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
                 with torch.inference_mode():
                     made_features = target_features(target, [prompt + answer for _, prompt, answer in chunk])
                 for (index, prompt, _), f in zip(chunk, made_features):
+                    f["labels"] = f["labels"].clone()  # out of inference mode
                     f["labels"][: len(prompt) - 1] = -1  # ShareGPT's prompt: not the target's text
                     f["labels"][-1] = -1  # after the last answer token (after EOS, or past the token budget)
                     f["prompt_index"] = index
@@ -349,11 +350,48 @@ def top1_by_position(outputs, labels) -> list[float]:
             for k, o in enumerate(outputs)]
 
 
-def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor) -> list[dict]:
+class SoftTargets:
+    """The target's own next-token distribution over the draft vocabulary, recomputed from
+    the recorded last layer (its final norm and lm_head rows, one [T, H] x [H, Vd] GEMM):
+    the soft labels EAGLE's and SpecForge's trainers use. Argmax labels teach the head only
+    the target's top token, so its q is miscalibrated where sampling draws from it (the
+    i.i.d. rule accepts with sum min(p, q))."""
+
+    def __init__(self, target: Transformer, vocab_ids: torch.Tensor):
+        self.norm = target.norm
+        self.weight = target.lm_head.weight.detach()[vocab_ids].float()  # [Vd, H]
+
+    @torch.no_grad()
+    def __call__(self, features: list[dict], steps: int) -> list[Tensor]:
+        """[steps] of [B, T, Vd]: step k's target at t is the distribution at t + k + 1
+        (make_batch's labels, as probabilities)."""
+        T = max(len(f["tokens"]) for f in features)
+        last = torch.zeros(len(features), T, self.weight.shape[-1])
+        for b, f in enumerate(features):
+            last[b, : len(f["tokens"])] = f["last"].float()
+        probs = torch.softmax(self.norm(last).float() @ self.weight.T, -1)
+        out = []
+        for k in range(steps):
+            shifted = torch.zeros_like(probs)
+            shifted[:, : T - k - 1] = probs[:, k + 1 :]
+            out.append(shifted)
+        return out
+
+
+def soft_cross_entropy(logits: Tensor, soft: Tensor, labels: Tensor) -> Tensor:
+    """Mean over labelled positions (labels != -100) of -sum soft * log_softmax(logits)."""
+    valid = labels != -100
+    return -(soft[valid] * F.log_softmax(logits[valid].float(), -1)).sum(-1).mean() if valid.any() else logits.sum() * 0.0
+
+
+def train(head: Eagle3Head, train_set: list[dict], args, target_to_draft: torch.Tensor, soft: SoftTargets | None = None) -> list[dict]:
     def loss_of(batch: list[dict]):
         taps, next_tokens, labels = make_batch(batch, args.ttt_steps, target_to_draft)
         outputs = head.ttt_forward(taps, next_tokens, args.ttt_steps)
-        losses = [F.cross_entropy(o.flatten(0, 1), labels[k].flatten(), ignore_index=-100) for k, o in enumerate(outputs)]
+        if soft is not None:
+            losses = [soft_cross_entropy(o, s, labels[k]) for k, (o, s) in enumerate(zip(outputs, soft(batch, args.ttt_steps)))]
+        else:
+            losses = [F.cross_entropy(o.flatten(0, 1), labels[k].flatten(), ignore_index=-100) for k, o in enumerate(outputs)]
         return sum(STEP_WEIGHT**k * l for k, l in enumerate(losses)), lambda: {
             "step_losses": [l.item() for l in losses], "train_top1_by_position": top1_by_position(outputs, labels)}
 
@@ -375,6 +413,26 @@ def heldout_top1(head: Eagle3Head, held: list[dict], steps: int, target_to_draft
             hits[k] += ((o.argmax(-1) == draft_labels[k]) & valid & (draft_labels[k] >= 0)).sum().item()
             counts[k] += valid.sum().item()
     return [h / max(1, c) for h, c in zip(hits, counts)]
+
+
+@torch.no_grad()
+def heldout_overlap(head: Eagle3Head, held: list[dict], steps: int, target_to_draft: torch.Tensor, soft: SoftTargets,
+                    temperature: float) -> list[float]:
+    """sum_x min(p(x), q(x)) per draft position on held-out sequences at `temperature` (p:
+    the target over the draft vocabulary, q: the head): the chance that one sampled draft
+    is accepted by the i.i.d. rule, teacher-forced."""
+    total, counts = [0.0] * steps, [0] * steps
+    for i in range(0, len(held), 8):
+        batch = held[i : i + 8]
+        taps, next_tokens, labels = make_batch(batch, steps, target_to_draft)
+        outputs = head.ttt_forward(taps, next_tokens, steps)
+        for k, (o, p) in enumerate(zip(outputs, soft(batch, steps))):
+            valid = labels[k] != -100
+            q = torch.softmax(o[valid].float() / temperature, -1)
+            p = torch.softmax(p[valid].clamp(min=1e-30).log() / temperature, -1)
+            total[k] += torch.minimum(p, q).sum().item()
+            counts[k] += int(valid.sum())
+    return [t / max(1, c) for t, c in zip(total, counts)]
 
 
 def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prompts: list[list[int]], max_tokens: int,
@@ -459,6 +517,16 @@ def write_model_card(out: Path, record: dict) -> None:
                                           f"held-out mean acceptance length {r['heldout_mean_acceptance_length']:.2f})" if "train_tokens" in r else "") + "\n"
         for i, r in enumerate(lineage))
     earlier = f"\nIt continues earlier runs (each `--init-from` the previous one's output), oldest first:\n\n{earlier}" if lineage else ""
+    labels_how = ("the target's own next-token distribution over the draft vocabulary (soft labels, from its last layer, "
+                  "final norm and lm_head)" if record.get("soft_labels") else "the target's own argmax next token at every position")
+    init = record.get("init_head_heldout") or {}
+    before_top1 = (f" (the head it started from: {', '.join(f'{a:.3f}' for a in init['heldout_top1_by_position'])})"
+                   if init.get("heldout_top1_by_position") else "")
+    overlap = "".join(
+        f"- sampled drafts, teacher-forced, {t}: sum min(p, q) by draft position (the chance one sampled draft is accepted) "
+        f"{', '.join(f'{a:.3f}' for a in v)}"
+        + (f" (the head it started from: {', '.join(f'{a:.3f}' for a in init['heldout_sampled_overlap'][t])})" if init else "") + "\n"
+        for t, v in (record.get("heldout_sampled_overlap") or {}).items())
     answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
                    "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
@@ -476,7 +544,7 @@ Trained on this repository's CPU by:
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
   loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 - initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
-- labels: the target's own argmax next token at every position (features and labels from `specdec.engine.models.llama`)
+- labels: {labels_how} (features and labels from `specdec.engine.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
   {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}
@@ -485,8 +553,8 @@ Trained on this repository's CPU by:
 ## Held-out results
 
 - top-1 agreement with the target by draft position (teacher-forced, held-out conversations):
-  {', '.join(f'{a:.3f}' for a in record['heldout_top1_by_position'])}
-- real greedy EAGLE-3 decoding (linear, {acc['num_draft_tokens']} draft tokens) on {acc['prompts']} held-out conversation openings,
+  {', '.join(f'{a:.3f}' for a in record['heldout_top1_by_position'])}{before_top1}
+{overlap}- real greedy EAGLE-3 decoding (linear, {acc['num_draft_tokens']} draft tokens) on {acc['prompts']} held-out conversation openings,
   {acc['max_tokens']} new tokens: mean acceptance length {acc['mean_acceptance_length']:.2f}, acceptance rate {acc['acceptance_rate']:.3f},
   per-position acceptance {', '.join(f'{a:.2f}' for a in acc['per_position_acceptance'])}
 
@@ -553,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--soft-labels", action="store_true", help="learn the target's distribution (soft labels), not only its argmax")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -577,11 +646,19 @@ def main(argv: list[str] | None = None) -> int:
         head = init_head(target, Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), vocab_ids, args.seed)
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    log = train(head, train_set, args, target_to_draft)
+    soft = SoftTargets(target, vocab_ids)
+
+    def overlap() -> dict[str, list[float]]:
+        return {f"T={t}": heldout_overlap(head, held, args.ttt_steps, target_to_draft, soft, t) for t in (0.7, 1.0)}
+
+    before = {"heldout_top1_by_position": heldout_top1(head, held, args.ttt_steps, target_to_draft),
+              "heldout_sampled_overlap": overlap()} if args.init_from else None
+    log = train(head, train_set, args, target_to_draft, soft if args.soft_labels else None)
     t_train = time.perf_counter() - t_start - t_features
     out = Path(args.out)
     save_eagle3(head, out)
     top1 = heldout_top1(head, held, args.ttt_steps, target_to_draft)
+    sampled_overlap = overlap()
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
     acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens)
     train_tokens = sum(len(f["tokens"]) for f in train_set)
@@ -596,10 +673,12 @@ def main(argv: list[str] | None = None) -> int:
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
-        "heldout_top1_by_position": top1, "heldout_acceptance": acceptance, "curve": log,
+        "heldout_top1_by_position": top1, "heldout_sampled_overlap": sampled_overlap, "heldout_acceptance": acceptance,
+        "soft_labels": args.soft_labels, "init_head_heldout": before, "curve": log,
         "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=2))
     write_model_card(out, record)
-    print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_position", "heldout_acceptance")}, indent=2))
+    print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_position", "heldout_sampled_overlap", "heldout_acceptance",
+                                             "init_head_heldout")}, indent=2))
     return 0
