@@ -383,6 +383,36 @@ def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model,
     assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(feats, again))  # resumed from the shards
 
 
+def test_stored_answers_give_the_recorded_features(tmp_path, smol_model, smol_tokenizer):
+    """distill-answers keeps only token ids; their teacher-forced features (answer_features)
+    label exactly the answer positions with the answer's own tokens (greedy), as features
+    recorded while generating do, and are cached per answer shard."""
+    from specdec.tools.distill_answers import greedy_answers, load_answers, save_shard
+    from specdec.tools.train_eagle3 import answer_features, distill_prompts, self_distilled_features
+
+    prompts = distill_prompts(smol_tokenizer, 3, 0, set())
+    assert prompts == distill_prompts(smol_tokenizer, 3, 0, set(), draw=3 + 64)[:3]  # the order does not depend on the draw
+    answers = greedy_answers(smol_model, smol_tokenizer, prompts, 12, batch=2)
+    (tmp_path / "ans").mkdir()
+    save_shard(tmp_path / "ans" / "shard_00000.npz", [0, 1], prompts[:2], answers[:2])
+    save_shard(tmp_path / "ans" / "shard_00001.npz", [2], prompts[2:], answers[2:])
+    assert [(i, pr, a) for i, pr, a in load_answers(tmp_path / "ans")] == [(i, prompts[i], answers[i]) for i in range(3)]
+    feats = answer_features(smol_model, tmp_path / "ans", tmp_path / "feat")
+    assert len(list((tmp_path / "feat").glob("*.pt"))) == 2
+    recorded = {tuple(f["tokens"].tolist()): f for f in self_distilled_features(smol_model, smol_tokenizer, 3, 12, 0, set(), tmp_path / "sd",
+                                                                                  batch=2, shard=2)}
+    for f in feats:
+        i = f["prompt_index"]
+        n = len(prompts[i])
+        assert f["tokens"].tolist() == prompts[i] + answers[i]
+        assert (f["labels"][: n - 1] == -1).all() and f["labels"][-1] == -1
+        assert f["labels"][n - 1 : -1].tolist() == answers[i]  # greedy: the target's argmax is the answer
+        ref = recorded[tuple(f["tokens"][:-1].tolist())]  # the recorder stops before the last token
+        assert torch.equal(f["labels"][:-1], ref["labels"])
+        assert torch.allclose(f["taps"][:-1].float(), ref["taps"].float(), atol=0.05)
+    assert len(answer_features(smol_model, tmp_path / "ans", tmp_path / "feat", first_prompt=2)) == 1
+
+
 def test_draft_len_schedule_and_max_concurrency_semantics():
     """TensorRT-LLM's meaning: {4: 4, 8: 2, 32: 1} -> batch 1-4: 4, 5-8: 2, 9-32: 1, 33+: 0."""
     spec = SpeculativeConfig(method="eagle3", max_draft_len=5, draft_len_schedule={"4": 4, "8": 2, "32": 1})

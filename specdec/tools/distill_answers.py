@@ -34,7 +34,7 @@ def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers
 
     prompt_ids, prompt_offsets = flat(prompts)
     answer_ids, answer_offsets = flat(answers)
-    tmp = path.with_suffix(".tmp.npz")
+    tmp = path.parent / f".{path.name}"  # not matched by shard_*.npz until renamed
     np.savez_compressed(tmp, index=np.array(indices, dtype=np.int64), prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
                         answer_ids=answer_ids, answer_offsets=answer_offsets)
     tmp.rename(path)  # a shard is there whole or not at all
