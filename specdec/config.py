@@ -235,8 +235,8 @@ class SpeculativeConfig:
     # (specdec/engine/planner.py), per batch.
     adaptive: bool = False
     # EAGLE-3 only: merge the n-gram lookup's continuation (prompt_lookup_min/max) into the
-    # head's tree, one tree and one verification, shared prefixes deduplicated. Greedy and
-    # deterministic (top-k) trees only: a sampled chain keeps its own acceptance rule.
+    # head's tree, one tree and one verification, shared prefixes deduplicated; joined to
+    # sampled chains and trees as one-hot draws (DraftTree._merged_sampled).
     hybrid_ngram: bool = False
     # Dynamic trees under sampling (T > 0): draw each node's children from the drafter's q
     # (i.i.d., the SpecInfer rule) while choosing the shape from what was drawn (a node

@@ -80,6 +80,24 @@ def test_sampled_draws_are_planned_by_position_not_by_their_own_confidence():
     assert len(a) == len(b)
 
 
+def test_a_sampled_node_is_kept_or_cut_without_looking_at_later_draws():
+    """A cost curve with two rate peaks (1 token 30 ms, 2 and 3 tokens 46 ms; gain .5 a
+    node): the best prefix of two sampled nodes keeps both, of one keeps none, so the first
+    node's fate would hang on whether a second was drawn, which under sampled_tree depends
+    on the first draw's value (q = (.9, .1), mass .8, p = (.5, .5) emits B 55% of the time).
+    Sampled trees stop at the first peak; deterministic ones take the best prefix."""
+    import torch
+
+    planner = planner_with({1: 0.030, 2: 0.046, 3: 0.046})
+    planner.node_gains = lambda method, seq_id, tree, per_sequence=True: [0.5] * len(tree)
+    probs = torch.full((2, 4), 0.25)
+    one = DraftTree([1], [ROOT], probs[:1], IID_SAMPLED)
+    two = DraftTree([1, 2], [ROOT, ROOT], probs, IID_SAMPLED)
+    assert len(planner.select([PlanItem("a", "m", one, True)])[0]) == 0
+    assert len(planner.select([PlanItem("a", "m", two, True)])[0]) == 0
+    assert len(planner.select([PlanItem("a", "m", DraftTree([1, 2], [ROOT, ROOT]), True)])[0]) == 2
+
+
 def test_estimates_follow_what_verification_kept():
     planner = planner_with({1: 0.03, 9: 0.031})
     tree = chain(4)  # no confidences: by position

@@ -189,8 +189,8 @@ def _usable_confidence(tree: DraftTree) -> list[float] | None:
     """Confidences that may decide what is verified. A sampled node (IID_SAMPLED) must be
     verified or dropped without looking at its own value: the acceptance rule min(1, p/q)
     assumes the verified token is a plain draw from q, and keeping only confident draws
-    would bias it. Such trees are planned by position only (a truncation that does not
-    depend on the drawn tokens). Deterministic drafts (argmax, top-k) are a function of the
+    would bias it. Such trees are planned by position only, and cut at the rate's first
+    peak (select), so whether a node is verified depends only on nodes drawn before it. Deterministic drafts (argmax, top-k) are a function of the
     context, so any selection among them stays lossless."""
     return None if tree.scheme == IID_SAMPLED else tree.confidence
 
@@ -294,12 +294,20 @@ class BudgetPlanner:
         candidates.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
         sequences = len(items)
         expected = float(sequences) + sum(sum(self.node_gains(i.method, i.seq_id, i.tree)) for i in items if not i.adaptive)
+        # With a sampled tree in the batch, stop at the first node that does not raise the rate:
+        # the best prefix overall would keep or cut a sampled node depending on whether later
+        # candidates exist, and a sampled tree's later nodes exist depending on the draws
+        # before them, that node's own value included (the measured cost curve need not be
+        # convex, so the rate can have two peaks). Deterministic trees may take the best prefix.
+        first_peak = any(i.adaptive and i.tree.scheme == IID_SAMPLED for i in items)
         best_n, best_rate = 0, expected / self._step_seconds(base_tokens, sequences)
         for n, (gain, *_rest) in enumerate(candidates, start=1):
             expected += gain
             rate = expected / self._step_seconds(base_tokens + n, sequences)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+            elif first_peak:
+                break
         self.tokens_per_second = best_rate
         self.planned_tokens, self.planned_sequences = base_tokens + best_n, sequences
         keep: list[list[int]] = [[] for _ in items]

@@ -45,11 +45,12 @@ def sample(probs: Tensor, generator: torch.Generator) -> int:
     """Draw one token from a [V] distribution with the request's generator, by inverse CDF:
     torch.multinomial takes ~0.9 ms on a 49k vocabulary on CPU, a cumsum and a binary search
     ~0.05 ms, and a sampled step draws once per drafted node plus once for the target.
-    right=True skips zero-probability tokens (their CDF equals their predecessor's)."""
-    cdf = probs.float().cumsum(-1)
+    right=True skips zero-probability tokens (their CDF equals their predecessor's). In float64:
+    a float32 CDF over 49k entries rounds tokens below ~3e-8 to steps of 0 or 6e-8."""
+    cdf = probs.double().cumsum(-1)
     x = uniform(generator) * float(cdf[-1])
     return min(int(torch.searchsorted(cdf, torch.tensor([x]), right=True)), probs.shape[-1] - 1)
 
 
 def uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator))
+    return float(torch.rand((), dtype=torch.float64, generator=generator))  # 53-bit: no float32 quantisation of u
