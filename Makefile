@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -72,6 +72,12 @@ DRAFT_SIZES := 1 2 4
 bench-draft: prepare
 	for n in $(DRAFT_SIZES); do test -f tmp/drafts/L$$n/config.json || $(BIN)/specdec train-draft --layers $$n --out tmp/drafts/L$$n; done
 	$(BIN)/specdec bench-draft $(foreach n,$(DRAFT_SIZES),tmp/drafts/L$(n)) models/draft-smollm2-135m --out results/draft
+
+# More of the target's own greedy answers for training the heads, kept as token ids in data/answers/ (resumable:
+# stop any time, commit the new shards; ~300 answer tok/s on 2 cores). DISTILL_MINUTES bounds one run.
+DISTILL_MINUTES ?= 60
+distill-answers: prepare
+	$(BIN)/specdec distill-answers --batch 64 --minutes $(DISTILL_MINUTES)
 
 # Every drafting family side by side in process (MAL, draft and verify ms per step, tok/s vs the baseline),
 # c=1 and c=4, greedy and T=0.7 -> results/drafters/ (~15 min on 2 cores)
