@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.config import default_model_dir
 
 ANSWERS_DIR = Path("data/answers")
 
@@ -93,15 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specdec.engine.models.loading import load_transformer
-    from specdec.serving.runtime import load_tokenizer
-    from specdec.tools.train_eagle3 import distill_prompts, heldout_openings
+    from specdec.tools.train_eagle3 import distill_prompts, heldout_openings, target_and_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir or default_model_dir())
-    tokenizer = load_tokenizer(model_dir)
-    target = load_transformer(model_dir, dtype="float32")
+    target, tokenizer = target_and_tokenizer(args)
     prompts = distill_prompts(tokenizer, args.prompts, args.seed, heldout_openings(tokenizer, args.conversations, args.max_len, args.seed))
     out = Path(args.out) if args.out else answers_dir(args.new_tokens, args.seed)
     out.mkdir(parents=True, exist_ok=True)

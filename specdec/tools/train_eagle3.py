@@ -598,6 +598,15 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
 
 
+def target_and_tokenizer(args) -> tuple[Transformer, object]:
+    """The fp32 target the training tools label with, and its tokenizer (--model-dir,
+    --threads)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir or default_model_dir())
+    return load_transformer(model_dir, dtype="float32"), load_tokenizer(model_dir)
+
+
 def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]], int, list[dict], list[dict]]:
     """(conversations, held-out count, training features, held-out features): ShareGPT
     conversations with the target's features and labels (cached), plus the self-distilled
@@ -631,12 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--soft-labels", action="store_true", help="learn the target's distribution (soft labels), not only its argmax")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    model_dir = Path(args.model_dir or default_model_dir())
-    tokenizer = load_tokenizer(model_dir)
-    target = load_transformer(model_dir, dtype="float32")
+    target, tokenizer = target_and_tokenizer(args)
     taps = target.cfg.eagle3_tap_layers()
     seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     t_features = time.perf_counter() - t_start

@@ -18,13 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.config import default_model_dir
-from specdec.engine.models.loading import load_transformer
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
-from specdec.serving.runtime import load_tokenizer
 from specdec.tools.train_eagle3 import (
-    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, top1_by_position,
-    training_data, user_openings,
+    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, target_and_tokenizer,
+    top1_by_position, training_data, user_openings,
 )
 
 
@@ -125,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-sequences", type=int, default=0, help="train on at most this many sequences (0: all)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir or default_model_dir())
-    tokenizer = load_tokenizer(model_dir)
-    target = load_transformer(model_dir, dtype="float32")
+    target, tokenizer = target_and_tokenizer(args)
     seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     if args.max_sequences:
         train_set = random.Random(args.seed).sample(train_set, min(args.max_sequences, len(train_set)))
