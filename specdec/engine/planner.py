@@ -190,8 +190,9 @@ def _usable_confidence(tree: DraftTree) -> list[float] | None:
     verified or dropped without looking at its own value: the acceptance rule min(1, p/q)
     assumes the verified token is a plain draw from q, and keeping only confident draws
     would bias it. Such trees are planned by position only, and cut at the rate's first
-    peak (select), so whether a node is verified depends only on nodes drawn before it. Deterministic drafts (argmax, top-k) are a function of the
-    context, so any selection among them stays lossless."""
+    peak (select), so whether a node is verified depends only on nodes drawn before it.
+    Deterministic drafts (argmax, top-k) are a function of the context, so any selection
+    among them stays lossless."""
     return None if tree.scheme == IID_SAMPLED else tree.confidence
 
 
