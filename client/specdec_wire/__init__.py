@@ -193,7 +193,13 @@ SLOT_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20
 # The budget planner's current beliefs (adaptive methods; specdec.engine.planner), from the verifier.
 ACCEPTANCE_ESTIMATE = "specdec_acceptance_estimate"
 PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
+# In-flight batching (the verifier's scheduler): how many live sequences share each target
+# forward; a median near the live streams means streams are not split into groups.
+BATCH_SEQUENCES = "specdec_batch_sequences"
+BATCH_SEQUENCES_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 VERIFIER_METRICS = {
+    BATCH_SEQUENCES: ("histogram", "Sequences in each target forward (prompt chunks, decode steps and trees together)",
+                      BATCH_SEQUENCES_BUCKETS),
     ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot"),
     ACCEPTANCE_ESTIMATE: ("gauge", "Estimated chance that draft position `position` is accepted given the one before, per `method`"),
     PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),

@@ -13,9 +13,11 @@ num_draft_tokens == 0 is plain decoding through the same path: the matched basel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Hashable, Iterator, Mapping, Sequence
 
-from specdec.config import METHOD_NONE, EngineConfig, ModelConfig, SamplingParams
+import specdec_wire as P
+
+from specdec.config import METHOD_NONE, EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.serving.detok import IncrementalDetokenizer
 from specdec.engine.drafters.base import Drafter
 from specdec.errors import CapacityError, InvalidRequestError, UnknownSequenceError
@@ -23,7 +25,8 @@ from specdec.serving.stats import SpecStats
 from specdec.serving.request import ServedOffer, resolve_method, resolve_token_rules
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
-from specdec.engine.step import Speculator, StartItem, StepItem
+from specdec.engine.step import Speculator, StartItem, StepItem, StepResult
+from specdec.engine.tree import DraftTree
 
 
 @dataclass
@@ -34,6 +37,11 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     stats: SpecStats
+    # The step that emitted these tokens (None for a cancel): its draft numbers, timings,
+    # log probs and the next tree's budget (what a drafter served apart may draft).
+    step: StepResult | None = None
+    verified: bool = False  # False for the prompt's first token
+    log_probs: list[float] | None = None  # of new_token_ids, with return_log_probs
 
 
 def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
@@ -51,15 +59,21 @@ class SpecEngine:
 
     def __init__(
         self,
-        target: Transformer,
+        target: Transformer | None,
         config: EngineConfig,
         tokenizer=None,
         drafters: Mapping[str, Drafter] | None = None,
+        methods: Mapping[str, SpeculativeConfig] | None = None,
+        apart_tap_layers: Sequence[int] = (),
+        speculator: Speculator | None = None,
     ):
+        """drafters: the co-located ones; methods: every served method (those drafted apart
+        included: their trees come with step(trees=...)); speculator: an already built one
+        (the Triton verifier's), instead of target + drafters."""
         self.config = config
         self.tokenizer = tokenizer
-        self.speculator = Speculator(target, config, drafters)
-        self.eos_token_ids = eos_ids_of_config(target.cfg, tokenizer)
+        self.speculator = speculator or Speculator(target, config, drafters, apart_tap_layers, methods=methods)
+        self.eos_token_ids = eos_ids_of_config(self.speculator.target_pass.target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
         self._pending: list[RequestState] = []  # added, not yet given to the speculator
         self._admitted: set[str] = set()  # holding a slot in the speculator
@@ -81,7 +95,8 @@ class SpecEngine:
     def offer(self) -> ServedOffer:
         """A method named without a budget drafts its configured one (as the server does);
         a budget of 0, or no method, is the baseline."""
-        methods = {name: d.config.max_total_draft_tokens if d.config is not None else 0 for name, d in self.drafts.drafters.items()}
+        methods = {name: spec.max_total_draft_tokens for name, spec in self.speculator.methods.items()}
+        methods.update({name: d.config.max_total_draft_tokens if d.config is not None else 0 for name, d in self.drafts.drafters.items()})
         return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit)
 
     def add_request(
@@ -93,23 +108,40 @@ class SpecEngine:
         num_draft_tokens: int | None = None,
     ) -> RequestState:
         """Validate and queue; the prompt is prefilled by the next step. On error nothing changes."""
-        if request_id in self.sequences:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        return self.add_state(self.prepare_request(request_id, prompt_ids, params, method, num_draft_tokens))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        method: str = METHOD_NONE,
+        num_draft_tokens: int | None = None,
+    ) -> RequestState:
+        """Validate a request into its state without touching the engine (safe from another
+        thread while a step runs); add_state queues it. A bad field raises, naming it."""
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(P.STOP_WORDS, "needs a tokenizer, and this engine was built without one")
         prompt_ids = [int(t) for t in prompt_ids]
         self.target_pass.check_prompt(prompt_ids)
         params.validate(self.config.max_tokens_limit)
         tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
         params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
         method, num_draft_tokens = resolve_method(method, num_draft_tokens, self.offer)
-        if len(self.sequences) >= self.config.max_batch_size:
-            raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
-        req = RequestState(
+        return RequestState(
             request_id=request_id, prompt_ids=prompt_ids, params=params,
             method=method, num_draft_tokens=num_draft_tokens,
             max_seq_len=self.config.max_seq_len, eos_token_ids=end_ids,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
-        self.sequences[request_id] = req
+
+    def add_state(self, req: RequestState) -> RequestState:
+        """Queue a prepared request (its prompt is prefilled by the next step)."""
+        if req.request_id in self.sequences:
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already running")
+        if len(self.sequences) >= self.config.max_batch_size:
+            raise CapacityError(f"no free KV-cache slot: all {self.config.max_batch_size} slots (max_batch_size) are in use")
+        self.sequences[req.request_id] = req
         self._pending.append(req)
         return req
 
@@ -124,40 +156,46 @@ class SpecEngine:
     def has_work(self) -> bool:
         return bool(self.sequences)
 
-    def step(self) -> list[StepOutput]:
+    def step(self, trees: Mapping[Hashable, DraftTree] | None = None, want_hidden: frozenset = frozenset()) -> list[StepOutput]:
         """One Speculator call: new requests join (their prompts prefilled, in chunks while
-        others decode), prompts still being prefilled go on, running requests verify."""
+        others decode), prompts still being prefilled go on, running requests verify.
+        trees: the trees drafted apart (by request id) for this step; want_hidden: request
+        ids whose step must return the target's taps (a drafter served apart needs them)."""
+        trees = trees or {}
         new, self._pending = self._pending, []
         running = [r for r in self.sequences.values() if r.request_id in self._admitted]
-        starts = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens) for r in new]
+        starts = [StartItem(r.request_id, r.prompt_ids, r.params, r.method, r.num_draft_tokens, r.request_id in want_hidden)
+                  for r in new]
         for r in new:
             self._admitted.add(r.request_id)
         try:
-            first, results = self.speculator.run(starts, [StepItem(r.request_id) for r in running])
+            first, results = self.speculator.run(
+                starts, [StepItem(r.request_id, trees.get(r.request_id), r.request_id in want_hidden) for r in running])
         except Exception:
             self._admitted.difference_update(r.request_id for r in new)
             raise
-        outputs = [self._emit(req, res.emitted) for req, res in zip(new, first) if res.emitted]
+        outputs = [self._emit(req, res) for req, res in zip(new, first) if res.emitted]
         decoded = [(req, res) for req, res in zip(running, results) if req.output_ids or res.emitted]
         for req, res in decoded:
             if not req.output_ids:  # its prompt's last chunk: the first token
-                outputs.append(self._emit(req, res.emitted))
+                outputs.append(self._emit(req, res))
                 continue
             req.stats.draft_seconds += res.draft_seconds
             req.stats.verify_seconds += res.verify_seconds
             for stats in (req.stats, self.stats):
                 stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted))
-            outputs.append(self._emit(req, res.emitted))
+            outputs.append(self._emit(req, res, verified=True))
         if results:
             self.stats.draft_seconds += results[0].draft_seconds
             self.stats.verify_seconds += results[0].verify_seconds
         return outputs
 
-    def _emit(self, req: RequestState, tokens: list[int]) -> StepOutput:
-        kept, text = req.accept(tokens)
+    def _emit(self, req: RequestState, res: StepResult, verified: bool = False) -> StepOutput:
+        kept, text = req.accept(res.emitted, res.log_probs)
         if req.finished:
             self._release(req)
-        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats)
+        log_probs = None if res.log_probs is None else res.log_probs[: len(kept)]
+        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats, res, verified, log_probs)
 
     def _release(self, req: RequestState) -> None:
         self.sequences.pop(req.request_id, None)

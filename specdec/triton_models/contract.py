@@ -3,6 +3,8 @@
 the tests check the verifier's and drafter's config.pbtxt against MODELS here."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Callable
 
 import numpy as np
@@ -27,11 +29,19 @@ END_IDS = "end_ids"
 BAD_WORDS_IDS = "bad_words_ids"
 BAD_WORDS_SEPARATOR = -1
 RETURN_HIDDEN = "return_hidden"
-# The verifier's per-step numbers in one FP32 vector (one tensor, not six, per response).
+# A generation handed to the verifier: the request's SamplingParams (the one parser's, text
+# rules unresolved: the verifier resolves them with its tokenizer) as JSON, beside input_ids,
+# speculative_method and num_draft_tokens; the correlation id names the sequence.
+GENERATION = "generation"
+# A request to the verifier that ends the sequence of its correlation id (a client that
+# cancelled or went away); answered at once, the sequence's own stream ends `cancelled`.
+STOP = "stop"
+# The verifier's numbers for one round of one sequence, one FP32 vector per response.
+# verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
+# batch_sequences: sequences that shared the round's target forward.
 STEP_STATS = "step_stats"
-# num_draft_tokens: the budget the verifier decided for the next tree (a drafter served
-# apart drafts no more).
-STEP_STATS_FIELDS = ("accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds", "num_draft_tokens")
+STEP_STATS_FIELDS = ("verified", "accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds",
+                     "num_draft_tokens", "batch_sequences")
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
@@ -52,23 +62,20 @@ RULES_INPUTS = (
 
 # model name -> (inputs, outputs), as specdec_wire.MODELS.
 MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
-    # One speculation step per call: verify the tree (drafted beside the target last step,
-    # or handed in by a drafter served apart), then draft the next with the co-located drafter.
+    # Decoupled: one request per sequence, answered round by round (ids, text, stats) until
+    # the final response; or a STOP for a live sequence.
     "verifier": (
         W.tensor_specs(
             (W.INPUT_IDS, "TYPE_INT32", (-1,), True),
             (W.SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
             (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
-            (DRAFT_TOKENS, "TYPE_INT32", (-1,), True),
-            (DRAFT_PARENTS, "TYPE_INT32", (-1,), True),
-            (DRAFT_PROBS, "TYPE_FP32", (-1, -1), True),
-            (RETURN_HIDDEN, "TYPE_BOOL", (1,), True),
+            (GENERATION, "TYPE_STRING", (1,), True),
+            (STOP, "TYPE_BOOL", (1,), True),
             (INTERNAL_KEY, "TYPE_STRING", (1,), True),
-            *SAMPLING_INPUTS,
-            *RULES_INPUTS,
         ),
-        W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
-                 (HIDDEN_STATES, "TYPE_FP32", (-1, -1)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
+        W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
+                       (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
+                       (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
     ),
     "drafter": (
         W.tensor_specs(
@@ -137,3 +144,22 @@ def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
         repetition_penalty=one(W.REPETITION_PENALTY, 1.0, float), presence_penalty=one(W.PRESENCE_PENALTY, 0.0, float),
         frequency_penalty=one(W.FREQUENCY_PENALTY, 0.0, float), return_log_probs=one(W.RETURN_LOG_PROBS, False, bool),
     )
+
+
+# ---- a generation on the wire to the verifier: the parsed SamplingParams, once -------------
+def encode_generation(params: SamplingParams) -> np.ndarray:
+    return np.array([json.dumps(dataclasses.asdict(params)).encode()], dtype=np.object_)
+
+
+def decode_generation(value: np.ndarray | None) -> SamplingParams:
+    if value is None or value.size != 1:
+        raise InvalidRequestError(GENERATION, "a generation needs its sampling settings (one JSON string)")
+    raw = value.reshape(-1)[0]
+    try:
+        fields = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
+        tuples = {"stop", "bad_words", "end_ids"}
+        fields = {k: tuple(v) if k in tuples else v for k, v in fields.items()}
+        fields["bad_word_ids"] = tuple(tuple(word) for word in fields.get("bad_word_ids", ()))
+        return SamplingParams(**fields)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(GENERATION, f"unreadable sampling settings: {exc}") from None

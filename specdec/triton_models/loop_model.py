@@ -1,7 +1,8 @@
-"""The speculative loop as a Triton model: a decoupled BLS model that runs
-specdec.serving.loop.run_loop per request, with the verifier (and, for drafters served apart, the
-drafter) model as its backend (one correlation id per request). Streams text as it is
-accepted; every request ends with exactly one final response.
+"""The speculative loop as a Triton model: a decoupled BLS model that parses a request,
+admits it to a sequence slot, hands it to the `verifier` as ONE decoupled request (whose
+scheduler batches every live sequence into each target forward and drafts beside it, or
+calls the drafter served apart) and relays the rounds it streams back as the client's
+responses. Every request ends with exactly one final response.
 
 Served under two names (each model.py re-exports this class):
   * `ensemble`: the TensorRT-LLM ensemble's contract (text_input in, text_output and the
@@ -13,37 +14,30 @@ Served under two names (each model.py re-exports this class):
 """
 import asyncio
 import concurrent.futures
-import contextlib
 import secrets
 import time
+from typing import AsyncIterator, Callable
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
+from specdec.config import SamplingParams
 from specdec.triton_models import contract as C
-from specdec.config import METHOD_NONE
-from specdec.serving.detok import IncrementalDetokenizer
 from specdec.serving.spec_engine import eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
-from specdec.serving.loop import LoopBackend, run_loop
+from specdec.serving.loop import LoopUpdate
 from specdec.engine.sequences import check_prompt_ids
 from specdec.serving.request import parse_request, resolve_token_rules, served_offer
-from specdec.triton_models.contract import encode_sampling
-from specdec.engine.step import StepResult
 from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
-from specdec.serving.runtime import encode_prompt, load_tokenizer, tap_layers_of
+from specdec.serving.runtime import encode_prompt, load_tokenizer
 from specdec.serving.state import RequestState
-from specdec.engine.tree import DraftTree
 from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-TARGET_OUT = [P.OUTPUT_IDS, C.STEP_STATS]
-DRAFT_OUT = [C.DRAFT_TOKENS, C.DRAFT_PARENTS, C.DRAFT_PROBS]
+VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS]
 LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
 
 
@@ -56,87 +50,85 @@ def send(sender, response, flags) -> bool:
         return False
 
 
-class BLSBackend(LoopBackend):
-    """The loop's hooks as BLS calls: one verifier call per step for co-located drafters;
-    a drafter call before it for a drafter served apart."""
+class VerifierStream:
+    """One sequence on the verifier: ONE decoupled BLS request whose responses are the
+    sequence's rounds (ids, text, stats), and a STOP request when it must end early. The
+    verifier's scheduler does the rest (in-flight batching); nothing here runs per step
+    but relaying."""
 
-    def __init__(self, cid, key, log_probs=False):
-        self.cid = cid
-        self.target_out = TARGET_OUT + [P.OUTPUT_LOG_PROBS] if log_probs else TARGET_OUT
-        # The per-server secret the internal models ask for (None when none was set).
+    def __init__(self, cid: int, key: bytes | None, req: RequestState, params: SamplingParams):
+        """req: the loop's record of the request (ids, log probs, stats, end); params: the
+        request's settings as parsed (the verifier resolves their text rules itself)."""
+        self.cid, self.req, self.params = cid, req, params
         self.key = None if key is None else np.array([key], dtype=np.object_)
+        self.outputs = VERIFIER_OUT + [P.OUTPUT_LOG_PROBS] if req.params.return_log_probs else VERIFIER_OUT
 
-    async def _call(self, model, inputs, outputs, flags=0):
+    def _request(self, inputs, outputs):
         if self.key is not None:
             inputs = {**inputs, C.INTERNAL_KEY: self.key}
-        request = pb_utils.InferenceRequest(
-            model_name=model, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
-            correlation_id=self.cid, flags=flags,
+        return pb_utils.InferenceRequest(
+            model_name="verifier", inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
+            correlation_id=self.cid,
         )
-        response = await request.async_exec()
-        if response.has_error():
-            raise SpecDecError(response.error().message())
-        return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()[0] for name in outputs}
 
     @staticmethod
-    def _hidden(array_):
-        return torch.from_numpy(array_.copy()) if array_.size else None
+    async def _responses(request):
+        """The responses of a decoupled BLS call, each awaited off the event loop (the
+        iterator blocks until the verifier sends)."""
+        loop = asyncio.get_running_loop()
+        iterator = iter(await request.async_exec(decoupled=True))
+        while (response := await loop.run_in_executor(None, next, iterator, None)) is not None:
+            if response.has_error():
+                raise SpecDecError(response.error().message())
+            yield response
 
-    def _reply(self, out):
+    async def updates(self, is_cancelled: Callable[[], bool]) -> AsyncIterator[LoopUpdate]:
+        """The sequence's updates until it finishes; a cancelled client stops it (STOP) and
+        hears the `cancelled` end."""
+        req = self.req
+        inputs = {P.INPUT_IDS: np.int32(req.prompt_ids), C.GENERATION: C.encode_generation(self.params),
+                  P.SPECULATIVE_METHOD: np.array([req.method.encode()], dtype=np.object_),
+                  C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens])}
+        stopping = False
+        last = time.perf_counter()
+        async for response in self._responses(self._request(inputs, self.outputs)):
+            out = {name: t.as_numpy()[0] for name in self.outputs if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+            if C.STEP_STATS not in out:  # an empty final response
+                continue
+            now = time.perf_counter()
+            update = self._update(out, now - last)
+            last = now
+            yield update
+            if update.finished:
+                return
+            if not stopping and is_cancelled():
+                stopping = True
+                await self.stop()
+
+    def _update(self, out, seconds) -> LoopUpdate:
+        req = self.req
         stats = dict(zip(C.STEP_STATS_FIELDS, out[C.STEP_STATS].tolist()))
-        return StepResult(
-            out[P.OUTPUT_IDS].tolist(), int(stats["accepted"]), int(stats["draft_depth"]), int(stats["draft_tokens"]),
-            self._hidden(out[C.HIDDEN_STATES]) if C.HIDDEN_STATES in out else None,
-            stats["verify_seconds"], stats["draft_seconds"],
-            out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None, int(stats["num_draft_tokens"]),
-        )
+        ids = out[P.OUTPUT_IDS].tolist()
+        reason, text = (bytes(out[name].reshape(-1)[0]).decode("utf-8") for name in (P.FINISH_REASON, P.TEXT_OUTPUT))
+        log_probs = out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None
+        req.output_ids.extend(ids)
+        if log_probs is not None:
+            req.log_probs.extend(log_probs)
+        verified = bool(stats["verified"])
+        depth, drafted, accepted = int(stats["draft_depth"]), int(stats["draft_tokens"]), int(stats["accepted"])
+        if verified:
+            req.stats.draft_seconds += stats["draft_seconds"]
+            req.stats.verify_seconds += stats["verify_seconds"]
+            req.stats.record_step(depth, drafted, accepted, len(ids))
+        if reason:
+            req.finish(reason)
+        return LoopUpdate(ids, text, bool(reason), reason or None, verified, depth, drafted, accepted,
+                          stats["draft_seconds"], stats["verify_seconds"], seconds, log_probs)
 
-    @staticmethod
-    def _tree(out):
-        probs = out[C.DRAFT_PROBS]
-        return DraftTree.from_arrays(out[C.DRAFT_TOKENS], out[C.DRAFT_PARENTS], torch.from_numpy(probs.copy()) if probs.size else None)
-
-    async def start_target(self, prompt_ids, params, method, num_draft_tokens, want_hidden):
-        inputs = {P.INPUT_IDS: np.int32(prompt_ids), **encode_sampling(params, rules=True)}
-        if method != METHOD_NONE:
-            inputs.update({P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])})
-        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden), START))
-
-    async def verify(self, tree, want_hidden):
-        inputs = {}
-        if tree is not None and len(tree):
-            inputs.update({C.DRAFT_TOKENS: np.int32(tree.tokens), C.DRAFT_PARENTS: np.int32(tree.parents)})
-            if tree.draft_probs is not None:
-                inputs[C.DRAFT_PROBS] = tree.draft_probs.float().numpy()
-        return self._reply(await self._call("verifier", self._hidden_inputs(inputs, want_hidden), self._outputs(want_hidden)))
-
-    @staticmethod
-    def _hidden_inputs(inputs, want_hidden):
-        if want_hidden:
-            inputs[C.RETURN_HIDDEN] = np.bool_([True])
-        return inputs
-
-    def _outputs(self, want_hidden):
-        return self.target_out + [C.HIDDEN_STATES] if want_hidden else self.target_out
-
-    async def start_drafter(self, prompt_ids, first_token, params, method, hidden, num_draft_tokens):
-        inputs = {P.INPUT_IDS: np.int32([*prompt_ids, first_token]), C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens]),
-                  P.SPECULATIVE_METHOD: np.array([method.encode()], dtype=np.object_), **encode_sampling(params)}
-        if hidden is not None:
-            inputs[C.HIDDEN_STATES] = hidden.numpy()
-        return self._tree(await self._call("drafter", inputs, DRAFT_OUT, START))
-
-    async def draft(self, last, num_draft_tokens):
-        inputs = {P.INPUT_IDS: np.int32(last.emitted), C.NUM_ACCEPTED: np.int32([last.accepted]),
-                  C.NUM_DRAFT_TOKENS: np.int32([num_draft_tokens])}
-        if last.hidden is not None:
-            inputs[C.HIDDEN_STATES] = last.hidden.numpy()
-        return self._tree(await self._call("drafter", inputs, DRAFT_OUT))
-
-    async def release(self, target_started, drafter_started):
-        for model, started in (("drafter", drafter_started), ("verifier", target_started)):
-            if started:
-                await self._call(model, {}, [], END)
+    async def stop(self) -> None:
+        """End the sequence before the verifier's next forward."""
+        async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [])):
+            pass
 
 
 class TritonPythonModel:
@@ -152,8 +144,6 @@ class TritonPythonModel:
         target_cfg = read_model_config(model_dir)
         self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
         self.vocab_size = target_cfg.vocab_size
-        # Drafters served apart that need the target's hidden taps (co-located ones get them in place).
-        self.hidden_methods = {name for name, spec in self.settings.methods.items() if tap_layers_of(spec, target_cfg)}
         self.offer = served_offer(self.settings)
         self.key = internal_key()
         self.metrics = Metrics(P.LOOP_METRICS)
@@ -184,7 +174,6 @@ class TritonPythonModel:
         state = RequestState(
             request_id=str(self._new_cid()), prompt_ids=prompt, params=params, method=req.method,
             num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=end_ids,
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
         )
         return req, state
 
@@ -250,12 +239,11 @@ class TritonPythonModel:
     async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
         pieces = []
-        spec = self.settings.methods.get(req.method)
+        verifier = VerifierStream(int(req.request_id), self.key, req, parsed.params)
+        finished = False
         try:
-            backend = BLSBackend(int(req.request_id), self.key, req.params.return_log_probs)
-            updates = run_loop(req, backend, req.method in self.hidden_methods, request.is_cancelled,
-                               drafter_keepalive_s=self.settings.idle_timeout_s / 4, colocated=spec is None or spec.colocated)
-            async with contextlib.aclosing(updates):  # leaving early still releases the slots
+            updates = verifier.updates(request.is_cancelled)
+            try:
                 async for update in updates:
                     self._record(req.method, update)
                     pieces.append(update.text)
@@ -264,11 +252,16 @@ class TritonPythonModel:
                         self.metrics.flush()
                     # A counted stream hears held-back steps too, so its num_output_tokens add up.
                     carries_ids = self.streams_ids or parsed.return_num_output_tokens
+                    finished = update.finished
                     if stream and (update.text or update.finished or (carries_ids and update.token_ids)):
                         response = self._response(request, req, update.text, update.token_ids, update.log_probs, parsed)
                         if not send(sender, response, FINAL if update.finished else 0):
                             self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
-                            return  # nobody is listening any more: stop generating
+                            return  # nobody is listening any more: stop generating (finally)
+            finally:
+                await updates.aclose()
+                if not finished:  # an error or a client gone: the verifier must not run on
+                    await self._stop_quietly(verifier)
             if not stream:
                 text, ids = "".join(pieces), req.output_ids
                 if not parsed.exclude_input_in_output:  # TensorRT-LLM's default: the prompt, then the answer
@@ -279,6 +272,13 @@ class TritonPythonModel:
             send(sender, error_response(exc), FINAL)
         finally:
             self.metrics.flush()
+
+    @staticmethod
+    async def _stop_quietly(verifier: VerifierStream) -> None:
+        try:
+            await verifier.stop()
+        except Exception:  # noqa: BLE001 - the verifier gone too: nothing left to stop
+            pass
 
     @staticmethod
     def _response(request, req, text, token_ids, log_probs, parsed):

@@ -1,154 +1,150 @@
-"""verifier: the target model and the drafters that live beside it (EAGLE-3 heads, n-gram
-lookup), stateful per sequence (KV-cache slot keyed by CORRID). One call = one speculation
-step (specdec.engine.step.Speculator): verify, commit, draft the next tree.
+"""verifier: the target model, the drafters that live beside it (EAGLE-3 heads, Medusa,
+n-gram lookup) and the one scheduler that owns every live sequence (in-flight batching,
+specdec.serving.scheduler). Decoupled, like TensorRT-LLM's `tensorrt_llm` model: the
+speculative loop sends ONE request per sequence; execute() only hands it to the scheduler,
+whose thread puts every ready sequence into each target forward (prompt chunks, decode
+steps and verification trees together) and streams each sequence's tokens and text round
+by round through its response sender, the last one with the final flag. No step of a
+sequence crosses Triton's scheduler.
 
-One execute() receives the requests of many sequences (sequence batcher, `oldest`): START
-requests' prompts (in chunks while others decode: a START answers no tokens until its
-prompt is done, and the loop sends steps to continue it) and the others' trees go through
-ONE batched target forward, and every co-located drafter drafts for all of its sequences
-at once; END requests free their slot.
+A STOP request (same correlation id) ends a live sequence before the next forward (a client
+that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
+scheduler, once per round for all of their sequences.
 """
 import time
+from typing import Callable
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
+from specdec.config import METHOD_NONE, resolve_model_dir
+from specdec.engine.models.loading import read_model_config
+from specdec.errors import InvalidRequestError
+from specdec.serving.runtime import build_colocated_speculator, colocated_methods, load_tokenizer, tap_layers_of
+from specdec.serving.scheduler import BatchScheduler, RoundInfo
+from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
-from specdec.config import METHOD_NONE
-from specdec.errors import CapacityError, InvalidRequestError, SpecDecError
-from specdec.engine.sequences import check_token_ids
-from specdec.triton_models.contract import decode_sampling
-from specdec.serving.runtime import build_colocated_speculator
-from specdec.engine.step import StartItem, StepItem
-from specdec.engine.tree import DraftTree
 from specdec.triton_models.common import (
-    HeapTrimmer, Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings, refused,
-    scalar, strings,
+    HeapTrimmer, Metrics, array, batched, check_max_batch_size, error_response, from_the_loop, internal_key, load_settings,
+    refused, scalar, strings, text_tensor,
 )
+from specdec.triton_models.drafter_calls import DrafterCalls
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class SenderSink:
+    """A sequence's outputs as responses on its request's sender (scheduler thread)."""
+
+    def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int]):
+        self.sender, self.log_probs = sender, log_probs
+        self.batch_sequences = batch_sequences  # of the round being delivered
+
+    def emit(self, out: StepOutput) -> bool:
+        step = out.step
+        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences()]
+        if step is not None:
+            stats[1:7] = [step.accepted, step.draft_depth, step.draft_tokens, step.verify_seconds, step.draft_seconds,
+                          step.num_draft_tokens]
+        outputs = [
+            batched(P.OUTPUT_IDS, np.asarray(out.new_token_ids, dtype=np.int32)),
+            text_tensor(P.TEXT_OUTPUT, out.text_delta),
+            text_tensor(P.FINISH_REASON, out.finish_reason or ""),
+            batched(C.STEP_STATS, np.float32(stats)),
+        ]
+        if self.log_probs:
+            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(out.log_probs or [0.0] * len(out.new_token_ids))))
+        try:
+            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if out.finished else 0)
+            return True
+        except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
+            return False
+
+    def fail(self, exc: BaseException) -> None:
+        try:
+            self.sender.send(error_response(exc), flags=FINAL)
+        except Exception:  # noqa: BLE001 - nobody to tell
+            pass
+
 
 class TritonPythonModel:
     def initialize(self, args):
         settings = load_settings(args)
         check_max_batch_size(args, settings)
         self.settings = settings
-        self.speculator = build_colocated_speculator(settings)
-        self.key = internal_key()
+        model_dir = resolve_model_dir(settings.model_dir)
+        target_cfg = read_model_config(model_dir)
+        speculator = build_colocated_speculator(settings)
+        self.engine = SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir), speculator=speculator)
+        apart = colocated_methods(settings, False)
+        key = internal_key()
+        self.key = key
         self.heap = HeapTrimmer()
         self.metrics = Metrics(P.VERIFIER_METRICS)
+        self._batch_sequences = 0  # in the last round's forward
+        self.scheduler = BatchScheduler(
+            self.engine,
+            apart_backend=(lambda rid: DrafterCalls(int(rid), key, target_cfg.vocab_size, settings.engine.max_num_draft_tokens))
+            if apart else None,
+            apart_methods=frozenset(apart),
+            hidden_methods=frozenset(m for m, spec in apart.items() if tap_layers_of(spec, target_cfg)),
+            on_round=self._on_round,
+            on_live=self._on_live,
+            drafter_keepalive_s=settings.idle_timeout_s / 4,
+        )
         self._planner_published = 0.0
-        self._update_gauge()
+        self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="verifier")
 
-    def _update_gauge(self):
-        self.metrics.set(P.ACTIVE_SEQUENCES, self.speculator.active, model="verifier")
-        if self.speculator.adaptive and time.monotonic() - self._planner_published > 1.0:  # beliefs move slowly
-            self._planner_published = time.monotonic()
-            planner = self.speculator.planner
-            for method in self.speculator.adaptive:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if not from_the_loop(request, self.key):  # refused without touching any sequence
+                sender.send(refused(), flags=FINAL)
+                continue
+            try:
+                request_id = str(request.correlation_id())
+                if scalar(request, C.STOP, False, bool):
+                    self.scheduler.cancel(request_id)
+                    sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
+                    continue
+                params = C.decode_generation(array(request, C.GENERATION))
+                prompt = array(request, P.INPUT_IDS)
+                if prompt is None or prompt.size == 0:
+                    raise InvalidRequestError(P.INPUT_IDS, "the prompt is empty")
+                method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
+                budget = scalar(request, C.NUM_DRAFT_TOKENS, None, int)
+                self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget,
+                                      SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences))
+            except Exception as exc:  # noqa: BLE001 - every request ends with a final response
+                sender.send(error_response(exc), flags=FINAL)
+        return None
+
+    def _on_round(self, info: RoundInfo) -> None:
+        """Scheduler thread, after each forward: the batch-size histogram and gauges."""
+        self._batch_sequences = info.sequences
+        self.metrics.observe(P.BATCH_SEQUENCES, info.sequences)
+        self.heap.maybe_trim()
+        speculator = self.engine.speculator
+        if speculator.adaptive and info.seconds and self._planner_due():
+            planner = speculator.planner
+            for method in speculator.adaptive:
                 depth = self.settings.methods[method].max_draft_len
                 for position, rate in enumerate(planner.position_estimates(method, depth), start=1):
                     self.metrics.set(P.ACCEPTANCE_ESTIMATE, round(rate, 4), method=method, position=str(position))
             self.metrics.set(P.PLANNED_TOKENS_PER_SECOND, round(planner.tokens_per_second, 2))
 
-    def execute(self, requests):
-        self.speculator.release_idle(self.settings.idle_timeout_s)
-        self.heap.maybe_trim()
-        responses = [None] * len(requests)
-        starts, steps = [], []
-        allowed = [from_the_loop(request, self.key) for request in requests]
-        for i, request in enumerate(requests):
-            if not allowed[i]:  # refused without touching any sequence's state
-                responses[i] = refused()
-                continue
-            try:
-                seq_id = request.correlation_id()
-                want_hidden = scalar(request, C.RETURN_HIDDEN, False, bool)
-                if control(request, C.CONTROL_START):
-                    starts.append((i, self._start_item(request, seq_id, want_hidden)))
-                elif array(request, C.DRAFT_TOKENS) is not None or not control(request, C.CONTROL_END):
-                    if seq_id not in self.speculator:
-                        raise SpecDecError(f"sequence {seq_id} has no KV-cache slot (expired or never started)")
-                    steps.append((i, StepItem(seq_id, self._tree(request), want_hidden)))
-            except SpecDecError as exc:
-                responses[i] = error_response(exc)
-        free = self.speculator.target_pass.cache.num_free
-        for i, _ in starts[free:]:
-            responses[i] = error_response(CapacityError("no free KV-cache slot (max_batch_size sequences are running)"))
-        if starts[:free] or steps:
-            self._run(starts[:free], steps, responses)
-        for request, ok in zip(requests, allowed):  # END: free the slot (after this request's own work)
-            if ok and control(request, C.CONTROL_END) and request.correlation_id() in self.speculator:
-                self.speculator.release(request.correlation_id())
-        self._update_gauge()
-        return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
+    def _on_live(self, live: int) -> None:
+        self.metrics.set(P.ACTIVE_SEQUENCES, live, model="verifier")
+        if not live:  # idle: what the last rounds observed goes out now
+            self.metrics.flush()
 
-    def _start_item(self, request, seq_id, want_hidden):
-        prompt = array(request, P.INPUT_IDS)
-        prompt = [] if prompt is None else prompt.reshape(-1).tolist()
-        self.speculator.target_pass.check_prompt(prompt)
-        method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
-        self.speculator.check_method(method)
-        params = decode_sampling(lambda name: array(request, name)).validate(self.settings.engine.max_tokens_limit)
-        vocab = self.speculator.target_pass.target.cfg.vocab_size
-        check_token_ids(C.END_IDS, params.end_ids, vocab)  # before they index a batch's logits
-        check_token_ids(C.BAD_WORDS_IDS, [t for word in params.bad_word_ids for t in word], vocab)
-        num_draft_tokens = self._check_budget(scalar(request, C.NUM_DRAFT_TOKENS, 0, int))
-        return StartItem(seq_id, prompt, params, method, num_draft_tokens, want_hidden)
+    def _planner_due(self) -> bool:
+        if time.monotonic() - self._planner_published > 1.0:  # beliefs move slowly
+            self._planner_published = time.monotonic()
+            return True
+        return False
 
-    def _run(self, starts, steps, responses):
-        """One Speculator call (one target forward) for every item; a failure answers each of
-        its requests. A start whose prompt is not finished answers no tokens yet."""
-        try:
-            first, results = self.speculator.run([item for _, item in starts], [item for _, item in steps])
-        except SpecDecError as exc:
-            for i, _ in (*starts, *steps):
-                responses[i] = error_response(exc)
-            return
-        for (i, _), res in zip((*starts, *steps), (*first, *results)):
-            stats = np.float32([getattr(res, field) for field in C.STEP_STATS_FIELDS])
-            outputs = [batched(P.OUTPUT_IDS, np.asarray(res.emitted, dtype=np.int32)), batched(C.STEP_STATS, stats)]
-            if res.hidden is not None:  # only for a drafter served apart: most steps send two small tensors
-                outputs.append(batched(C.HIDDEN_STATES, res.hidden.float().numpy()))
-            if res.log_probs is not None:
-                outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(res.log_probs)))
-            responses[i] = pb_utils.InferenceResponse(outputs)
-
-    def _tree(self, request):
-        """A tree drafted apart (the drafter model), or None: the co-located drafter's.
-        Checked here, per request, so a malformed one never reaches the batch."""
-        tokens = array(request, C.DRAFT_TOKENS)
-        if tokens is None:
-            return None
-        if tokens.size == 0:
-            return DraftTree()
-        parents = array(request, C.DRAFT_PARENTS)
-        if parents is None or parents.size != tokens.size:
-            raise InvalidRequestError(C.DRAFT_PARENTS, "one parent per draft token")
-        probs = array(request, C.DRAFT_PROBS)
-        if probs is not None and probs.size and probs.size % tokens.size:
-            raise InvalidRequestError(C.DRAFT_PROBS, f"must have one row per draft token, got {probs.size} values")
-        probs = torch.from_numpy(probs.reshape(tokens.size, -1).copy()) if probs is not None and probs.size else None
-        try:
-            tree = DraftTree.from_arrays(tokens.reshape(-1), parents.reshape(-1), probs)
-        except ValueError as exc:
-            raise InvalidRequestError(C.DRAFT_PARENTS, str(exc)) from None
-        return self._check_tree(tree)
-
-    def _check_tree(self, tree: DraftTree) -> DraftTree:
-        """A tree from outside (a drafter served apart) must fit the budget and the
-        vocabulary before it joins a batch: a bad one is refused alone, naming the field."""
-        limit, vocab = self.speculator.config.max_num_draft_tokens, self.speculator.target_pass.target.cfg.vocab_size
-        if len(tree) > limit:
-            raise InvalidRequestError(C.DRAFT_TOKENS, f"at most {limit} draft tokens (max_num_draft_tokens), got {len(tree)}")
-        if tree.tokens and not (0 <= min(tree.tokens) and max(tree.tokens) < vocab):
-            raise InvalidRequestError(C.DRAFT_TOKENS, f"token ids must be in [0, {vocab})")
-        if tree.draft_probs is not None and tuple(tree.draft_probs.shape) != (len(tree), vocab):
-            raise InvalidRequestError(C.DRAFT_PROBS, f"must have shape [{len(tree)}, {vocab}], got {list(tree.draft_probs.shape)}")
-        return tree
-
-    def _check_budget(self, num_draft_tokens: int) -> int:
-        limit = self.speculator.config.max_num_draft_tokens
-        if not 0 <= num_draft_tokens <= limit:
-            raise InvalidRequestError(C.NUM_DRAFT_TOKENS, f"must be in [0, {limit}] (max_num_draft_tokens), got {num_draft_tokens}")
-        return num_draft_tokens
+    def finalize(self):
+        self.scheduler.close()
+        self.metrics.flush()

@@ -1,0 +1,247 @@
+"""In-flight batching: one scheduler owns every live sequence and puts each ready one into
+every target forward (prompt chunks, decode steps and verification trees together), as
+TensorRT-LLM's `inflight_fused_batching`, vLLM and SGLang run.
+
+A thread runs SpecEngine rounds back to back while any sequence lives: requests join at the
+next round (their prompt prefilled, in chunks beside the running streams), cancellations
+take effect before the next forward, and each round's tokens go to every sequence's sink as
+soon as the round is done. No Triton here: the Triton `verifier` model hands requests in
+and implements the sinks with response senders (specdec/triton_models/verifier_model.py);
+tests drive it in process.
+
+Drafters served apart (a separate model) are asked once per round, concurrently, for every
+sequence of theirs that has a reply to hand over (serving/loop.py's _SeparateDrafter keeps
+their rules: merged replies, keep-alive), before the forward that verifies their trees.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol, Sequence
+
+from specdec.config import SamplingParams
+from specdec.engine.step import StepResult
+from specdec.engine.tree import DraftTree
+from specdec.serving.loop import LoopBackend, _SeparateDrafter
+from specdec.serving.spec_engine import SpecEngine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Where one sequence's outputs go (a Triton response sender, a test's list)."""
+
+    def emit(self, out: StepOutput) -> bool:
+        """Deliver one round's output (finished: the last one). False: nobody listens any
+        more, and the scheduler drops the sequence."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The request ends with this error (its last message)."""
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What one round did, for metrics: sequences in the forward, and its wall time."""
+
+    sequences: int
+    prefilling: int
+    seconds: float
+    draft_apart_seconds: float
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    method: str
+    num_draft_tokens: int | None
+    sink: Sink
+
+
+class BatchScheduler:
+    """Runs `engine` on its own thread. submit() and cancel() may be called from any thread;
+    everything that touches the engine (validation included: the tokenizer is not shared
+    across threads) runs on the scheduler's thread, between forwards.
+
+    apart_backend(request_id): the calls to the drafter served apart for that sequence
+    (start_drafter / draft / release of a LoopBackend); apart_methods: the methods drafted
+    there; hidden_methods: those of them that need the target's taps."""
+
+    def __init__(
+        self,
+        engine: SpecEngine,
+        apart_backend: Callable[[str], LoopBackend] | None = None,
+        apart_methods: frozenset[str] = frozenset(),
+        hidden_methods: frozenset[str] = frozenset(),
+        on_round: Callable[[RoundInfo], None] | None = None,
+        on_live: Callable[[int], None] | None = None,
+        drafter_keepalive_s: float = 60.0,
+    ):
+        """on_round: after each forward, before its outputs go out; on_live(sequences
+        holding a slot): whenever that may have changed (joins, ends, cancels)."""
+        self.engine = engine
+        self.apart_backend, self.apart_methods, self.hidden_methods = apart_backend, apart_methods, hidden_methods
+        self.on_round, self.on_live = on_round, on_live
+        self.keepalive_s = drafter_keepalive_s
+        self._inbox: list[_Submit | str] = []  # submits and cancels (request ids), in arrival order
+        self._lock = threading.Lock()
+        self._sinks: dict[str, Sink] = {}
+        self._apart: dict[str, _SeparateDrafter] = {}
+        self._replies: dict[str, StepResult] = {}  # the last reply of a sequence drafted apart
+        self._loop = asyncio.new_event_loop()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), name="specdec-scheduler",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- from any thread -----------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, method: str,
+               num_draft_tokens: int | None, sink: Sink) -> None:
+        """The request joins the next round; a bad field is answered through sink.fail."""
+        self._post(_Submit(request_id, prompt_ids, params, method, num_draft_tokens, sink))
+
+    def cancel(self, request_id: str) -> None:
+        """The sequence ends before the next forward (its sink hears finish reason
+        `cancelled`); unknown or finished ids are ignored."""
+        self._post(request_id)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current round; live sequences end with an error."""
+        self._stopping = True
+        self._loop.call_soon_threadsafe(self._wake.set)
+        self._thread.join(timeout_s)
+
+    @property
+    def live(self) -> int:
+        return len(self._sinks)
+
+    def _post(self, item: _Submit | str) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ---- the scheduler's thread -----------------------------------------------------------
+    async def _main(self) -> None:
+        while not self._stopping:
+            if not self._sinks and not self._inbox:
+                await self._wake.wait()
+            self._wake.clear()
+            self._take_inbox()
+            if self._sinks and not self._stopping:
+                await self._round()
+            if self.on_live is not None:
+                self.on_live(len(self.engine.sequences))
+            else:
+                await asyncio.sleep(0)  # let finished releases of drafters served apart go out
+        for request_id in list(self._sinks):
+            self._end(request_id, error=RuntimeError("the server is shutting down"))
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, str):
+                self._cancel(item)
+                continue
+            try:
+                req = self.engine.prepare_request(item.request_id, item.prompt_ids, item.params, item.method, item.num_draft_tokens)
+                self.engine.add_state(req)
+            except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
+                item.sink.fail(exc)
+                continue
+            self._sinks[req.request_id] = item.sink
+            if self.apart_backend is not None and req.speculative and req.method in self.apart_methods:
+                self._apart[req.request_id] = _SeparateDrafter(self.apart_backend(req.request_id), req, self.keepalive_s)
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id in self.engine.sequences:
+            out = self.engine.cancel(request_id)
+            self._deliver(out)
+
+    async def _round(self) -> None:
+        t0 = time.perf_counter()
+        trees = await self._draft_apart()
+        t1 = time.perf_counter()
+        want_hidden = frozenset(rid for rid, req in self.engine.sequences.items() if req.method in self.hidden_methods)
+        live = len(self.engine.sequences)
+        prefilling = sum(1 for req in self.engine.sequences.values() if not req.output_ids)
+        try:
+            outputs = self.engine.step(trees, want_hidden)
+        except Exception as exc:  # noqa: BLE001 - the batch's failure answers each of its requests
+            log.exception("a round failed; its sequences end with the error")
+            for request_id in list(self._sinks):
+                self._end(request_id, error=exc)
+            return
+        if self.on_round is not None:
+            self.on_round(RoundInfo(live, prefilling, time.perf_counter() - t0, t1 - t0))
+        for out in outputs:
+            if out.step is not None and out.request_id in self._apart:
+                out.step.draft_seconds = t1 - t0
+            self._deliver(out)
+
+    async def _draft_apart(self) -> dict[Hashable, DraftTree]:
+        """Every sequence drafted apart that has a reply to hand over: its next tree, all
+        asked at once (the drafter model batches them into one execute)."""
+        ready = [(rid, reply) for rid, reply in self._replies.items() if rid in self._apart]
+        self._replies.clear()
+        if not ready:
+            return {}
+        trees = await asyncio.gather(*(self._apart[rid].tree(reply) for rid, reply in ready), return_exceptions=True)
+        out = {}
+        for (rid, _), tree in zip(ready, trees):
+            if isinstance(tree, BaseException):
+                self._end(rid, error=tree)
+            else:
+                out[rid] = tree
+        return out
+
+    def _deliver(self, out: StepOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        try:
+            listening = sink.emit(out)
+        except Exception:  # noqa: BLE001 - a sink that raises is a listener gone
+            log.exception("a sink failed; its sequence is dropped")
+            listening = False
+        if out.finished:
+            self._forget(out.request_id)
+        elif not listening:
+            self._end(out.request_id)
+        elif out.request_id in self._apart and out.step is not None:
+            self._replies[out.request_id] = out.step
+
+    def _end(self, request_id: str, error: BaseException | None = None) -> None:
+        """Drop a sequence (its slot freed), telling its sink the error if there is one."""
+        sink = self._sinks.get(request_id)
+        if request_id in self.engine.sequences:
+            try:
+                self.engine.cancel(request_id)
+            except Exception:  # noqa: BLE001 - freeing what a failed round left behind
+                log.exception("releasing %s", request_id)
+        if error is not None and sink is not None:
+            try:
+                sink.fail(error)
+            except Exception:  # noqa: BLE001
+                log.exception("telling %s of its error", request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._replies.pop(request_id, None)
+        separate = self._apart.pop(request_id, None)
+        if separate is not None and separate.started:
+            self._loop.create_task(self._release_apart(separate))
+
+    @staticmethod
+    async def _release_apart(separate: _SeparateDrafter) -> None:
+        try:
+            await separate.backend.release(False, True)
+        except Exception:  # noqa: BLE001 - the drafter's idle timeout frees it anyway
+            log.exception("releasing a drafter served apart")
+
