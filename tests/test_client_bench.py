@@ -374,6 +374,57 @@ def test_summary_of_a_fake_run_validates_and_compares(tmp_path):
     assert "| ITL (TPOT) p50/p99 ms | inter-chunk p50/p99 ms |" in text
 
 
+def test_goodput_counts_requests_within_both_slo_limits():
+    fast = M.Trace(send=0.0, chunks=[0.1, 0.2], end=0.3, output_tokens=3)  # TTFT 100 ms, TPOT 100 ms
+    slow_start = M.Trace(send=0.0, chunks=[0.6, 0.7], end=0.8, output_tokens=3)  # TTFT 600 ms
+    slow_tokens = M.Trace(send=0.0, chunks=[0.1, 0.5], end=0.9, output_tokens=3)  # TPOT 400 ms
+    failed = M.Trace(send=0.0, chunks=[0.1], end=0.2, output_tokens=1, error="busy")
+    slo = M.Slo(ttft_s=0.5, tpot_s=0.2)
+    assert [slo.met(t) for t in (fast, slow_start, slow_tokens, failed)] == [True, False, False, False]
+    g = M.goodput([fast, slow_start, slow_tokens, failed], 2.0, slo)
+    assert g == {"requests_per_s": 0.5, "output_tok_s": 1.5, "attainment": 0.25}
+    assert M.Slo(ttft_s=0.5).met(slow_tokens) and M.Slo(tpot_s=0.5).met(slow_start)
+
+
+def test_the_sustained_rate_is_the_highest_rate_below_which_every_rate_met_the_slo():
+    from specdec_client.summary import sustained_rates
+
+    def entry(mode, rate, attainment):
+        return {"mode": mode, "request_rate": rate, "goodput": {"attainment": attainment}}
+
+    entries = [entry("baseline", 1.0, 1.0), entry("baseline", 2.0, 0.95), entry("baseline", 4.0, 0.5),
+               entry("ngram", 1.0, 0.8), entry("ngram", 2.0, 1.0),  # fails at the lowest: never sustained
+               entry("eagle3", 4.0, 0.9), entry("eagle3", 1.0, 1.0), entry("eagle3", 2.0, 0.92)]
+    out = {s["mode"]: s["sustained_rate"] for s in sustained_rates(entries, 0.9)}
+    assert out == {"baseline": 2.0, "ngram": None, "eagle3": 4.0}
+
+
+def test_an_slo_sweep_reports_goodput_sustained_rates_and_a_latency_plot(tmp_path):
+    from specdec_client.report import render_markdown, write_report
+
+    cfg = config(modes=tuple(parse_modes(["ngram"])), loads=(LoadPoint(request_rate=1.0), LoadPoint(request_rate=2.0)),
+                 slo_ttft_ms=150.0, slo_tpot_ms=100.0)
+    blocks, t = [], 100.0
+    for plan in schedule(cfg, 2):
+        speed = 2.0 if plan.mode.name == "ngram" else 1.0
+        records, start = [], t
+        for i in plan.prompt_indices:
+            chunks = [t + (0.1 + 0.05 * k) / speed for k in range(8)]  # TTFT 100 or 50 ms
+            end = chunks[-1] + 0.001
+            records.append(RequestRecord(plan.mode.name, None, plan.load.request_rate, plan.repeat, plan.block, i, t, chunks,
+                                         end, 8, 7, 0, 0, True, "x", None))
+            t = end
+        blocks.append(BlockResult(plan, start, t, records, None))
+    result = BenchResult(cfg, 100.0, 0.0, blocks)
+    summary = build_summary(result, env_stub(), {"name": "jsonl", "selected": 2})
+    validate(summary)
+    assert {s["mode"]: s["sustained_rate"] for s in summary["slo"]["sustained"]} == {"baseline": 2.0, "ngram": 2.0}
+    assert all(r["goodput"]["attainment"] == 1.0 for r in summary["runs"])
+    assert "## Goodput under the SLO" in render_markdown(summary, [])
+    plots = write_report(summary, [r.as_json(result.t0) for r in result.records], tmp_path)
+    assert "latency_vs_rate.png" in plots
+
+
 def test_report_plots_per_token_itl_and_inter_chunk_latency_apart(tmp_path):
     from specdec_client.report import write_report
 

@@ -1,9 +1,10 @@
 """Every request is answered, and one bad request never touches another's state: malformed
-strings, malformed trees sent straight to the verifier (the real Triton server)."""
+strings, malformed generations sent straight to the verifier (the real Triton server)."""
 from __future__ import annotations
 
 import json
 import queue
+import time
 import urllib.error
 import urllib.request
 
@@ -12,6 +13,7 @@ import pytest
 
 import specdec_wire as P
 from specdec.triton_models import contract as C
+from specdec.config import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.serving.request import ServedOffer, parse_request
 
@@ -61,78 +63,103 @@ def test_malformed_strings_get_an_answer_naming_the_field(triton_server, model, 
     assert urllib.request.urlopen(triton_server.endpoints.http_url + "/v2/health/ready").status == 200
 
 
-def test_a_malformed_tree_is_refused_alone_and_changes_nothing(triton_server, grpc_client):
-    """Straight to the verifier: a tree with an out-of-vocabulary token, a bad parent or too
-    many nodes, or a START with a drafting budget out of range, is answered with an error
-    naming the field; the sequence still verifies a good tree afterwards, the refused START
-    takes no slot, and ordinary requests are served."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
-    call = _verifier_caller(client, key=TEST_INTERNAL_KEY)
-
-    seq = 4242
-    first = call(seq, start=True, **{P.INPUT_IDS: [1, 2, 3, 4]}).as_numpy(P.OUTPUT_IDS)
-    assert first.size == 1
-    for tokens, parents, field in (([10**8], [-1], C.DRAFT_TOKENS), ([5, 6], [-1, 7], C.DRAFT_PARENTS),
-                                   (list(range(5, 5 + 40)), list(range(-1, 39)), C.DRAFT_TOKENS)):
-        with pytest.raises(Exception, match=field):
-            call(seq, **{C.DRAFT_TOKENS: tokens, C.DRAFT_PARENTS: parents})
-    ok = call(seq, **{C.DRAFT_TOKENS: [5], C.DRAFT_PARENTS: [-1]}).as_numpy(P.OUTPUT_IDS)
-    assert 1 <= ok.size <= 2
-    call(seq, end=True)
-    # The drafting budget comes with START: one beyond the engine's bound is refused and takes no slot.
+def test_a_malformed_generation_is_refused_alone_and_changes_nothing(triton_server, grpc_client):
+    """Straight to the verifier: a generation with a drafting budget out of range, unreadable
+    sampling settings, an out-of-vocabulary prompt or an unknown method is answered with an
+    error naming the field, takes no slot, and ordinary requests are served."""
+    verifier = _VerifierCaller(triton_server, key=TEST_INTERNAL_KEY)
     active = _active_verifier_sequences(triton_server)
-    with pytest.raises(Exception, match=C.NUM_DRAFT_TOKENS):
-        call(seq + 1, start=True, **{P.INPUT_IDS: [1, 2, 3, 4], C.NUM_DRAFT_TOKENS: [10**6]})
+    good = C.encode_generation(SamplingParams(max_tokens=2)).tolist()
+    for inputs, field in (({C.NUM_DRAFT_TOKENS: [10**6], P.SPECULATIVE_METHOD: ["ngram"]}, C.NUM_DRAFT_TOKENS),
+                          ({C.GENERATION: [b"{not json"]}, C.GENERATION),
+                          ({P.INPUT_IDS: [10**8]}, P.INPUT_IDS),
+                          ({P.SPECULATIVE_METHOD: ["lookahead"], C.NUM_DRAFT_TOKENS: [2]}, P.SPECULATIVE_METHOD)):
+        answers = verifier.generate(4242, {P.INPUT_IDS: [1, 2, 3, 4], C.GENERATION: good, **inputs})
+        assert len(answers) == 1 and isinstance(answers[0], Exception) and field in str(answers[0]), (field, answers)
     assert _active_verifier_sequences(triton_server) == active
-    client.close()
+    tokens = verifier.generate(4243, {P.INPUT_IDS: [1, 2, 3, 4], C.GENERATION: good})
+    assert sum(len(r.as_numpy(P.OUTPUT_IDS).reshape(-1)) for r in tokens) == 2  # the round stream: 2 tokens in all
+    verifier.close()
     assert grpc_client.generate(_request()).text
 
 
-def _verifier_caller(client, key: str | None):
-    import tritonclient.grpc as grpcclient
+class _VerifierCaller:
+    """Talks to the decoupled verifier as the loop does (one stream per sequence; STOP by
+    correlation id), with `key` or without."""
 
-    def call(seq_id, start=False, end=False, **arrays):
+    def __init__(self, triton_server, key: str | None):
+        import tritonclient.grpc as grpcclient
+
+        self.grpcclient, self.key = grpcclient, key
+        self.client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
+        self.answers: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.answers.put(error if error is not None else result))
+
+    def _inputs(self, arrays):
         tensors = []
-        for name, value in arrays.items():
-            tensor = grpcclient.InferInput(name, [1, len(value)], "INT32")
-            tensor.set_data_from_numpy(np.int32(value)[None])
+        for name, values in arrays.items():
+            if isinstance(values[0], (str, bytes)):
+                value, kind = np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=object), "BYTES"
+            elif isinstance(values[0], bool):
+                value, kind = np.array([values], dtype=np.bool_), "BOOL"
+            else:
+                value, kind = np.array([values], dtype=np.int32), "INT32"
+            tensor = self.grpcclient.InferInput(name, list(value.shape), kind)
+            tensor.set_data_from_numpy(value)
             tensors.append(tensor)
-        if key is not None:
-            tensor = grpcclient.InferInput(C.INTERNAL_KEY, [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[key.encode()]], dtype=object))
+        if self.key is not None:
+            tensor = self.grpcclient.InferInput(C.INTERNAL_KEY, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[self.key.encode()]], dtype=object))
             tensors.append(tensor)
-        return client.infer("verifier", tensors, sequence_id=seq_id, sequence_start=start, sequence_end=end,
-                            outputs=[grpcclient.InferRequestedOutput(P.OUTPUT_IDS)])
+        return tensors
 
-    return call
+    def send(self, seq_id, arrays, outputs=(P.OUTPUT_IDS,)):
+        self.client.async_stream_infer("verifier", self._inputs(arrays), sequence_id=seq_id, enable_empty_final_response=True,
+                                       outputs=[self.grpcclient.InferRequestedOutput(n) for n in outputs])
+
+    def collect(self, timeout_s: float = 120.0) -> list:
+        """Answers until one stream's end (an error, or the final flag)."""
+        out = []
+        while True:
+            answer = self.answers.get(timeout=timeout_s)
+            out.append(answer)
+            if isinstance(answer, Exception) or answer.get_response().parameters["triton_final_response"].bool_param:
+                return [a for a in out if isinstance(a, Exception) or a.get_response().outputs]
+
+    def generate(self, seq_id, arrays):
+        self.send(seq_id, arrays)
+        return self.collect()
+
+    def close(self):
+        self.client.stop_stream()
+        self.client.close()
 
 
 def test_the_internal_models_refuse_callers_without_the_servers_key(triton_server):
-    """Without the per-server secret a START takes no slot, a step reads nothing and an END
-    frees nothing, even with a live sequence's id; with it, that sequence carries on. (Triton's
-    sequence batcher itself forgets a sequence on any END, which is why the loop's
-    correlation ids are random 63-bit numbers: nobody can aim at a live one.)"""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(triton_server.endpoints.grpc)
-    loop, stranger, guesser = (_verifier_caller(client, key) for key in (TEST_INTERNAL_KEY, None, "guess"))
-    assert loop(777, start=True, **{P.INPUT_IDS: [1, 2, 3]}).as_numpy(P.OUTPUT_IDS).size == 1
+    """Without the per-server secret a generation takes no slot and a STOP stops nothing,
+    even with a live sequence's id; with it, the STOP ends that sequence (`cancelled`). The
+    loop's correlation ids are random 63-bit numbers: nobody can aim at a live one."""
+    loop, stranger, guesser = (_VerifierCaller(triton_server, key) for key in (TEST_INTERNAL_KEY, None, "guess"))
+    long = C.encode_generation(SamplingParams(max_tokens=400, ignore_eos=True)).tolist()
+    loop.send(777, {P.INPUT_IDS: [1, 2, 3], C.GENERATION: long}, outputs=(P.OUTPUT_IDS, P.FINISH_REASON))
+    first = loop.answers.get(timeout=120)
+    assert not isinstance(first, Exception) and first.as_numpy(P.OUTPUT_IDS).size >= 1
     for caller in (stranger, guesser):
-        with pytest.raises(Exception, match="speculative loop only"):
-            caller(778, start=True, **{P.INPUT_IDS: [1, 2, 3]})
-        with pytest.raises(Exception, match="speculative loop only"):
-            caller(777)  # a step on someone else's sequence
-    assert _active_verifier_sequences(triton_server) == 1  # only the loop's own
-    assert loop(777).as_numpy(P.OUTPUT_IDS).size == 1  # still alive
-    with pytest.raises(Exception, match="speculative loop only"):
-        stranger(777, end=True)
-    assert _active_verifier_sequences(triton_server) == 1  # our state untouched
-    with pytest.raises(Exception, match="already running"):  # Triton forgot 777; the loop's END still frees it
-        loop(777, start=True, end=True, **{P.INPUT_IDS: [1, 2, 3]})
+        refusal = caller.generate(778, {P.INPUT_IDS: [1, 2, 3], C.GENERATION: long})
+        assert "speculative loop only" in str(refusal[0])
+        assert "speculative loop only" in str(caller.generate(777, {C.STOP: [True]})[0])  # at someone else's sequence
+    assert _active_verifier_sequences(triton_server) == 1  # only the loop's own, still generating
+    stopper = _VerifierCaller(triton_server, TEST_INTERNAL_KEY)
+    assert stopper.generate(777, {C.STOP: [True]}) == []  # answered at once, empty
+    rest = loop.collect()
+    reasons = [bytes(r.as_numpy(P.FINISH_REASON).reshape(-1)[0]).decode() for r in rest]
+    assert reasons[-1] == "cancelled" and len(rest) < 399
+    deadline = time.time() + 10  # the gauge follows the cancel within a round
+    while time.time() < deadline and _active_verifier_sequences(triton_server) > 0:
+        time.sleep(0.1)
     assert _active_verifier_sequences(triton_server) == 0
-    client.close()
+    for caller in (loop, stranger, guesser, stopper):
+        caller.close()
 
 
 def _drafter_caller(client, key: str | None):

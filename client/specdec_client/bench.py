@@ -23,7 +23,7 @@ from specdec_client import server_metrics
 from specdec_client.client import AsyncSpecDecClient, GenerateRequest
 from specdec_client.datasets import Prompt
 from specdec_client.errors import SpecDecClientError
-from specdec_client.metrics import Trace
+from specdec_client.metrics import Slo, Trace
 
 BASELINE = "baseline"
 METHOD_NONE = "none"  # the server's method label for plain decoding
@@ -103,6 +103,11 @@ class BenchConfig:
     warmup: int = 2  # requests per mode, not recorded
     timeout_s: float = 600.0
     arrival_seed: int = 0
+    # A service-level objective for goodput (requests within both limits per second) and
+    # the rate each mode sustains; None: not judged.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_attainment: float = 0.9  # a rate is sustained when this share of its requests met the SLO
 
     def __post_init__(self):
         if not self.modes or not self.modes[0].is_baseline:
@@ -121,6 +126,19 @@ class BenchConfig:
             raise BenchConfigError(f"--block-size must be >= 1, got {self.block_size}")
         if self.prompts_per_concurrency is not None and self.prompts_per_concurrency < 1:
             raise BenchConfigError(f"--prompts-per-concurrency must be >= 1, got {self.prompts_per_concurrency}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise BenchConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not 0 < self.slo_attainment <= 1:
+            raise BenchConfigError(f"--slo-attainment must be in (0, 1], got {self.slo_attainment}")
+
+    @property
+    def slo(self) -> "Slo | None":
+        if self.slo_ttft_ms is None and self.slo_tpot_ms is None:
+            return None
+        return Slo(None if self.slo_ttft_ms is None else self.slo_ttft_ms / 1e3,
+                   None if self.slo_tpot_ms is None else self.slo_tpot_ms / 1e3)
 
     @property
     def greedy(self) -> bool:

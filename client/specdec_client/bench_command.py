@@ -64,6 +64,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_ints, help=f"closed-loop concurrencies (default {DEFAULT_CONCURRENCY} "
                                                       "unless only --request-rate is given)")
     p.add_argument("--request-rate", type=_floats, default=[], help="open-loop Poisson rates in requests/s")
+    p.add_argument("--slo-ttft-ms", type=float, help="SLO: TTFT limit; with it the report gives goodput and, for "
+                   "--request-rate sweeps, the highest rate each mode sustains")
+    p.add_argument("--slo-tpot-ms", type=float, help="SLO: TPOT (per-token latency after the first) limit")
+    p.add_argument("--slo-attainment", type=float, default=0.9, help="share of requests that must meet the SLO for a "
+                   "rate to count as sustained (default 0.9)")
     p.add_argument("--repeats", type=int, default=1, help="times every prompt is run per mode and load")
     p.add_argument("--block-size", type=int, help="prompts per interleaved block (default max(8, 2 x concurrency))")
     p.add_argument("--warmup", type=int, default=2, help="unrecorded warm-up requests per mode")
@@ -118,7 +123,7 @@ def load_config(args, target: Target) -> BenchConfig:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
         repeats=args.repeats, block_size=args.block_size, prompts_per_concurrency=args.prompts_per_concurrency,
         warmup=args.warmup, timeout_s=args.timeout,
-        arrival_seed=args.seed,
+        arrival_seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_attainment=args.slo_attainment,
     )
 
 

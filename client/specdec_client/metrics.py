@@ -103,6 +103,33 @@ def per_user_tok_s(t: Trace) -> float | None:
     return None if span is None else t.output_tokens / span
 
 
+@dataclass(frozen=True)
+class Slo:
+    """A service-level objective per request: TTFT and TPOT limits (None: no limit). A
+    request meets it when it succeeded and is within every limit given (a one-token answer
+    has no TPOT and is judged by its TTFT alone)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, t: Trace) -> bool:
+        if not t.ok:
+            return False
+        first, per_token = ttft(t), tpot(t)
+        if self.ttft_s is not None and (first is None or first > self.ttft_s):
+            return False
+        return self.tpot_s is None or per_token is None or per_token <= self.tpot_s
+
+
+def goodput(traces: Sequence[Trace], wall_s: float, slo: Slo) -> dict[str, float]:
+    """DistServe's goodput: requests (and their output tokens) per second that met the SLO,
+    and the fraction of requests that met it (attainment)."""
+    good = [t for t in traces if slo.met(t)]
+    return {"requests_per_s": len(good) / wall_s if wall_s > 0 else 0.0,
+            "output_tok_s": sum(t.output_tokens for t in good) / wall_s if wall_s > 0 else 0.0,
+            "attainment": len(good) / len(traces) if traces else 0.0}
+
+
 # ---- distributions -----------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
     """q-th percentile (0..100), linear interpolation between closest ranks."""

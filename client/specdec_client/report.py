@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from specdec_client import metrics as M
 
 PLOTS = ("throughput_vs_concurrency.png", "ratio_vs_concurrency.png", "itl_cdf.png", "inter_chunk_latency_cdf.png",
-         "acceptance_by_position.png")
+         "acceptance_by_position.png", "latency_vs_rate.png")
 ADAPTIVE_FLOOR = 0.97  # the ratio to the baseline an adaptive budget should never fall below
 NEAR_BEST = 0.97  # "within 3% of the best fixed configuration"
 
@@ -181,8 +181,30 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
         lines += [f"- {m['mode']}: {m['identical']} / {m['compared']}" for m in loss.get("by_mode", [])]
     else:
         lines.append("Sampling (temperature > 0): outputs are not expected to match token for token; not compared.")
+    lines += slo_lines(summary)
     lines += ["", "## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
+
+
+def slo_lines(summary: dict[str, Any]) -> list[str]:
+    """Goodput under the SLO per run and, over an open-loop rate sweep, the rate each mode sustains."""
+    slo = summary.get("slo")
+    if not slo:
+        return []
+    limits = " and ".join(f"{name} <= {slo[key]:g} ms" for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))
+                          if slo.get(key) is not None)
+    lines = ["", "## Goodput under the SLO", "", f"SLO: {limits} per request; a rate is sustained when at least "
+             f"{slo['attainment']:.0%} of its requests meet it (and every lower rate's do).", "",
+             "| mode | load | goodput req/s | goodput tok/s | attainment |", "|---|---|---|---|---|"]
+    for r in summary["runs"]:
+        g = r.get("goodput")
+        if g is not None:
+            lines.append(f"| {r['mode']} | {r['load']} | {g['requests_per_s']:.2f} | {g['output_tok_s']:.1f} | {g['attainment']:.0%} |")
+    if slo.get("sustained"):
+        lines += ["", "| mode | highest sustained rate (req/s) |", "|---|---|"]
+        lines += [f"| {s['mode']} | {'below the lowest rate' if s['sustained_rate'] is None else format(s['sustained_rate'], 'g')} |"
+                  for s in slo["sustained"]]
+    return lines
 
 
 # ---- plots -------------------------------------------------------------------------------
@@ -194,7 +216,7 @@ def plot_all(summary: dict[str, Any], requests: Sequence[dict[str, Any]], out: P
     import matplotlib.pyplot as plt
 
     written = []
-    for name, draw in zip(PLOTS, (_throughput, _ratio, _itl_cdf, _inter_chunk_cdf, _acceptance)):
+    for name, draw in zip(PLOTS, (_throughput, _ratio, _itl_cdf, _inter_chunk_cdf, _acceptance, _latency_vs_rate)):
         fig = draw(plt, summary, requests)
         if fig is not None:
             fig.tight_layout()
@@ -251,6 +273,29 @@ def _ratio(plt, summary, requests):
     ax.set_title(f"Speedup over the baseline vs concurrency (dashed: {ADAPTIVE_FLOOR})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
+    return fig
+
+
+def _latency_vs_rate(plt, summary, requests):
+    """TTFT and TPOT (p50, p90 dashed) against the open-loop request rate, per mode."""
+    runs = [r for r in summary["runs"] if r["request_rate"] is not None]
+    if len({r["request_rate"] for r in runs}) < 2:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    slo = summary.get("slo") or {}
+    for ax, key, limit, title in ((axes[0], "ttft_ms", slo.get("ttft_ms"), "TTFT"), (axes[1], "tpot_ms", slo.get("tpot_ms"), "TPOT")):
+        for mode in _modes(summary):
+            for q, style in (("p50", "-"), ("p90", "--")):
+                pts = sorted((r["request_rate"], r[key][q]) for r in runs if r["mode"] == mode and r[key][q] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{mode} {q}")
+        if limit is not None:
+            ax.axhline(limit, color="red", linewidth=1, label="SLO")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"{title} vs request rate")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small")
     return fig
 
 

@@ -58,10 +58,12 @@ def group_runs(result: BenchResult) -> list[Run]:
     return [run for run in runs.values() if run.blocks]
 
 
-def run_entry(run: Run) -> dict[str, Any]:
+def run_entry(run: Run, slo: M.Slo | None = None) -> dict[str, Any]:
     m = run.metrics()
     positions = run.per_position()
+    traces = [r.trace() for b in run.blocks for r in b.records]
     return {
+        "goodput": None if slo is None else M.goodput(traces, run.wall_s, slo),
         "mode": run.mode.name, "method": run.mode.method, "num_draft_tokens": run.mode.num_draft_tokens,
         "concurrency": run.load.concurrency, "request_rate": run.load.request_rate, "load": run.load.label,
         "requests": m.requests, "failures": m.failures, "output_tokens": m.output_tokens, "wall_s": m.wall_s,
@@ -137,8 +139,29 @@ def lossless(result: BenchResult) -> dict[str, Any]:
             "identical": sum(i for _, i in counts.values()), "by_mode": by_mode}
 
 
+def sustained_rates(entries: list[dict[str, Any]], attainment: float) -> list[dict[str, Any]]:
+    """Per mode over the open-loop rates: the highest rate at which, and at every rate
+    below it, at least `attainment` of the requests met the SLO (None: not even the lowest)."""
+    out = []
+    for mode in dict.fromkeys(e["mode"] for e in entries):
+        rates = sorted((e["request_rate"], e["goodput"]["attainment"]) for e in entries
+                       if e["mode"] == mode and e["request_rate"] is not None and e["goodput"] is not None)
+        if not rates:
+            continue
+        sustained = None
+        for rate, met in rates:
+            if met < attainment:
+                break
+            sustained = rate
+        out.append({"mode": mode, "sustained_rate": sustained, "rates": [r for r, _ in rates],
+                    "attainment": [a for _, a in rates]})
+    return out
+
+
 def build_summary(result: BenchResult, env: dict[str, Any], dataset: dict[str, Any]) -> dict[str, Any]:
     runs = group_runs(result)
+    slo = result.config.slo
+    entries = [run_entry(run, slo) for run in runs]
     config = result.config.as_dict()
     config.update(dataset=dataset, started_unix=result.started_unix,
                   sampling={k: config[k] for k in ("temperature", "top_k", "top_p", "seed", "max_tokens", "ignore_eos", "stop")})
@@ -147,9 +170,13 @@ def build_summary(result: BenchResult, env: dict[str, Any], dataset: dict[str, A
         "schema_version": SCHEMA_VERSION,
         "env": env,
         "config": config,
-        "runs": [run_entry(run) for run in runs],
+        "runs": entries,
         "speedup": speedup_entries(runs),
         "lossless": lossless(result),
+        "slo": None if slo is None else {
+            "ttft_ms": result.config.slo_ttft_ms, "tpot_ms": result.config.slo_tpot_ms,
+            "attainment": result.config.slo_attainment,
+            "sustained": sustained_rates(entries, result.config.slo_attainment)},
     }
 
 
