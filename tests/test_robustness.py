@@ -285,7 +285,9 @@ def two_slot_server(tmp_path_factory, smol_dir):
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
     for model in ("verifier", "drafter"):
         config = read_pbtxt(repo / model / "config.pbtxt")
-        config.max_batch_size = config.sequence_batching.oldest.max_candidate_sequences = 2
+        config.max_batch_size = 2
+        if config.HasField("sequence_batching"):  # the drafter's (the verifier schedules its own sequences)
+            config.sequence_batching.oldest.max_candidate_sequences = 2
         write_pbtxt(repo / model / "config.pbtxt", config)
     settings = json.loads((repo / "specdec.json").read_text())
     settings["engine"].update(max_batch_size=2, max_seq_len=512, max_tokens_limit=512)
