@@ -145,3 +145,36 @@ def test_packed_rows_equal_padded_rows(tiny_llama_dir):
         assert torch.allclose(pre_packed.hidden_taps[b, : len(p)], pre_padded.hidden_taps[b, : len(p)], atol=1e-5)
         assert torch.allclose(step_packed.logits[b, : len(n)], step_padded.logits[b, : len(n)], atol=1e-5)
         assert torch.allclose(step_packed.hidden_taps[b, : len(n)], step_padded.hidden_taps[b, : len(n)], atol=1e-5)
+
+
+@pytest.mark.parametrize("slot_order", ["contiguous", "scattered"])
+def test_a_few_long_rows_beside_decode_rows_attend_apart_and_equal_padded_rows(tiny_llama_dir, slot_order):
+    """Most rows decode one token, two bring more (a draft tree, a prompt chunk): the first
+    token of every row attends as a decode row does and the long rows' later tokens apart
+    (Attention._split); logits and taps equal the padded forward's, and a decode row's
+    logits equal those it gets in a batch where every row decodes one token."""
+    model = load_transformer(tiny_llama_dir)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (5, 12, 7, 3, 9, 6)]
+    news = [[rng.randrange(96) for _ in range(n)] for n in (1, 4, 1, 1, 6, 1)]
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)  # row 1: a tree
+    depths = [None, [0, 1, 1, 2], None, None, None, None]
+    masks = [None, tree, None, None, None, None]
+
+    def run(pack: bool, rows):
+        cache = model.new_cache(8, 64, 8)
+        slots = [cache.allocate() for _ in range(8)]
+        slots = slots[:6] if slot_order == "contiguous" else [slots[i] for i in (7, 2, 5, 0, 3, 6)]
+        model(build_batch(slots, [0] * 6, prompts), cache, last_only=True, pack=pack)
+        for s, p in zip(slots, prompts):
+            cache.commit(s, range(len(p)))
+        return model(build_batch(slots, [len(p) for p in prompts], rows, [depths[b] if len(r) > 1 else None for b, r in
+                                                                          enumerate(rows)],
+                                 [masks[b] if len(r) > 1 else None for b, r in enumerate(rows)]), cache, tap_layers=(1,), pack=pack)
+
+    split, padded = run(True, news), run(False, news)
+    decode_only = run(False, [n[:1] for n in news])
+    for b, n in enumerate(news):
+        assert torch.allclose(split.logits[b, : len(n)], padded.logits[b, : len(n)], atol=1e-5)
+        assert torch.allclose(split.hidden_taps[b, : len(n)], padded.hidden_taps[b, : len(n)], atol=1e-5)
+        assert torch.allclose(split.logits[b, 0], decode_only.logits[b, 0], atol=1e-5)

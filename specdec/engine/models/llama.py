@@ -213,6 +213,8 @@ class Attention(nn.Module):
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
         k_cache[packing.token_slot, :, packing.token_position] = k
         v_cache[packing.token_slot, :, packing.token_position] = v
+        if packing.split is not None:
+            return self._split(q, step, cache)
         if not batch.fresh_prompts:
             B, N = batch.tokens.shape
             rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
@@ -227,6 +229,29 @@ class Attention(nn.Module):
             )  # [1, h, n, hd]
             out[start:end] = o[0].transpose(0, 1).reshape(end - start, h * hd)
         return out
+
+
+    def _split(self, q: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        """Most rows decode one token, a few bring more (a draft tree, a prompt chunk): every
+        row's first token attends as a decode row does ([B, h, 1, hd] over the rows' cached
+        prefix, the baseline's own call), and only the few longer rows' other tokens attend
+        apart, padded among themselves. Padding them all to the longest row instead made a
+        one-node draft in one of 16 sequences cost every sequence a second query row."""
+        h, hd = self.n_heads, self.hd
+        packing, batch, split = step.packing, step.batch, step.packing.split
+        B = batch.tokens.shape[0]
+        roots = q.index_select(0, packing.first).view(B, 1, h, hd).transpose(1, 2)  # [B, h, 1, hd]
+        root_out = F.scaled_dot_product_attention(roots, *self._context(batch, cache, split.root_context),
+                                                  attn_mask=step.mask, enable_gqa=True)
+        out = torch.empty(q.shape[0], h * hd, dtype=q.dtype, device=q.device)
+        out.index_copy_(0, packing.first, root_out.transpose(1, 2).reshape(B, h * hd))
+        R, M = split.rows.shape[0], split.width
+        rest = q.index_select(0, split.gather).view(R, M, h, hd).transpose(1, 2)  # [R, h, M, hd]
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        context = (k_cache[split.slots, :, : packing.context], v_cache[split.slots, :, : packing.context])
+        rest_out = F.scaled_dot_product_attention(rest, *context, attn_mask=step.rest_mask, enable_gqa=True)
+        rest_out = rest_out.transpose(1, 2).reshape(R * M, h * hd).index_select(0, split.real)
+        return out.index_copy_(0, split.target, rest_out)
 
 
 class MLP(nn.Module):
@@ -274,6 +299,8 @@ class Packing:
         self.token_position = self.pack(batch.write_index)
         # the cache columns any real token attends to (padding columns are never written)
         self.context = int(batch.write_index.cpu().gather(1, torch.tensor(num_new)[:, None] - 1).max()) + 1
+        self.first = (ends - torch.tensor(num_new)).to(device)  # each row's first token in packed order
+        self.split = _SplitRows(batch, self.spans) if _SplitRows.worth_it(batch) else None
 
     @staticmethod
     def worth_it(num_new: Sequence[int]) -> bool:
@@ -287,6 +314,33 @@ class Packing:
         """[T, D] -> [B*N, D] with zeros at the padding (callers view it as [B, N, ...])."""
         out = x.new_zeros(self.rows, x.shape[-1])
         return out.index_copy_(0, self.index, x)
+
+
+class _SplitRows:
+    """The layout of Attention._split: the rows with more than one new token ("long rows")
+    and their tokens after the first, padded to the longest of them ([R, M])."""
+
+    def __init__(self, batch: "ForwardBatch", spans: Sequence[tuple[int, int]]):
+        device = batch.tokens.device
+        long_rows = [b for b, n in enumerate(batch.num_new) if n > 1]
+        self.width = M = max(batch.num_new) - 1
+        gather, real, target = [], [], []
+        for r, b in enumerate(long_rows):
+            start, end = spans[b]
+            tokens = list(range(start + 1, end))
+            gather += tokens + [start] * (M - len(tokens))  # padding reads any real token; its output is dropped
+            real += range(r * M, r * M + len(tokens))
+            target += tokens
+        self.rows = torch.tensor(long_rows, dtype=torch.long, device=device)
+        self.slots = batch.slots.index_select(0, self.rows)
+        self.gather, self.real, self.target = (torch.tensor(x, dtype=torch.long, device=device) for x in (gather, real, target))
+        self.root_context = int(batch.write_index[:, 0].max()) + 1  # what the first tokens attend to
+
+    @staticmethod
+    def worth_it(batch: "ForwardBatch") -> bool:
+        """Rows already in the cache, at most half of them long (else padding them all is as cheap)."""
+        long_rows = sum(n > 1 for n in batch.num_new)
+        return not batch.fresh_prompts and 0 < long_rows <= len(batch.num_new) // 2
 
 
 def last_tokens(x: Tensor, batch: ForwardBatch, packing: Packing | None) -> Tensor:
@@ -306,6 +360,7 @@ class Step:
     mask: Tensor  # [B, 1, N, C] additive (0 / -inf) in the activation dtype
     p0: int  # first write column when B == 1
     packing: Packing | None = None  # the residual stream is [T, H] (real tokens only) when set
+    rest_mask: Tensor | None = None  # [R, 1, M, C] of the long rows' later tokens (packing.split); mask is then the first tokens'
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -322,6 +377,14 @@ def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack
     packing = Packing(batch, cos, sin) if pack and Packing.worth_it(batch.num_new) else None
     if packing is not None and batch.fresh_prompts:
         mask = torch.empty(0)  # attention runs per prompt, causally (Attention._packed)
+    elif packing is not None and packing.split is not None:
+        split = packing.split
+        mask = _additive(batch.attn_mask[:, :, :1, : split.root_context], dtype)
+        rest = batch.attn_mask.index_select(0, split.rows)[:, :, 1 : split.width + 1, : packing.context].clone()
+        padding = torch.arange(split.width, device=rest.device)[None, :] >= (
+            torch.tensor(batch.num_new, device=rest.device).index_select(0, split.rows.cpu()) - 1)[:, None]  # [R, M]
+        rest[:, 0, :, 0] |= padding  # a padding row keeps column 0 (no empty softmax row)
+        return Step(batch, cos, sin, mask, p0, packing, _additive(rest, dtype))
     else:
         allowed = batch.attn_mask
         if packing is not None:  # only the columns real tokens wrote; a padding row keeps column 0 (no empty softmax row)
@@ -329,10 +392,14 @@ def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack
             padding = torch.arange(allowed.shape[2], device=allowed.device)[None, :] >= torch.tensor(
                 batch.num_new, device=allowed.device)[:, None]  # [B, N]
             allowed[:, 0, :, 0] |= padding
-        # Additive mask once per forward (a bool mask is converted inside SDPA in every layer).
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, float("-inf"))
+        mask = _additive(allowed, dtype)
     return Step(batch, cos, sin, mask, p0, packing)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive mask (0 / -inf) once per forward: a bool mask is converted inside SDPA in every layer."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass
@@ -419,9 +486,13 @@ class Transformer(nn.Module):
             out_index.extend(range(b * width, b * width + k))
         picked = flat.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))
         logits = self.lm_head(self.norm(picked)).float()
-        out = logits.new_zeros(B * width, logits.shape[-1])
+        if len(out_index) == B * width:  # every row needs `width` logits: already in place
+            return logits.view(B, width, logits.shape[-1])
+        # Zeros only where no logits go (a [B * width, 49k] memset cost ~1 ms a step).
+        out = logits.new_empty(B * width, logits.shape[-1])
         out.index_copy_(0, torch.tensor(out_index, dtype=torch.long, device=x.device), logits)
-        return out.view(B, width, logits.shape[-1])
+        unused = sorted(set(range(B * width)) - set(out_index))
+        return out.index_fill_(0, torch.tensor(unused, dtype=torch.long, device=x.device), 0.0).view(B, width, logits.shape[-1])
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Map HF Llama/Mistral/Qwen2 weight names onto this module's fused layout."""
