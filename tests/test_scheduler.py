@@ -82,8 +82,8 @@ def test_every_live_stream_shares_each_forward_and_greedy_equals_plain(target_di
         scheduler.close()
     assert [sinks[str(i)].ids for i in range(len(ps))] == plain
     assert all(s.outputs[-1].finish_reason == "length" for s in sinks.values())
-    # All 8 joined one round (submitted together) and decoded together until the first finished.
-    assert rounds[0].sequences == 8 and max(r.sequences for r in rounds) == 8
+    # Submitted together, they join within a round or two and then decode together.
+    assert max(r.sequences for r in rounds) == 8
     decoding = [r.sequences for r in rounds if not r.prefilling]
     assert sorted(decoding)[len(decoding) // 2] >= 6  # the median round carries most of the live streams
     assert any(o.verified and o.step.draft_tokens for s in sinks.values() for o in s.outputs)  # ngram drafted

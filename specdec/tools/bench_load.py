@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--methods", default="eagle3-hybrid,ngram-adaptive", help="comma list beside the baseline")
     p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--prompts-at-1", type=int, default=16, help="prompts at concurrency 1 (a wave is one request)")
     p.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     args = p.parse_args(argv)
     repo = Path(args.model_repository)
@@ -113,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         through_triton(server.endpoints, texts[:2], "none", 0, 8, 2)  # warm-up both sides
         run_requests(engine, ids[:2], SamplingParams(max_tokens=8), "none", 0, 2)
         for c in levels:
+            n = min(len(texts), args.prompts_at_1) if c == 1 else len(texts)
             for block in range(args.blocks):
                 for label, method, k in modes:
-                    served = through_triton(server.endpoints, texts, method, k, args.max_tokens, c)
-                    local = run_requests(engine, ids, params, method, k, c)
+                    served = through_triton(server.endpoints, texts[:n], method, k, args.max_tokens, c)
+                    local = run_requests(engine, ids[:n], params, method, k, c)
                     point = {"concurrency": c, "block": block, "mode": label, "triton": served, "in_process": local,
                              "triton_over_in_process": served["output_tok_s"] / local["output_tok_s"]}
                     result["points"].append(point)

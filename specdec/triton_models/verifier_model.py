@@ -11,6 +11,8 @@ A STOP request (same correlation id) ends a live sequence before the next forwar
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
 scheduler, once per round for all of their sequences.
 """
+import queue
+import threading
 import time
 from typing import Callable
 
@@ -34,12 +36,43 @@ from specdec.triton_models.drafter_calls import DrafterCalls
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class SenderSink:
-    """A sequence's outputs as responses on its request's sender (scheduler thread)."""
+class ResponseThread:
+    """Sends every sequence's responses from one thread, in order. A send waits for the
+    server process to take the response (milliseconds each); sixteen of them a round,
+    sent from the scheduler's thread, held every stream for a round's worth of sends
+    before the next forward. Here they overlap with it."""
 
-    def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int]):
-        self.sender, self.log_probs = sender, log_probs
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="specdec-responses", daemon=True)
+        self._thread.start()
+
+    def put(self, sink: "SenderSink", response, flags: int) -> None:
+        self._queue.put((sink, response, flags))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sink, response, flags = item
+            if not sink.gone:
+                try:
+                    sink.sender.send(response, flags=flags)
+                except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
+                    sink.gone = True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+class SenderSink:
+    """A sequence's outputs as responses on its request's sender, through the response
+    thread. emit() answers False once a send has failed (the caller is gone): the scheduler
+    then drops the sequence, at most a round later."""
+
+    def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int], responses: ResponseThread):
+        self.sender, self.log_probs, self.responses = sender, log_probs, responses
         self.batch_sequences = batch_sequences  # of the round being delivered
+        self.gone = False
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
@@ -55,17 +88,11 @@ class SenderSink:
         ]
         if self.log_probs:
             outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(out.log_probs or [0.0] * len(out.new_token_ids))))
-        try:
-            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if out.finished else 0)
-            return True
-        except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
-            return False
+        self.responses.put(self, pb_utils.InferenceResponse(outputs), FINAL if out.finished else 0)
+        return not self.gone
 
     def fail(self, exc: BaseException) -> None:
-        try:
-            self.sender.send(error_response(exc), flags=FINAL)
-        except Exception:  # noqa: BLE001 - nobody to tell
-            pass
+        self.responses.put(self, error_response(exc), FINAL)
 
 
 class TritonPythonModel:
@@ -75,16 +102,20 @@ class TritonPythonModel:
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         target_cfg = read_model_config(model_dir)
-        speculator = build_colocated_speculator(settings)
-        self.engine = SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir), speculator=speculator)
+
+        def build_engine():  # on the scheduler's thread, where every forward will run
+            return SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir),
+                              speculator=build_colocated_speculator(settings))
+
         apart = colocated_methods(settings, False)
         key = internal_key()
         self.key = key
         self.heap = HeapTrimmer()
         self.metrics = Metrics(P.VERIFIER_METRICS)
         self._batch_sequences = 0  # in the last round's forward
+        self.responses = ResponseThread()
         self.scheduler = BatchScheduler(
-            self.engine,
+            build_engine,
             apart_backend=(lambda rid: DrafterCalls(int(rid), key, target_cfg.vocab_size, settings.engine.max_num_draft_tokens))
             if apart else None,
             apart_methods=frozenset(apart),
@@ -93,6 +124,7 @@ class TritonPythonModel:
             on_live=self._on_live,
             drafter_keepalive_s=settings.idle_timeout_s / 4,
         )
+        self.engine = self.scheduler.engine
         self._planner_published = 0.0
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="verifier")
 
@@ -115,7 +147,8 @@ class TritonPythonModel:
                 method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
                 budget = scalar(request, C.NUM_DRAFT_TOKENS, None, int)
                 self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget,
-                                      SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences))
+                                      SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences,
+                                                 self.responses))
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
         return None
@@ -147,4 +180,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
+        self.responses.close()
         self.metrics.flush()
