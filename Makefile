@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,7 +35,7 @@ test: prepare
 test-all: prepare
 	$(BIN)/python -m pytest -q tests
 
-# Every method in specdec.json through the real server at 1 and 8 streams vs the baseline (slow: outside make test)
+# Every method in specdec.json through the real server at 1 and 4 streams vs the baseline (part of make test too)
 test-methods: prepare
 	$(BIN)/python -m pytest -q tests/test_methods_served.py
 
@@ -49,6 +49,10 @@ tmp/llamacpp/build/bin/llama-bench:
 	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
 bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
 	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
+
+# In-flight batching at load: Triton vs the in-process engine, closed loop, same prompts (c=16 and 1, ~30 min)
+bench-load: prepare
+	$(BIN)/specdec bench-load --concurrency 16,1 --prompts-at-1 12 --out results/bench/load/in_flight.json
 
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json

@@ -449,7 +449,8 @@ def served_metrics() -> set[str]:
     """Every metric name a query may use: the wire contract's, the slot metrics (with the
     histogram's series) and Triton's."""
     wire = {v for k, v in vars(P).items() if k.isupper() and isinstance(v, str) and v.startswith("specdec_")}
-    histograms = {name + s for name, spec in P.LOOP_METRICS.items() if spec[0] == "histogram" for s in HISTOGRAM_SUFFIXES}
+    histograms = {name + s for families in (P.LOOP_METRICS, P.VERIFIER_METRICS) for name, spec in families.items()
+                  if spec[0] == "histogram" for s in HISTOGRAM_SUFFIXES}
     return wire | histograms | TRITON_METRICS
 
 

@@ -143,3 +143,20 @@ def test_headless_locust_run_writes_request_and_ttft_rows(triton_server, tmp_pat
     with (out / "production_ngram_stats_history.csv").open() as fh:
         assert {"gRPC", "TTFT", "ITL"} <= {row["Type"] for row in csv.DictReader(fh)}
     assert (out / "production_ngram.html").stat().st_size > 0
+
+
+def test_the_runner_prints_every_mode_beside_the_baseline(tmp_path):
+    """One runner call's modes in one table, each against the baseline's row."""
+    fields = ["Type", "Name", "Request Count", "Failure Count", "Requests/s", "Average Content Size", "50%"]
+    for mode, e2e, tpot, rate in (("baseline", 3000, 20, 4.0), ("ngram", 2000, 12, 6.0)):
+        with (tmp_path / f"production_{mode}_stats.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fields)
+            writer.writeheader()
+            for row_type, median in (("gRPC", e2e), ("TTFT", 100), ("TPOT", tpot)):
+                writer.writerow({"Type": row_type, "Name": mode, "Request Count": 10, "Failure Count": 0,
+                                 "Requests/s": rate, "Average Content Size": 64 if row_type == "gRPC" else 0, "50%": median})
+    table = run.side_by_side(tmp_path, "production", ["baseline", "ngram", "missing"])
+    rows = [line for line in table.splitlines() if line.startswith("| baseline") or line.startswith("| ngram")]
+    assert rows[0] == "| baseline | 10 | 0 | 256.0 | 100 | 20 | 3000 | 1.00 | 1.00 |"
+    assert rows[1] == "| ngram | 10 | 0 | 384.0 | 100 | 12 | 2000 | 1.50 | 0.60 |"
+    assert "missing" not in table
