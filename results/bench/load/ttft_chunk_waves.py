@@ -1,4 +1,5 @@
-"""A/B through Triton at c=16, baseline: chunk_prefill_waves off vs on (TTFT p50, tok/s)."""
+"""A/B through Triton at c=16: engine.chunk_prefill_waves off vs on (TTFT p50, tok/s). Ran with that option
+in the engine (2026-12-02); it moved nothing and was not kept, so this script no longer runs as is."""
 import json, sys, tempfile
 from pathlib import Path
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
