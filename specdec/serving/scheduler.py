@@ -154,11 +154,16 @@ class BatchScheduler:
             if not self._sinks and not self._inbox:
                 await self._wake.wait()
             self._wake.clear()
-            self._take_inbox()
-            if self._sinks and not self._stopping:
-                await self._round()
-            if self.on_live is not None:
-                self.on_live(len(self.engine.sequences))
+            try:
+                self._take_inbox()
+                if self._sinks and not self._stopping:
+                    await self._round()
+                if self.on_live is not None:
+                    self.on_live(len(self.engine.sequences))
+            except Exception as exc:  # noqa: BLE001 - the scheduler must outlive any one failure
+                log.exception("a scheduler round failed; its sequences end with the error")
+                for request_id in list(self._sinks):
+                    self._end(request_id, error=exc)
             else:
                 await asyncio.sleep(0)  # let finished releases of drafters served apart go out
         for request_id in list(self._sinks):

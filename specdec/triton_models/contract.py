@@ -36,7 +36,13 @@ GENERATION = "generation"
 # A request to the verifier that ends the sequence of its correlation id (a client that
 # cancelled or went away); answered at once, the sequence's own stream ends `cancelled`.
 STOP = "stop"
-# The verifier's numbers for one round of one sequence, one FP32 vector per response.
+# Whether the loop wants a response per round (a streamed request) or ONE final response
+# with every round in it (each round's numbers a row of STEP_STATS, its token count in
+# ROUND_TOKENS). One response is also what keeps a short non-streamed generation clear of a
+# lost response: rounds of a tiny model a millisecond apart once left a request hanging.
+ROUNDS = "rounds"
+ROUND_TOKENS = "round_tokens"
+# The verifier's numbers for one round of one sequence, one FP32 row per round.
 # verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
 # batch_sequences: sequences that shared the round's target forward.
 STEP_STATS = "step_stats"
@@ -71,11 +77,12 @@ MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
             (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
             (GENERATION, "TYPE_STRING", (1,), True),
             (STOP, "TYPE_BOOL", (1,), True),
+            (ROUNDS, "TYPE_BOOL", (1,), True),
             (INTERNAL_KEY, "TYPE_STRING", (1,), True),
         ),
         W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
-                       (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (len(STEP_STATS_FIELDS),)),
-                       (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
+                       (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (-1, len(STEP_STATS_FIELDS))),
+                       (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
     ),
     "drafter": (
         W.tensor_specs(

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import secrets
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,8 +37,9 @@ from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS]
+VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS, C.ROUND_TOKENS]
 LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
+POLL_S = 0.25  # how often a generation waiting for the verifier checks whether its client left
 
 
 def send(sender, response, flags) -> bool:
@@ -56,10 +57,11 @@ class VerifierStream:
     verifier's scheduler does the rest (in-flight batching); nothing here runs per step
     but relaying."""
 
-    def __init__(self, cid: int, key: bytes | None, req: RequestState, params: SamplingParams):
+    def __init__(self, cid: int, key: bytes | None, req: RequestState, params: SamplingParams, rounds: bool = True):
         """req: the loop's record of the request (ids, log probs, stats, end); params: the
-        request's settings as parsed (the verifier resolves their text rules itself)."""
-        self.cid, self.req, self.params = cid, req, params
+        request's settings as parsed (the verifier resolves their text rules itself);
+        rounds: a response per round (a streamed request), else one with every round."""
+        self.cid, self.req, self.params, self.rounds = cid, req, params, rounds
         self.key = None if key is None else np.array([key], dtype=np.object_)
         self.outputs = VERIFIER_OUT + [P.OUTPUT_LOG_PROBS] if req.params.return_log_probs else VERIFIER_OUT
 
@@ -72,12 +74,20 @@ class VerifierStream:
         )
 
     @staticmethod
-    async def _responses(request):
+    async def _responses(request, while_waiting: Callable[[], Awaitable[None]] | None = None):
         """The responses of a decoupled BLS call, each awaited off the event loop (the
-        iterator blocks until the verifier sends)."""
+        iterator blocks until the verifier sends); while_waiting runs every POLL_S meanwhile."""
         loop = asyncio.get_running_loop()
         iterator = iter(await request.async_exec(decoupled=True))
-        while (response := await loop.run_in_executor(None, next, iterator, None)) is not None:
+        while True:
+            pending = loop.run_in_executor(None, next, iterator, None)
+            while while_waiting is not None and not pending.done():
+                await asyncio.wait({pending}, timeout=POLL_S)
+                if not pending.done():
+                    await while_waiting()
+            response = await pending
+            if response is None:
+                return
             if response.has_error():
                 raise SpecDecError(response.error().message())
             yield response
@@ -88,42 +98,59 @@ class VerifierStream:
         req = self.req
         inputs = {P.INPUT_IDS: np.int32(req.prompt_ids), C.GENERATION: C.encode_generation(self.params),
                   P.SPECULATIVE_METHOD: np.array([req.method.encode()], dtype=np.object_),
-                  C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens])}
+                  C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens]), C.ROUNDS: np.bool_([self.rounds])}
         stopping = False
-        last = time.perf_counter()
-        async for response in self._responses(self._request(inputs, self.outputs)):
-            out = {name: t.as_numpy()[0] for name in self.outputs if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
-            if C.STEP_STATS not in out:  # an empty final response
-                continue
-            now = time.perf_counter()
-            update = self._update(out, now - last)
-            last = now
-            yield update
-            if update.finished:
-                return
+
+        async def stop_if_cancelled():  # a client gone mid-generation stops it before the next forward
+            nonlocal stopping
             if not stopping and is_cancelled():
                 stopping = True
                 await self.stop()
 
-    def _update(self, out, seconds) -> LoopUpdate:
+        last = time.perf_counter()
+        async for response in self._responses(self._request(inputs, self.outputs), stop_if_cancelled):
+            out = {name: t.as_numpy()[0] for name in self.outputs if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+            if C.STEP_STATS not in out:  # an empty final response
+                continue
+            now = time.perf_counter()
+            for update in self._updates(out, now - last):
+                yield update
+            last = now
+            if update.finished:
+                return
+            await stop_if_cancelled()
+
+    def _updates(self, out, seconds) -> list[LoopUpdate]:
+        """One update per round the response carries (one when streamed)."""
         req = self.req
-        stats = dict(zip(C.STEP_STATS_FIELDS, out[C.STEP_STATS].tolist()))
-        ids = out[P.OUTPUT_IDS].tolist()
+        rows = out[C.STEP_STATS].reshape(-1, len(C.STEP_STATS_FIELDS)).tolist()
+        counts = out[C.ROUND_TOKENS].reshape(-1).tolist()
+        ids = out[P.OUTPUT_IDS].reshape(-1).tolist()
         reason, text = (bytes(out[name].reshape(-1)[0]).decode("utf-8") for name in (P.FINISH_REASON, P.TEXT_OUTPUT))
-        log_probs = out[P.OUTPUT_LOG_PROBS].tolist() if P.OUTPUT_LOG_PROBS in out else None
-        req.output_ids.extend(ids)
-        if log_probs is not None:
-            req.log_probs.extend(log_probs)
-        verified = bool(stats["verified"])
-        depth, drafted, accepted = int(stats["draft_depth"]), int(stats["draft_tokens"]), int(stats["accepted"])
-        if verified:
-            req.stats.draft_seconds += stats["draft_seconds"]
-            req.stats.verify_seconds += stats["verify_seconds"]
-            req.stats.record_step(depth, drafted, accepted, len(ids))
-        if reason:
-            req.finish(reason)
-        return LoopUpdate(ids, text, bool(reason), reason or None, verified, depth, drafted, accepted,
-                          stats["draft_seconds"], stats["verify_seconds"], seconds, log_probs)
+        all_log_probs = out[P.OUTPUT_LOG_PROBS].reshape(-1).tolist() if P.OUTPUT_LOG_PROBS in out else None
+        updates, start = [], 0
+        for n, (row, count) in enumerate(zip(rows, counts)):
+            last = n == len(rows) - 1
+            stats = dict(zip(C.STEP_STATS_FIELDS, row))
+            tokens = ids[start : start + count]
+            log_probs = None if all_log_probs is None else all_log_probs[start : start + count]
+            start += count
+            req.output_ids.extend(tokens)
+            if log_probs is not None:
+                req.log_probs.extend(log_probs)
+            verified = bool(stats["verified"])
+            depth, drafted, accepted = int(stats["draft_depth"]), int(stats["draft_tokens"]), int(stats["accepted"])
+            if verified:
+                req.stats.draft_seconds += stats["draft_seconds"]
+                req.stats.verify_seconds += stats["verify_seconds"]
+                req.stats.record_step(depth, drafted, accepted, len(tokens))
+            finished = last and bool(reason)
+            if finished:
+                req.finish(reason)
+            updates.append(LoopUpdate(tokens, text if last else "", finished, reason if finished else None, verified, depth,
+                                      drafted, accepted, stats["draft_seconds"], stats["verify_seconds"],
+                                      seconds / len(rows), log_probs))
+        return updates
 
     async def stop(self) -> None:
         """End the sequence before the verifier's next forward."""
@@ -239,7 +266,7 @@ class TritonPythonModel:
     async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
         pieces = []
-        verifier = VerifierStream(int(req.request_id), self.key, req, parsed.params)
+        verifier = VerifierStream(int(req.request_id), self.key, req, parsed.params, rounds=stream)
         finished = False
         try:
             updates = verifier.updates(request.is_cancelled)

@@ -11,8 +11,6 @@ A STOP request (same correlation id) ends a live sequence before the next forwar
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
 scheduler, once per round for all of their sequences.
 """
-import queue
-import threading
 import time
 from typing import Callable
 
@@ -36,43 +34,18 @@ from specdec.triton_models.drafter_calls import DrafterCalls
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class ResponseThread:
-    """Sends every sequence's responses from one thread, in order. A send waits for the
-    server process to take the response (milliseconds each); sixteen of them a round,
-    sent from the scheduler's thread, held every stream for a round's worth of sends
-    before the next forward. Here they overlap with it."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="specdec-responses", daemon=True)
-        self._thread.start()
-
-    def put(self, sink: "SenderSink", response, flags: int) -> None:
-        self._queue.put((sink, response, flags))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            sink, response, flags = item
-            if not sink.gone:
-                try:
-                    sink.sender.send(response, flags=flags)
-                except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
-                    sink.gone = True
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-
 class SenderSink:
-    """A sequence's outputs as responses on its request's sender, through the response
-    thread. emit() answers False once a send has failed (the caller is gone): the scheduler
-    then drops the sequence, at most a round later."""
+    """A sequence's outputs as responses on its request's sender. Sent from the scheduler's
+    thread, which also makes the background work's other calls into Triton (metrics), so one
+    thread talks to the server. (A sender thread of its own, overlapping sends with the next
+    forward, measured within noise, and `make test` hung one request with it; the cause was
+    not found, so it was not kept.)"""
 
-    def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int], responses: ResponseThread):
-        self.sender, self.log_probs, self.responses = sender, log_probs, responses
+    def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int], rounds: bool = True):
+        """rounds: a response per round (streamed); False: one final response with every round."""
+        self.sender, self.log_probs, self.rounds = sender, log_probs, rounds
         self.batch_sequences = batch_sequences  # of the round being delivered
-        self.gone = False
+        self._held: list[tuple[StepOutput, list[float]]] = []  # rounds not sent yet (rounds=False)
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
@@ -80,19 +53,32 @@ class SenderSink:
         if step is not None:
             stats[1:7] = [step.accepted, step.draft_depth, step.draft_tokens, step.verify_seconds, step.draft_seconds,
                           step.num_draft_tokens]
+        self._held.append((out, stats))
+        if not (self.rounds or out.finished):
+            return True
+        held, self._held = self._held, []
+        ids = [t for o, _ in held for t in o.new_token_ids]
         outputs = [
-            batched(P.OUTPUT_IDS, np.asarray(out.new_token_ids, dtype=np.int32)),
-            text_tensor(P.TEXT_OUTPUT, out.text_delta),
+            batched(P.OUTPUT_IDS, np.asarray(ids, dtype=np.int32)),
+            text_tensor(P.TEXT_OUTPUT, "".join(o.text_delta for o, _ in held)),
             text_tensor(P.FINISH_REASON, out.finish_reason or ""),
-            batched(C.STEP_STATS, np.float32(stats)),
+            batched(C.STEP_STATS, np.float32([row for _, row in held])),
+            batched(C.ROUND_TOKENS, np.int32([len(o.new_token_ids) for o, _ in held])),
         ]
         if self.log_probs:
-            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(out.log_probs or [0.0] * len(out.new_token_ids))))
-        self.responses.put(self, pb_utils.InferenceResponse(outputs), FINAL if out.finished else 0)
-        return not self.gone
+            log_probs = [p for o, _ in held for p in (o.log_probs or [0.0] * len(o.new_token_ids))]
+            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs)))
+        try:
+            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if out.finished else 0)
+            return True
+        except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
+            return False
 
     def fail(self, exc: BaseException) -> None:
-        self.responses.put(self, error_response(exc), FINAL)
+        try:
+            self.sender.send(error_response(exc), flags=FINAL)
+        except Exception:  # noqa: BLE001 - nobody to tell
+            pass
 
 
 class TritonPythonModel:
@@ -113,7 +99,6 @@ class TritonPythonModel:
         self.heap = HeapTrimmer()
         self.metrics = Metrics(P.VERIFIER_METRICS)
         self._batch_sequences = 0  # in the last round's forward
-        self.responses = ResponseThread()
         self.scheduler = BatchScheduler(
             build_engine,
             apart_backend=(lambda rid: DrafterCalls(int(rid), key, target_cfg.vocab_size, settings.engine.max_num_draft_tokens))
@@ -146,9 +131,8 @@ class TritonPythonModel:
                     raise InvalidRequestError(P.INPUT_IDS, "the prompt is empty")
                 method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
                 budget = scalar(request, C.NUM_DRAFT_TOKENS, None, int)
-                self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget,
-                                      SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences,
-                                                 self.responses))
+                sink = SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences, scalar(request, C.ROUNDS, True, bool))
+                self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
         return None
@@ -180,5 +164,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
-        self.responses.close()
         self.metrics.flush()
