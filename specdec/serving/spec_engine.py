@@ -118,8 +118,8 @@ class SpecEngine:
         method: str = METHOD_NONE,
         num_draft_tokens: int | None = None,
     ) -> RequestState:
-        """Validate a request into its state without touching the engine (safe from another
-        thread while a step runs); add_state queues it. A bad field raises, naming it."""
+        """Validate a request into its state without changing the engine; add_state queues it.
+        A bad field raises, naming it."""
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(P.STOP_WORDS, "needs a tokenizer, and this engine was built without one")
         prompt_ids = [int(t) for t in prompt_ids]
