@@ -40,6 +40,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS, C.ROUND_TOKENS]
 LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
 POLL_S = 0.25  # how often a generation waiting for the verifier checks whether its client left
+PROBE_AFTER_S = 5.0  # a stream this long without a response asks whether the verifier is alive
 
 
 def send(sender, response, flags) -> bool:
@@ -65,12 +66,12 @@ class VerifierStream:
         self.key = None if key is None else np.array([key], dtype=np.object_)
         self.outputs = VERIFIER_OUT + [P.OUTPUT_LOG_PROBS] if req.params.return_log_probs else VERIFIER_OUT
 
-    def _request(self, inputs, outputs):
+    def _request(self, inputs, outputs, correlation_id: int | None = None):
         if self.key is not None:
             inputs = {**inputs, C.INTERNAL_KEY: self.key}
         return pb_utils.InferenceRequest(
             model_name="verifier", inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
-            correlation_id=self.cid,
+            correlation_id=self.cid if correlation_id is None else correlation_id,
         )
 
     @staticmethod
@@ -101,11 +102,18 @@ class VerifierStream:
                   C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens]), C.ROUNDS: np.bool_([self.rounds])}
         stopping = False
 
+        quiet_since = time.monotonic()
+
         async def stop_if_cancelled():  # a client gone mid-generation stops it before the next forward
-            nonlocal stopping
+            nonlocal stopping, quiet_since
             if not stopping and is_cancelled():
                 stopping = True
                 await self.stop()
+            if time.monotonic() - quiet_since > PROBE_AFTER_S:
+                # A verifier that died mid-stream never answers this stream again (Triton
+                # does not end it): a probe tells a dead one (an error) from a busy one.
+                quiet_since = time.monotonic()
+                await self.probe()
 
         last = time.perf_counter()
         async for response in self._responses(self._request(inputs, self.outputs), stop_if_cancelled):
@@ -113,6 +121,7 @@ class VerifierStream:
             if C.STEP_STATS not in out:  # an empty final response
                 continue
             now = time.perf_counter()
+            quiet_since = time.monotonic()
             for update in self._updates(out, now - last):
                 yield update
             last = now
@@ -155,6 +164,11 @@ class VerifierStream:
     async def stop(self) -> None:
         """End the sequence before the verifier's next forward."""
         async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [])):
+            pass
+
+    async def probe(self) -> None:
+        """Raise if the verifier is gone: a STOP for correlation id 0, which no sequence has."""
+        async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [], correlation_id=0)):
             pass
 
 
