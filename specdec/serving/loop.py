@@ -1,9 +1,9 @@
 """The per-request speculative decoding loop, written against abstract async hooks.
 
-The Triton `speculative_loop` model implements the hooks with BLS calls to the `verifier`
-model (one call per step: it hosts the co-located drafters) and, for a drafter served
-apart, the `drafter` model; `specdec.serving.inprocess.InProcessBackend` implements them over a
-Speculator (tests, and the in-process CLI). The loop owns the request-level
+`specdec.serving.inprocess.InProcessBackend` implements the hooks over a Speculator (tests,
+and the in-process CLI). The Triton path no longer runs this loop per request: the verifier's
+scheduler (specdec/serving/scheduler.py) batches every sequence, and uses _SeparateDrafter
+below for drafters served apart. The loop owns the request-level
 rules (stop conditions, text, stats) through RequestState, and always releases what it
 started, whatever happens (finish, error, cancellation). The draft budget is not the loop's:
 the verifier decides it every step (specdec.engine.step) and says it in its reply, which

@@ -44,12 +44,12 @@ class Sink(Protocol):
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """What one round did, for metrics: sequences in the forward, and its wall time."""
+    """What one round did, for metrics: sequences in the forward (those still prefilling
+    among them), and its wall time."""
 
     sequences: int
     prefilling: int
     seconds: float
-    draft_apart_seconds: float
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,6 @@ class BatchScheduler:
         self._loop.call_soon_threadsafe(self._wake.set)
         self._thread.join(timeout_s)
 
-    @property
-    def live(self) -> int:
-        return len(self._sinks)
-
     def _post(self, item: _Submit | str) -> None:
         with self._lock:
             self._inbox.append(item)
@@ -160,12 +156,11 @@ class BatchScheduler:
                     await self._round()
                 if self.on_live is not None:
                     self.on_live(len(self.engine.sequences))
-            except Exception as exc:  # noqa: BLE001 - the scheduler must outlive any one failure
+            except Exception as exc:  # noqa: BLE001 - the scheduler outlives any one failure; its batch ends with it
                 log.exception("a scheduler round failed; its sequences end with the error")
                 for request_id in list(self._sinks):
                     self._end(request_id, error=exc)
-            else:
-                await asyncio.sleep(0)  # let finished releases of drafters served apart go out
+            await asyncio.sleep(0)  # let finished releases of drafters served apart go out
         for request_id in list(self._sinks):
             self._end(request_id, error=RuntimeError("the server is shutting down"))
 
@@ -198,15 +193,9 @@ class BatchScheduler:
         want_hidden = frozenset(rid for rid, req in self.engine.sequences.items() if req.method in self.hidden_methods)
         live = len(self.engine.sequences)
         prefilling = sum(1 for req in self.engine.sequences.values() if not req.output_ids)
-        try:
-            outputs = self.engine.step(trees, want_hidden)
-        except Exception as exc:  # noqa: BLE001 - the batch's failure answers each of its requests
-            log.exception("a round failed; its sequences end with the error")
-            for request_id in list(self._sinks):
-                self._end(request_id, error=exc)
-            return
+        outputs = self.engine.step(trees, want_hidden)  # a failure ends the batch (_main)
         if self.on_round is not None:
-            self.on_round(RoundInfo(live, prefilling, time.perf_counter() - t0, t1 - t0))
+            self.on_round(RoundInfo(live, prefilling, time.perf_counter() - t0))
         for out in outputs:
             if out.step is not None and out.request_id in self._apart:
                 out.step.draft_seconds = t1 - t0

@@ -77,7 +77,8 @@ def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens:
     return {
         "output_tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
         "ttft_p50_ms": statistics.median(g.ttft_s for g in results) * 1e3,
-        "mean_acceptance_length": tokens / steps if steps else 0.0,
+        # the first token of each request is the prefill's, not a verification step's
+        "mean_acceptance_length": (tokens - len(results)) / steps if steps else 0.0,
         "median_batch_sequences": histogram_median(diff, P.BATCH_SEQUENCES),
         "client_cpu_share": cpu / (wall * (os.cpu_count() or 1)),
     }

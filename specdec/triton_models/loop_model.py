@@ -100,9 +100,7 @@ class VerifierStream:
         inputs = {P.INPUT_IDS: np.int32(req.prompt_ids), C.GENERATION: C.encode_generation(self.params),
                   P.SPECULATIVE_METHOD: np.array([req.method.encode()], dtype=np.object_),
                   C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens]), C.ROUNDS: np.bool_([self.rounds])}
-        stopping = False
-
-        quiet_since = time.monotonic()
+        stopping, quiet_since = False, time.monotonic()
 
         async def stop_if_cancelled():  # a client gone mid-generation stops it before the next forward
             nonlocal stopping, quiet_since
@@ -113,7 +111,7 @@ class VerifierStream:
                 # A verifier that died mid-stream never answers this stream again (Triton
                 # does not end it): a probe tells a dead one (an error) from a busy one.
                 quiet_since = time.monotonic()
-                await self.probe()
+                await self.stop(correlation_id=0)
 
         last = time.perf_counter()
         async for response in self._responses(self._request(inputs, self.outputs), stop_if_cancelled):
@@ -161,14 +159,10 @@ class VerifierStream:
                                       seconds / len(rows), log_probs))
         return updates
 
-    async def stop(self) -> None:
-        """End the sequence before the verifier's next forward."""
-        async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [])):
-            pass
-
-    async def probe(self) -> None:
-        """Raise if the verifier is gone: a STOP for correlation id 0, which no sequence has."""
-        async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [], correlation_id=0)):
+    async def stop(self, correlation_id: int | None = None) -> None:
+        """End the sequence before the verifier's next forward. With correlation_id 0, which no
+        sequence has, a probe: it raises only if the verifier is gone."""
+        async for _ in self._responses(self._request({C.STOP: np.bool_([True])}, [], correlation_id)):
             pass
 
 
