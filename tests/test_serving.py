@@ -334,12 +334,17 @@ def test_a_long_prompt_joins_a_running_stream_in_chunks(triton_server, grpc_clie
     """A prompt longer than engine.prefill_chunk_tokens (256) arriving while another stream
     decodes is prefilled in chunks beside it (its START answers no tokens, the loop
     continues it; the drafter served apart gets the whole prompt's features): both texts
-    equal the ones each gets alone."""
+    equal the ones each gets alone, and the verifier counted forwards that carried part of
+    the prompt (with chunking off the texts would match too; the counter would not move)."""
+    def chunked_rounds() -> float:
+        return server_metrics.total(server_metrics.scrape(triton_server.endpoints.metrics_url), P.PREFILL_CHUNKED_ROUNDS_TOTAL)
+
     long_prompt = "Summarise these notes, keeping every number: " + " ".join(
         f"step {i}: the server restarted after {3 * i} minutes and {i + 2} requests were retried;" for i in range(18))
     running = request(PROMPTS[4], max_tokens=96, ignore_eos=True, method=method)
     joining = request(long_prompt, max_tokens=24, ignore_eos=True, method=method)
     solo = [grpc_client.generate(running).text, grpc_client.generate(joining).text]
+    before = chunked_rounds()
     with SpecDecClient(triton_server.endpoints.grpc) as first, SpecDecClient(triton_server.endpoints.grpc) as second:
         stream = first.stream(running)
         text = next(stream).text
@@ -347,3 +352,7 @@ def test_a_long_prompt_joins_a_running_stream_in_chunks(triton_server, grpc_clie
             joined = pool.submit(lambda: second.generate(joining).text)
             text += "".join(chunk.text for chunk in stream)
             assert [text, joined.result()] == solo
+    deadline = time.monotonic() + 10  # the verifier publishes its counters when it goes idle
+    while chunked_rounds() - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert chunked_rounds() - before >= 1  # a forward carried part of the prompt and left the rest

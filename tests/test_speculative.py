@@ -137,12 +137,13 @@ def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def reference_rules(logits: np.ndarray, params: SamplingParams, prefix: tuple[int, ...]) -> np.ndarray:
-    """The logits rules for the row after TOY_PROMPT + prefix, written out per token (not
+def reference_rules(logits: np.ndarray, params: SamplingParams, prefix: tuple[int, ...],
+                    prompt: list[int] = TOY_PROMPT) -> np.ndarray:
+    """The logits rules for the row after prompt + prefix, written out per token (not
     the engine's vectorised per-tree code): CTRL repetition over prompt and output,
     presence / frequency over the output, end ids banned before min_length, bad words."""
     z = logits.astype(np.float64).copy()
-    context = TOY_PROMPT + list(prefix)
+    context = list(prompt) + list(prefix)
     for token in range(len(z)):
         count = list(prefix).count(token)
         if token in context and params.repetition_penalty != 1.0:

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from specdec.tools.check_stops import Case, Outcome, check, compare, engine_runner, expected_text, passed, server_runner, stop_sets
+from specdec.tools.check_stops import (Case, Outcome, check, compare, engine_runner, literal_decoder, passed, server_runner,
+                                       stop_cut, stop_sets)
 from specdec.config import SamplingParams
 from specdec.serving.detok import IncrementalDetokenizer
 from specdec.serving.state import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, RequestState
@@ -62,8 +63,8 @@ def test_how_tokens_arrive_does_not_change_ids_text_or_reason(smol_tokenizer, te
         first = next(iter(results.values()))
         assert all(r == first for r in results.values()), (stops, results)
         kept, out_text, reason = first
-        # The text is the tokens' literal text cut before the earliest stop; the last id completes it.
-        assert out_text == expected_text(text, stops), stops
+        # Plain decoding's cut: the shortest prefix whose text holds a stop, cut before the earliest one in it.
+        assert (len(kept), out_text) == stop_cut(ids, stops, literal_decoder(smol_tokenizer)), stops
         if reason == FINISH_STOP:
             shorter = smol_tokenizer.decode(kept[:-1], clean_up_tokenization_spaces=False)
             assert not any(s in shorter for s in stops) and any(s in smol_tokenizer.decode(kept, clean_up_tokenization_spaces=False) for s in stops)
@@ -126,20 +127,58 @@ def test_eos_length_and_stop_order_per_token(smol_tokenizer):
     assert (kept, reason) == (ids[:1], FINISH_EOS) and text == smol_tokenizer.decode(ids[:1])
 
 
+PIECES = {1: "a", 2: ".", 3: " b", 4: "c", 5: "x", 6: "abc", 7: "d"}
+
+
+def piece_text(ids) -> str:
+    return "".join(PIECES[i] for i in ids)
+
+
 def test_compare_flags_a_method_that_differs_and_a_baseline_cut_wrong():
     """The check itself can fail (a negative control for check-stops)."""
     cases = [Case(0, (".",))]
     unstopped = [Outcome("a. b", (1, 2, 3), 3, "length")]
     good = Outcome("a", (1, 2), 2, "stop")
-    assert passed(compare(cases, unstopped, {"none": [good], "m": [good]}))
-    assert not passed(compare(cases, unstopped, {"none": [good], "m": [Outcome("a", (1, 2, 3), 3, "stop")]}))
-    assert not passed(compare(cases, unstopped, {"none": [Outcome("a.", (1, 2), 2, "stop")], "m": [Outcome("a.", (1, 2), 2, "stop")]}))
+    assert passed(compare(cases, unstopped, {"none": [good], "m": [good]}, piece_text))
+    assert not passed(compare(cases, unstopped, {"none": [good], "m": [Outcome("a", (1, 2, 3), 3, "stop")]}, piece_text))
+    assert not passed(compare(cases, unstopped, {"none": [Outcome("a.", (1, 2), 2, "stop")], "m": [Outcome("a.", (1, 2), 2, "stop")]},
+                              piece_text))
+
+
+def test_compare_wants_the_shortest_stopping_prefix_not_any_prefix():
+    """A baseline that kept one token past the stop ("a." then " b") is a prefix of the
+    unstopped ids with the right text, and still wrong."""
+    cases = [Case(0, (".",))]
+    unstopped = [Outcome("a. bc", (1, 2, 3, 4), 4, "length")]
+    late = Outcome("a", (1, 2, 3), 3, "stop")
+    assert compare(cases, unstopped, {"none": [late]}, piece_text)["baseline_cut_wrong"] == [0]
+    assert not compare(cases, unstopped, {"none": [Outcome("a", (1, 2), 2, "stop")]}, piece_text)["baseline_cut_wrong"]
+
+
+def test_overlapping_stops_the_first_to_complete_wins():
+    """Stops "abc" and "b": arriving as "a", " b", "c", the " b" token completes "b" first,
+    so the output ends there, cut before "b", although "abc" would start earlier. Arriving
+    as one token "abc", both complete at once and the earliest start wins. The engine's
+    detokenizer and check-stops' rule agree on both."""
+    assert stop_cut((1, 3, 4), ("a bc", "b"), piece_text) == (2, "a ")
+    assert stop_cut((6, 7), ("abc", "b"), piece_text) == (1, "")
+    assert stop_cut((5, 7), ("abc",), piece_text) == (2, "xd")  # never met: everything
+
+
+def test_overlapping_stops_in_the_engine(smol_tokenizer):
+    ids = smol_tokenizer.encode("one two three four", add_special_tokens=False)
+    decode = literal_decoder(smol_tokenizer)
+    stops = ("e two three", "two")  # "two" completes at " two", before the longer stop that starts earlier
+    kept, text, reason = run_request(smol_tokenizer, ids, stops, [len(ids)])
+    assert (len(kept), text, reason) == (*stop_cut(ids, stops, decode), FINISH_STOP)
+    assert text == "one " and decode(kept).endswith("two")
 
 
 def test_stop_sets_include_a_later_listed_earlier_stop():
     sets = stop_sets("The quick brown fox jumps over the lazy dog")
     pairs = [s for s in sets if len(s) == 2 and s not in (( " is", "."), ("def", ":"))]
-    assert pairs and all(expected_text("The quick brown fox jumps over the lazy dog", p) for p in pairs)
+    text = "The quick brown fox jumps over the lazy dog"
+    assert pairs and all(-1 < text.find(second) < text.find(first) for first, second in pairs)
 
 
 # ---- the real engine and the real server -------------------------------------------------
@@ -161,16 +200,18 @@ def test_every_method_stops_where_the_baseline_stops_in_process(smol_tokenizer, 
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
     run = engine_runner(settings, concurrency=8)
-    report = check(run, [encode_prompt(smol_tokenizer, t) for t in chat_prompts], ENGINE_METHODS, max_tokens=32)
+    report = check(run, [encode_prompt(smol_tokenizer, t) for t in chat_prompts], ENGINE_METHODS, max_tokens=32,
+                   decode=literal_decoder(smol_tokenizer))
     assert report["cases"] >= 15
     assert passed(report), report
     assert all(m["stopped"] > 0 for m in report["methods"].values())
 
 
 @pytest.mark.server
-def test_every_method_stops_where_the_baseline_stops_through_the_server(triton_server, chat_prompts):
+def test_every_method_stops_where_the_baseline_stops_through_the_server(triton_server, chat_prompts, smol_tokenizer):
     """Through speculative_loop (ids) and the ensemble (text, output_tokens, finish_reason)."""
     run = server_runner(triton_server.endpoints.grpc, concurrency=8)
-    report = check(run, chat_prompts[:2], ("ngram", "eagle3-hybrid", "draft_model"), max_tokens=32)
+    report = check(run, chat_prompts[:2], ("ngram", "eagle3-hybrid", "draft_model"), max_tokens=32,
+                   decode=literal_decoder(smol_tokenizer))
     assert passed(report), report
     assert all(m["stopped"] > 0 for m in report["methods"].values())

@@ -9,7 +9,7 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.engine.drafters.base import Drafter
-from specdec.engine.sampling import logits_to_probs
+from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import DETERMINISTIC, IID_SAMPLED, ROOT, DraftTree
 
@@ -78,7 +78,7 @@ class BigramDrafter(Drafter):
             for parent, last, path in frontier:
                 q = logits_to_probs(self.table[last], seq.params)
                 if self.iid:
-                    kids = torch.multinomial(q, self.branches, replacement=True, generator=seq.generator).tolist()
+                    kids = [sample(q, seq.generator) for _ in range(self.branches)]  # i.i.d. draws
                 else:
                     kids = torch.topk(q, self.branches).indices.tolist()
                 for tok in kids:

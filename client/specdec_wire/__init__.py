@@ -197,7 +197,10 @@ PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
 # forward; a median near the live streams means streams are not split into groups.
 BATCH_SEQUENCES = "specdec_batch_sequences"
 BATCH_SEQUENCES_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PREFILL_CHUNKED_ROUNDS_TOTAL = "specdec_prefill_chunked_rounds_total"
 VERIFIER_METRICS = {
+    PREFILL_CHUNKED_ROUNDS_TOTAL: ("counter", "Target forwards that carried part of a prompt, its rest left for later rounds, "
+                                              "beside running sequences (chunked prefill)"),
     BATCH_SEQUENCES: ("histogram", "Sequences in each target forward (prompt chunks, decode steps and trees together)",
                       BATCH_SEQUENCES_BUCKETS),
     ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot"),

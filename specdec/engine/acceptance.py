@@ -64,22 +64,29 @@ def verify_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
         accepted = None
         for child in kids:
             x = tree.tokens[child]
+            q = tree.draft_probs[child] if iid else None
             if iid:
-                q = tree.draft_probs[child]
                 if uniform(generator) * float(q[x]) < float(p[x]):  # u < p/q without dividing by 0
                     accepted = child
                     break
-                residual = (p - q).clamp_(min=0.0)
-            else:
-                if uniform(generator) < float(p[x]):
-                    accepted = child
-                    break
-                residual = p
-                residual[x] = 0.0
-            mass = float(residual.sum())
-            if mass > _RESIDUAL_EPS:
-                p = residual / mass
+            elif uniform(generator) < float(p[x]):
+                accepted = child
+                break
+            p = residual_after_rejection(p, x, q)
         if accepted is None:
             return VerifyResult(path, [tree.tokens[i] for i in path], sample(p, generator), False)
         path.append(accepted)
         row = accepted + 1
+
+
+def residual_after_rejection(p: Tensor, x: int, q: Tensor | None) -> Tensor:
+    """The distribution to go on with after draft x was rejected at a node with (the
+    residual of) target distribution p: norm(max(p - q, 0)) for a draw from q, p with x
+    zeroed and renormalised for a one-hot draft. p is the caller's own copy (changed in place)."""
+    if q is not None:
+        residual = (p - q).clamp_(min=0.0)
+    else:
+        residual = p
+        residual[x] = 0.0
+    mass = float(residual.sum())
+    return residual / mass if mass > _RESIDUAL_EPS else p

@@ -45,11 +45,18 @@ class Sink(Protocol):
 @dataclass(frozen=True)
 class RoundInfo:
     """What one round did, for metrics: sequences in the forward (those still prefilling
-    among them), and its wall time."""
+    among them, and how many of those still had part of their prompt left after it), and
+    its wall time."""
 
     sequences: int
     prefilling: int
     seconds: float
+    prompts_left: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        """Part of a prompt went beside running sequences and the rest waits (chunked prefill)."""
+        return self.prompts_left > 0 and self.sequences > self.prefilling
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,8 @@ class BatchScheduler:
         prefilling = sum(1 for req in self.engine.sequences.values() if not req.output_ids)
         outputs = self.engine.step(trees, want_hidden)  # a failure ends the batch (_main)
         if self.on_round is not None:
-            self.on_round(RoundInfo(live, prefilling, time.perf_counter() - t0))
+            left = sum(1 for req in self.engine.sequences.values() if not req.output_ids) if prefilling else 0
+            self.on_round(RoundInfo(live, prefilling, time.perf_counter() - t0, left))
         for out in outputs:
             if out.step is not None and out.request_id in self._apart:
                 out.step.draft_seconds = t1 - t0

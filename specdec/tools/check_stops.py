@@ -5,8 +5,11 @@ sets are then taken from that text (a few characters from its middle that may st
 tokens, two stops where the one listed second comes first, one never met) and a few fixed
 ones (" is" / ".", "def" / ":", a newline). The baseline and every served method then run
 with each stop set. A case passes when a method's text, output token ids and finish
-reason equal the baseline's, and the baseline's text is the unstopped text cut just before
-the earliest stop string (its ids the shortest prefix whose text contains it).
+reason equal the baseline's, and the baseline stopped where plain decoding must: its ids
+are the shortest prefix of the unstopped ids whose text contains a stop string (the token
+that completed one is the last kept), and its text is that prefix's text cut just before
+the earliest stop string in it. With overlapping stops ("abc" and "b") the first to
+complete wins: "b" ends the sequence before "abc" can, although "abc" starts earlier.
 
 `--where engine` runs the in-process engine; `--where server` starts the real Triton
 server and asks `speculative_loop` (gRPC streaming: text, ids, finish reason) and the
@@ -50,10 +53,22 @@ def stop_sets(text: str) -> list[tuple[str, ...]]:
     return [s for s in sets if all(w.strip(" ") or w == " " for w in s) and all(s)]
 
 
-def expected_text(unstopped: str, stops: Sequence[str]) -> str:
-    """The unstopped text cut just before the earliest stop string."""
-    hits = [at for s in stops if (at := unstopped.find(s)) != -1]
-    return unstopped[: min(hits)] if hits else unstopped
+def stop_cut(ids: Sequence[int], stops: Sequence[str], decode: Callable[[Sequence[int]], str]) -> tuple[int, str]:
+    """Where plain decoding with these stops ends an output whose unstopped ids are `ids`:
+    (tokens kept, text). Tokens arrive one at a time; the first whose text completes a stop
+    string is the last kept, and the text is cut before the earliest stop string then
+    present (several may complete in one token). `decode`: ids -> their literal text."""
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        hits = [at for s in stops if (at := text.find(s)) != -1]
+        if hits:
+            return k, text[: min(hits)]
+    return len(ids), decode(ids)
+
+
+def literal_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
+    """The tokens' literal text (no clean-up of spaces), as the server streams it."""
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 @dataclass(frozen=True)
@@ -62,13 +77,17 @@ class Case:
     stops: tuple[str, ...]
 
 
-def compare(cases: Sequence[Case], unstopped: Sequence[Outcome], runs: dict[str, Sequence[Outcome]]) -> dict:
-    """Per method: cases equal to the baseline; and whether the baseline cut where it should."""
+def compare(cases: Sequence[Case], unstopped: Sequence[Outcome], runs: dict[str, Sequence[Outcome]],
+            decode: Callable[[Sequence[int]], str]) -> dict:
+    """Per method: cases equal to the baseline; and whether the baseline cut where it should
+    (unstopped outcomes carry ids; the ensemble's stopped ones may not, then their count)."""
     base = runs[METHOD_NONE]
-    baseline_wrong = [i for i, (case, out) in enumerate(zip(cases, base))
-                      if out.text != expected_text(unstopped[case.prompt].text, case.stops)
-                      or tuple(out.ids) != tuple(unstopped[case.prompt].ids[: len(out.ids)])
-                      or (out.ids and out.count != len(out.ids))]
+    baseline_wrong = []
+    for i, (case, out) in enumerate(zip(cases, base)):
+        ids = unstopped[case.prompt].ids
+        kept, text = stop_cut(ids, case.stops, decode)
+        if out.text != text or out.count != kept or (out.ids and tuple(out.ids) != tuple(ids[:kept])):
+            baseline_wrong.append(i)
     report = {"cases": len(cases), "baseline_cut_wrong": baseline_wrong, "methods": {}}
     for method, outs in runs.items():
         if method == METHOD_NONE:
@@ -79,7 +98,8 @@ def compare(cases: Sequence[Case], unstopped: Sequence[Outcome], runs: dict[str,
     return report
 
 
-def check(run: Callable, inputs: Sequence, methods: Sequence[str], max_tokens: int, progress: Callable = lambda _: None) -> dict:
+def check(run: Callable, inputs: Sequence, methods: Sequence[str], max_tokens: int, decode: Callable[[Sequence[int]], str],
+          progress: Callable = lambda _: None) -> dict:
     """Run the unstopped baseline, then the baseline and every method on every stop set."""
     unstopped = run(inputs, [Case(i, ()) for i in range(len(inputs))], METHOD_NONE, max_tokens, alternate=False)
     cases = [Case(i, s) for i, out in enumerate(unstopped) for s in stop_sets(out.text)]
@@ -87,7 +107,7 @@ def check(run: Callable, inputs: Sequence, methods: Sequence[str], max_tokens: i
     for method in (METHOD_NONE, *methods):
         runs[method] = run(inputs, cases, method, max_tokens)
         progress(f"{method}: {len(cases)} cases done")
-    return {**compare(cases, unstopped, runs),
+    return {**compare(cases, unstopped, runs, decode),
             "examples": [{"stops": c.stops, **asdict(runs[METHOD_NONE][i])} for i, c in enumerate(cases[:12])]}
 
 
@@ -165,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = sharegpt_prompts(args.prompts, seed=7, tokenizer=tokenizer, min_tokens=4, max_tokens=48)
     t0 = time.time()
     with _runner(args, settings, tokenizer, texts) as (run, inputs):
-        found = check(run, inputs, methods, args.max_tokens, lambda line: print(f"{line} ({time.time() - t0:.0f} s)", flush=True))
+        found = check(run, inputs, methods, args.max_tokens, literal_decoder(tokenizer), lambda line: print(f"{line} ({time.time() - t0:.0f} s)", flush=True))
     report = {"where": args.where, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
               "prompts": len(texts), "seconds": round(time.time() - t0), **found}
     out = Path(args.out or f"results/stops/{args.where}.json")

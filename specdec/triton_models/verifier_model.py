@@ -141,6 +141,8 @@ class TritonPythonModel:
         """Scheduler thread, after each forward: the batch-size histogram and gauges."""
         self._batch_sequences = info.sequences
         self.metrics.observe(P.BATCH_SEQUENCES, info.sequences)
+        if info.chunked:
+            self.metrics.inc(P.PREFILL_CHUNKED_ROUNDS_TOTAL)
         self.heap.maybe_trim()
         speculator = self.engine.speculator
         if speculator.adaptive and info.seconds and self._planner_due():

@@ -55,6 +55,7 @@ def dynamic_trees(
     keep_drafting: Callable[[int, Sequence[float]], bool] | None = None,
 ) -> list[DraftTree]:
     B = root_logp.shape[0]
+    top_k = min(top_k, root_logp.shape[-1])  # a draft vocabulary smaller than top-k
     cands: list[list[Candidate]] = [[] for _ in range(B)]
     top = root_logp.topk(top_k, dim=-1)
     for b in range(B):
