@@ -10,18 +10,20 @@ numpy processing of tests/test_speculative.py, not the engine's). That is exactl
 condition for the whole stream to be the target's: a token not emitted in this step comes
 from a fresh step, itself drawn from the target.
 
-Power: any deviation above TOLERANCE (1e-5 in probability, 50x the worst float32 rounding
-seen on these cases) fails, deterministically: no seed, no sample size. The negative
+Power: any deviation above TOLERANCE (1e-5 in probability; float32 rounding left at most
+2.8e-7 on these cases) fails, deterministically: no seed, no sample size. The negative
 controls below are the bugs a sampled test must catch and this one does: the hybrid merge
 that shipped lossy, a 2% tilt of the residual after a rejection, and acceptance by argmax.
 Each moves some conditional by more than 100x TOLERANCE.
 
 The settings are model_repository/specdec.json's (every shipped method's scheme: chains
 with draft probabilities, one-hot chains and trees, sampled trees stopping at mass 0.8, the
-hybrid merge, the adaptive planner), with a per-request budget of at most 3 draft tokens and
-a four-token vocabulary so the enumeration stays in the thousands of runs; the verification
-code does not depend on the depth or the vocabulary. The adaptive methods plan against a verification cost measured as a
-staircase (not a line), whose tokens-per-second curve has two peaks."""
+hybrid merge, the adaptive planner), with a per-request budget of at most 3 draft tokens
+and a four-token vocabulary so the enumeration stays in the thousands of runs; the
+verification code does not depend on the depth or the vocabulary. The adaptive methods plan
+against a verification cost measured as a staircase (not a line), whose tokens-per-second
+curve has two peaks. The hybrid merge's shared-node case occurs in the enumeration: the
+old merge's control fails on it."""
 from __future__ import annotations
 
 import copy

@@ -396,6 +396,37 @@ def test_shared_slots_are_one_pool_across_processes_and_freed_when_a_holder_dies
     assert mine.try_acquire() is not None
 
 
+def test_waiters_get_freed_slots_in_arrival_order():
+    """First come, first served within a process: under overload no waiter is passed over
+    until its admission timeout (the c=32 benchmark on 16 slots once refused one after 60 s)."""
+    import asyncio
+    import os
+
+    from specdec.triton_models.slots import SharedSlots
+
+    slots = SharedSlots(1, server_id=os.getpid() * 7 + 1)
+    order = []
+
+    async def wait(name):
+        # The oldest polls slowest: without the order, a faster later poller would win.
+        slot = await slots.acquire(5.0, poll_s=0.01 if name == "a" else 0.001)
+        order.append(name)
+        await asyncio.sleep(0.02)  # hold it a little, then hand it on
+        slots.release(slot)
+
+    async def main():
+        first = slots.try_acquire()
+        assert first is not None
+        tasks = [asyncio.create_task(wait(name)) for name in ("a", "b", "c")]
+        await asyncio.sleep(0.05)
+        assert slots.waiting == 3
+        slots.release(first)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order == ["a", "b", "c"] and slots.waiting == 0
+
+
 def _hold_a_slot(server_id):
     import specdec.triton_models.slots as slots
 

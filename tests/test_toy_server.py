@@ -9,7 +9,14 @@ Each request emits its first token at prefill and the next two in one verificati
 (max_tokens 4 leaves room for two draft tokens), so the scored tokens 2 and 3 went through
 drafting and acceptance: one-hot n-gram chains, draft-model chains with draft
 probabilities sent across the wire from the `drafter` model, and draft-model trees drafted
-beside the target."""
+beside the target.
+
+What this test can and cannot see: 1,500 requests over 216 cells catch a broken wiring (a
+seed ignored, draft probabilities lost or misaligned across the wire, a distribution from
+the wrong context), which moves whole cells; the negative control below shows two such
+alternatives rejected at p < 1e-6 with these very counts. It cannot see a 2% bias in one
+step of acceptance: that is proven exactly, for every shipped method, in
+tests/test_exact_lossless.py (deterministic, with such biases as its controls)."""
 from __future__ import annotations
 
 import itertools

@@ -10,9 +10,11 @@ complete a multi-byte character. transformers' `decode` is not prefix-stable: it
 `clean_up_tokenization_spaces` turns " 're" into "'re" once "re" arrives, so text released
 before would be wrong. The text is therefore the tokens' literal text, as vLLM streams it.
 
-Stop strings (OpenAI's semantics, vLLM's default): the earliest stop string in the text
-ends the sequence; the text stops just before it (the stop string is never emitted) and
-the token that completed it is the last output token. Text that could still become the
+Stop strings (OpenAI's semantics, vLLM's default): the first token whose text completes a
+stop string ends the sequence and is the last output token; the text stops just before
+the earliest stop string then present (the stop string is never emitted). With
+overlapping stops ("abc" and "b") the first to complete wins, although "abc" starts
+earlier; several completing in one token: the earliest start. Text that could still become the
 start of a stop string is held back until it cannot (a stop may straddle steps); at the
 end of the sequence everything held back is released.
 """

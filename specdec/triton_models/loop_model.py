@@ -249,7 +249,7 @@ class TritonPythonModel:
         queue metrics never see it: the slot metrics are the autoscaling signal."""
         timeout = self.settings.admission_timeout_s
         started = time.monotonic()
-        slot = self._slots.try_acquire()
+        slot = None if self._slots.waiting else self._slots.try_acquire()  # no barging past earlier waiters
         if slot is None:
             self._waiting += 1
             self._slot_gauges()

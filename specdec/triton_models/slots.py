@@ -3,13 +3,21 @@ the verifier (the `ensemble` and `speculative_loop` models run in separate Pytho
 
 One lock file per KV-cache slot, flock'ed while a request holds it: the kernel frees the lock
 when the holder exits, so a crashed stub never strands a permit. No Triton import: plain
-files and fcntl."""
+files and fcntl.
+
+Waiters of one process are served first come, first served: only the oldest polls for a
+freed slot. Without that order, every waiter polled and whoever looked first after a release
+won, so under overload (more streams than slots) one request could wait out its whole
+admission timeout while later ones went ahead (measured at c=32 on 16 slots: TTFT p99 56 s,
+one request refused after 60 s). Between the processes (the `ensemble` and
+`speculative_loop` stubs) the oldest waiter of each still races the others'."""
 from __future__ import annotations
 
 import asyncio
 import fcntl
 import os
 import tempfile
+from collections import deque
 from pathlib import Path
 
 
@@ -21,6 +29,7 @@ class SharedSlots:
         directory.mkdir(mode=0o700, exist_ok=True)
         self._fds = [os.open(directory / f"slot-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(count)]
         self._held: set[int] = set()  # this process's: flock would let it take its own lock twice
+        self._queue: deque[object] = deque()  # this process's waiters, oldest first
 
     @property
     def count(self) -> int:
@@ -43,15 +52,25 @@ class SharedSlots:
             return i
         return None
 
+    @property
+    def waiting(self) -> int:
+        """Requests of this process waiting for a slot (a newcomer must queue behind them)."""
+        return len(self._queue)
+
     async def acquire(self, timeout_s: float, poll_s: float = 0.01) -> int | None:
-        """A slot within timeout_s, or None."""
+        """A slot within timeout_s, or None; this process's waiters in arrival order."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while True:
-            slot = self.try_acquire()
-            if slot is not None or loop.time() >= deadline:
-                return slot
-            await asyncio.sleep(poll_s)
+        me = object()
+        self._queue.append(me)
+        try:
+            while True:
+                slot = self.try_acquire() if self._queue[0] is me else None
+                if slot is not None or loop.time() >= deadline:
+                    return slot
+                await asyncio.sleep(poll_s)
+        finally:
+            self._queue.remove(me)
 
     def release(self, slot: int) -> None:
         self._held.discard(slot)
