@@ -412,3 +412,16 @@ def test_serve_binds_this_machine_only_unless_asked():
 
     assert _build_parser().parse_args([]).address == "127.0.0.1"
     assert _build_parser().parse_args(["--address", "0.0.0.0"]).address == "0.0.0.0"
+
+
+def test_bench_serving_pairs_only_methods_that_can_be_served_apart():
+    """make bench-serving --two-model failed on the shipped settings: it asked for an
+    adaptive method served apart, which the config refuses."""
+    from specdec.config import SERVED_SETTINGS, ServingConfig
+    from specdec.tools.bench_serving import add_apart_variants
+
+    raw = json.loads(SERVED_SETTINGS.read_text())
+    entries = list(raw["methods"])
+    added = add_apart_variants(raw["methods"], entries)
+    assert "eagle3-apart" in added and "eagle3-hybrid-apart" not in added and "draft_model-apart" not in added
+    ServingConfig.from_dict(raw)  # every variant is a valid method

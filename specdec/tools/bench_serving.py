@@ -115,6 +115,21 @@ def step_budget_ms(client_step_s: float, counters: dict[str, float]) -> dict[str
             "framework": client_ms - loop_step}
 
 
+def add_apart_variants(methods: dict, entries: list[str]) -> list[str]:
+    """For --two-model: `<method>-apart` (drafted by the `drafter` model) beside each entry
+    that can be served apart, added to `methods`; the new entries. Adaptive methods plan
+    every step beside the target and methods served apart already have no variant."""
+    added = []
+    for entry in entries:
+        method = entry.partition(":")[0]
+        spec = methods[method]
+        if spec.get("adaptive") or spec.get("colocated") is False:
+            continue
+        methods[f"{method}-apart"] = {**spec, "colocated": False}
+        added.append(entry.replace(method, f"{method}-apart", 1))
+    return added
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec bench-serving", description=__doc__)
     p.add_argument("--out", default="results/serving_overhead.json")
@@ -130,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = args.methods.split(",") if args.methods else list(raw["methods"])
     settings_file = None
     if args.two_model:
-        for entry in list(entries):
-            method = entry.partition(":")[0]
-            raw["methods"][f"{method}-apart"] = {**raw["methods"][method], "colocated": False}
-            entries.append(entry.replace(method, f"{method}-apart", 1))
+        entries += add_apart_variants(raw["methods"], entries)
         settings_file = Path(tempfile.mkdtemp()) / "specdec.json"
         settings_file.write_text(json.dumps(raw))
     settings = ServingConfig.from_dict(raw)
