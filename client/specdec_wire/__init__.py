@@ -52,6 +52,10 @@ RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 NUM_INPUT_TOKENS = "num_input_tokens"  # the prompt's tokens (chat template included)
 NUM_OUTPUT_TOKENS = "num_output_tokens"  # the token ids this response carries (TensorRT-LLM's count)
+# TensorRT-LLM's structured output: the guide's type ("json", "json_schema", "regex",
+# "ebnf_grammar") and its text (a JSON schema, a regex, an EBNF grammar; none for "json").
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"
 
 # Ours: the speculative_method that turns speculation off (the matched baseline).
 METHOD_NONE = "none"
@@ -64,6 +68,9 @@ TEXT_OUTPUT = "text_output"
 ACCEPTANCE_RATE = "acceptance_rate"
 TOTAL_ACCEPTED_DRAFT_TOKENS = "total_accepted_draft_tokens"
 TOTAL_DRAFT_TOKENS = "total_draft_tokens"
+# Ours: of total_accepted_draft_tokens, those the request's grammar forced (drafted without
+# the drafter, specdec/engine/grammar.py); the drafter's own = the difference.
+TOTAL_ACCEPTED_FORCED_TOKENS = "total_accepted_forced_tokens"
 # Ours: verification steps so far (mean acceptance length = output tokens / steps).
 VERIFICATION_STEPS = "verification_steps"
 OUTPUT_TOKENS = "output_tokens"
@@ -117,11 +124,14 @@ REQUEST_INPUTS = (
     (USE_DRAFT_LOGITS, "TYPE_BOOL", (1,), True),
     (RETURN_NUM_INPUT_TOKENS, "TYPE_BOOL", (1,), True),
     (RETURN_NUM_OUTPUT_TOKENS, "TYPE_BOOL", (1,), True),
+    (GUIDED_DECODING_GUIDE_TYPE, "TYPE_STRING", (1,), True),
+    (GUIDED_DECODING_GUIDE, "TYPE_STRING", (1,), True),
 )
 # Running totals the loop reports with every response (and the rate derived from them).
 PERF_COUNTS = (
     (TOTAL_ACCEPTED_DRAFT_TOKENS, "TYPE_INT32", (1,)),
     (TOTAL_DRAFT_TOKENS, "TYPE_INT32", (1,)),
+    (TOTAL_ACCEPTED_FORCED_TOKENS, "TYPE_INT32", (1,)),
     (VERIFICATION_STEPS, "TYPE_INT32", (1,)),
     (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
 )

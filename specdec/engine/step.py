@@ -33,6 +33,7 @@ from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.service import DraftService, union_of_layers
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.engine.models.llama import Transformer
+from specdec.engine.grammar import Grammars
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
 from specdec.engine.sequences import draft_budget
 from specdec.engine.sequences import KeyedSequences
@@ -68,6 +69,7 @@ class StepResult:
     draft_seconds: float = 0.0
     log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
     num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
+    forced_accepted: int = 0  # of `accepted`, the tokens the request's grammar forced (not the drafter's)
 
 
 @dataclass
@@ -88,18 +90,20 @@ class Speculator(KeyedSequences[_Sequence]):
     where = "verifier"
 
     def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
-                 apart_tap_layers: Sequence[int] = (), methods: Mapping[str, SpeculativeConfig] | None = None):
+                 apart_tap_layers: Sequence[int] = (), methods: Mapping[str, SpeculativeConfig] | None = None,
+                 grammars: Grammars | None = None):
         """drafters: the co-located ones (their configs carry their load controls); methods:
         every served method's config, those drafted apart included (for theirs);
         apart_tap_layers: target layers a drafter served apart needs (returned on request);
-        one forward taps the union of theirs and the co-located drafters'."""
+        one forward taps the union of theirs and the co-located drafters'; grammars: compiles
+        structured-output guides (None: guided requests are refused)."""
         super().__init__()
         self.config = config
         drafters = drafters or {}
         taps = union_of_layers([apart_tap_layers] + [d.tap_layers for d in drafters.values()])
         self.drafts = DraftService(drafters, hidden_layers=taps)
         self.methods = dict(methods or {})
-        self.target_pass = TargetPass(target, config, tap_layers=taps)
+        self.target_pass = TargetPass(target, config, tap_layers=taps, grammars=grammars)
         self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
         self.planner = BudgetPlanner()
         self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
@@ -191,7 +195,10 @@ class Speculator(KeyedSequences[_Sequence]):
         trees = []
         for item, seq in zip(decoding, seqs):
             tree = item.tree if item.tree is not None else seq.next_tree
-            trees.append(tree.truncated(seq.budget))
+            # under a grammar: its forced tokens drafted first (speculative methods only; the
+            # baseline stays one token per forward), the drafts it forbids never verified
+            trees.append(self.target_pass.guided_draft(item.seq_id, tree.truncated(seq.budget), seq.budget,
+                                                       forced=seq.method != METHOD_NONE))
             seq.next_tree = DraftTree()
         if self.adaptive and decoding:
             trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
@@ -233,6 +240,7 @@ class Speculator(KeyedSequences[_Sequence]):
             result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
                 hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
+                forced_accepted=sum(1 for node in out.result.accepted_nodes if node < tree.forced),
             )
             by_id[item.seq_id] = result
             results.append(result)

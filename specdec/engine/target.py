@@ -23,6 +23,7 @@ from specdec.engine.sampling import logits_to_probs, make_generator, sample
 from specdec.engine.sequences import KeyedSequences
 from specdec.engine.tree import DraftTree
 from specdec.engine.acceptance import VerifyResult, verify_greedy, verify_sampled
+from specdec.engine.grammar import Grammars, GuidedSequence, masked_draft_probs
 
 
 @dataclass
@@ -40,16 +41,25 @@ class _TargetSequence:
     # hidden taps of those that are (handed to the drafter with the first token)
     unprefilled: list[int] = field(default_factory=list)
     prompt_hidden: list[Tensor] = field(default_factory=list)
+    guide: GuidedSequence | None = None  # the request's grammar, at the committed context
 
-    def processed(self, logits: Tensor, tree: DraftTree | None = None) -> Tensor:
-        if self.context is None:
-            return logits
-        return apply_rules(logits, self.params, self.prompt_len, self.context, tree)
+    def processed(self, logits: Tensor, tree: DraftTree | None = None, bitmask: Tensor | None = None) -> Tensor:
+        """The target's logits as plain decoding would use them at each tree row: the
+        request's logits rules, then its grammar's mask (bitmask: this tree's, from
+        GuidedSequence.masks; computed here when not given)."""
+        ruled = logits if self.context is None else apply_rules(logits, self.params, self.prompt_len, self.context, tree)
+        if self.guide is None:
+            return ruled
+        if bitmask is None:
+            bitmask = self.guide.masks(tree)
+        return self.guide.apply(ruled, bitmask, unruled=None if self.context is None else logits)
 
     def emitted(self, tokens: list[int]) -> None:
         self.root_token = tokens[-1]
         if self.context is not None:
             self.context.extend(tokens)
+        if self.guide is not None:
+            self.guide.advance(tokens)
 
 
 @dataclass
@@ -69,8 +79,11 @@ class VerifyOutput:
 class TargetPass(KeyedSequences[_TargetSequence]):
     where = "verifier"  # the Triton model it serves in (named in errors)
 
-    def __init__(self, target: Transformer, config: EngineConfig, tap_layers: Sequence[int] = ()):
+    def __init__(self, target: Transformer, config: EngineConfig, tap_layers: Sequence[int] = (),
+                 grammars: Grammars | None = None):
+        """grammars: compiles the requests' guides (None: guided requests are refused)."""
         super().__init__()
+        self.grammars = grammars
         self.target = target
         self.config = config
         self.tap_layers = tuple(tap_layers)
@@ -97,12 +110,26 @@ class TargetPass(KeyedSequences[_TargetSequence]):
                 raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
         if len(items) > self.cache.num_free:
             raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
+        guides = [self._start_guide(params) for _, _, params in items]
         now = time.monotonic()
-        for seq_id, prompt, params in items:
+        for (seq_id, prompt, params), guide in zip(items, guides):
             self._seqs[seq_id] = _TargetSequence(
                 self.cache.allocate(), params, make_generator(params.seed), len(prompt), last_used=now,
-                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt),
+                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt), guide=guide,
             )
+
+    def _start_guide(self, params: SamplingParams) -> GuidedSequence | None:
+        if not params.guided:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("guided_decoding_guide_type", "this engine was built without a tokenizer for grammars")
+        return self.grammars.start(params.guide_type, params.guide, params.end_ids)
+
+    def guided_draft(self, seq_id: Hashable, tree: DraftTree, budget: int, forced: bool) -> DraftTree:
+        """The tree to verify for a sequence under a grammar: its forced tokens first (when
+        `forced`), the drafts it forbids pruned, at most `budget` nodes. Others: the tree."""
+        guide = self._get(seq_id).guide
+        return tree if guide is None else guide.draft(tree, budget, forced)
 
     def prefill(
         self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
@@ -138,6 +165,9 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             budget = None if budget is None else budget - n
         seqs = [self._get(seq_id) for seq_id, _ in items]
         trees = [tree for _, tree in items]
+        # each guided tree's grammar masks, and its draft distributions masked the same way
+        bitmasks = [None if seq.guide is None else seq.guide.masks(tree) for seq, tree in zip(seqs, trees)]
+        trees = [tree if bits is None else masked_draft_probs(tree, bits) for tree, bits in zip(trees, bitmasks)]
         # rows (sequence, tokens, depths, mask): the chunks (causal chains), then [root] + tree
         rows = [(seq, chunk, None, None) for _, seq, chunk in chunks]
         rows += [(seq, *tree.input_rows(seq.root_token)) for seq, tree in zip(seqs, trees)]
@@ -170,7 +200,7 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         results = []
         for i, (seq, tree) in enumerate(zip(seqs, trees)):
             b = row_of[len(chunks) + i]
-            logits = seq.processed(out.logits[b, : len(tree) + 1], tree)  # [n+1, V]: row 0 = root, row j+1 = node j
+            logits = seq.processed(out.logits[b, : len(tree) + 1], tree, bitmasks[i])  # [n+1, V]: row 0 = root, row j+1 = node j
             if seq.params.greedy:
                 result = verify_greedy(tree, logits)
             else:

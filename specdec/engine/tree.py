@@ -32,6 +32,9 @@ class DraftTree:
     # [n] the drafter's probability of each node given its parent (None: not stated, e.g.
     # n-gram). Only planning reads it (which nodes to verify); acceptance never does.
     confidence: list[float] | None = None
+    # The first `forced` nodes are a chain the request's grammar forces (drafted without the
+    # drafter, specdec/engine/grammar.py); acceptance metrics count them apart.
+    forced: int = 0
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -99,7 +102,33 @@ class DraftTree:
             parents.append(ROOT if p == ROOT else index[p])
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         confidence = None if self.confidence is None else [self.confidence[i] for i in keep]
-        return DraftTree([self.tokens[i] for i in keep], parents, probs, self.scheme, confidence)
+        forced = sum(1 for i in keep if i < self.forced)  # a chain from the root: kept as a prefix
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, self.scheme, confidence, forced)
+
+    def with_forced_chain(self, chain: list[int]) -> "DraftTree":
+        """A grammar's forced tokens as a chain from the root in front of this tree's nodes
+        (nodes 0..len(chain)-1; a node of this tree on the same path is shared), confidence 1.
+        Lossless as any merge is (see merged and _merged_sampled)."""
+        if not chain:
+            return self
+        if self.scheme == IID_SAMPLED:
+            merged = self._merged_sampled(chain, 1.0)
+        else:
+            merged = DraftTree.chain(chain, confidence=[1.0] * len(chain))
+            for tokens in self._root_paths():
+                merged = merged.merged(tokens)
+            if self.confidence is not None:  # the method's own nodes keep theirs
+                by_path = {tuple(self.tokens[n] for n in self.path_to(i)): c for i, c in enumerate(self.confidence)}
+                conf = [1.0] * len(chain) + [by_path.get(tuple(merged.tokens[n] for n in merged.path_to(i)), float("nan"))
+                                             for i in range(len(chain), len(merged))]
+                merged = DraftTree(merged.tokens, merged.parents, None, DETERMINISTIC, conf)
+        merged.forced = len(chain)
+        return merged
+
+    def _root_paths(self) -> list[list[int]]:
+        """Each node's path of tokens, in node order (merging them in order rebuilds the tree
+        with the same node order)."""
+        return [[self.tokens[n] for n in self.path_to(i)] for i in range(len(self))]
 
     def merged(self, continuation: list[int], confidence: float = float("nan")) -> "DraftTree":
         """This tree plus a chain of tokens from the root, sharing any prefix it already has

@@ -158,7 +158,7 @@ async def run_loop(
             step_s = time.perf_counter() - t0
             req.stats.draft_seconds += draft_s
             req.stats.verify_seconds += reply.verify_seconds
-            req.stats.record_step(reply.draft_depth, reply.draft_tokens, reply.accepted, len(reply.emitted))
+            req.stats.record_step(reply.draft_depth, reply.draft_tokens, reply.accepted, len(reply.emitted), reply.forced_accepted)
             tokens, text = req.accept(reply.emitted, reply.log_probs)
             yield LoopUpdate(
                 tokens, text, req.finished, req.finish_reason, True, reply.draft_depth, reply.draft_tokens,

@@ -13,6 +13,7 @@ from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.registry import BuildContext, kind_of
 from specdec.engine.drafters.service import union_of_layers
 from specdec.serving.spec_engine import SpecEngine
+from specdec.engine.grammar import Grammars
 from specdec.engine.step import Speculator
 from specdec.errors import ConfigError
 from specdec.engine.models.llama import Transformer
@@ -79,7 +80,7 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, model_dir, embed=target.embed)
     # Drafters served apart may need hidden taps too (returned on request).
     return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)),
-                      methods=settings.methods)
+                      methods=settings.methods, grammars=Grammars.for_tokenizer(lambda: load_tokenizer(model_dir), target.cfg.vocab_size))
 
 
 def build_engine(

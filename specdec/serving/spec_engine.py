@@ -25,6 +25,7 @@ from specdec.serving.stats import SpecStats
 from specdec.serving.request import ServedOffer, resolve_method, resolve_token_rules
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
+from specdec.engine.grammar import Grammars
 from specdec.engine.step import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
@@ -72,7 +73,11 @@ class SpecEngine:
         (the Triton verifier's), instead of target + drafters."""
         self.config = config
         self.tokenizer = tokenizer
-        self.speculator = speculator or Speculator(target, config, drafters, apart_tap_layers, methods=methods)
+        grammars = None
+        if tokenizer is not None and target is not None:
+            grammars = Grammars.for_tokenizer(lambda: tokenizer, target.cfg.vocab_size)
+        self.speculator = speculator or Speculator(target, config, drafters, apart_tap_layers, methods=methods,
+                                                   grammars=grammars)
         self.eos_token_ids = eos_ids_of_config(self.speculator.target_pass.target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
         self._pending: list[RequestState] = []  # added, not yet given to the speculator
@@ -183,7 +188,7 @@ class SpecEngine:
             req.stats.draft_seconds += res.draft_seconds
             req.stats.verify_seconds += res.verify_seconds
             for stats in (req.stats, self.stats):
-                stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted))
+                stats.record_step(res.draft_depth, res.draft_tokens, res.accepted, len(res.emitted), res.forced_accepted)
             outputs.append(self._emit(req, res, verified=True))
         if results:
             self.stats.draft_seconds += results[0].draft_seconds

@@ -51,7 +51,8 @@ class RequestState:
         kept: list[int] = []
         reason, room = None, self.room
         for tok in tokens:
-            if tok in self.eos_token_ids and not self.params.ignore_eos:
+            # a grammar's end ends the request even with ignore_eos (nothing may follow it)
+            if tok in self.eos_token_ids and (not self.params.ignore_eos or self.params.guided):
                 reason = FINISH_EOS  # the end token is not output
                 break
             kept.append(tok)

@@ -16,14 +16,17 @@ class SpecStats:
     drafts: int = 0  # steps that carried a non-empty draft
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    forced_accepted_tokens: int = 0  # of accepted_tokens, those a grammar forced (drafted without the drafter)
     emitted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record_step(self, draft_depth: int, draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(self, draft_depth: int, draft_tokens: int, num_accepted: int, num_emitted: int,
+                    forced_accepted: int = 0) -> None:
         self.steps += 1
+        self.forced_accepted_tokens += forced_accepted
         self.emitted_tokens += num_emitted
         if draft_tokens:
             self.drafts += 1
@@ -39,7 +42,7 @@ class SpecStats:
             self.accepted_per_position[d] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        for name in ("steps", "drafts", "draft_tokens", "accepted_tokens", "emitted_tokens", "draft_seconds", "verify_seconds"):
+        for name in ("steps", "drafts", "draft_tokens", "accepted_tokens", "forced_accepted_tokens", "emitted_tokens", "draft_seconds", "verify_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for d, (n, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
             if d >= len(self.drafted_per_position):
@@ -66,6 +69,7 @@ class SpecStats:
             "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_accepted_tokens": self.forced_accepted_tokens,
             "emitted_tokens": self.emitted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,

@@ -44,10 +44,11 @@ ROUNDS = "rounds"
 ROUND_TOKENS = "round_tokens"
 # The verifier's numbers for one round of one sequence, one FP32 row per round.
 # verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
-# batch_sequences: sequences that shared the round's target forward.
+# batch_sequences: sequences that shared the round's target forward; forced_accepted: of
+# accepted, the tokens the request's grammar forced.
 STEP_STATS = "step_stats"
 STEP_STATS_FIELDS = ("verified", "accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds",
-                     "num_draft_tokens", "batch_sequences")
+                     "num_draft_tokens", "batch_sequences", "forced_accepted")
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"

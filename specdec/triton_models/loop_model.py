@@ -150,7 +150,7 @@ class VerifierStream:
             if verified:
                 req.stats.draft_seconds += stats["draft_seconds"]
                 req.stats.verify_seconds += stats["verify_seconds"]
-                req.stats.record_step(depth, drafted, accepted, len(tokens))
+                req.stats.record_step(depth, drafted, accepted, len(tokens), int(stats["forced_accepted"]))
             finished = last and bool(reason)
             if finished:
                 req.finish(reason)
@@ -334,6 +334,7 @@ class TritonPythonModel:
             P.ACCEPTANCE_RATE: lambda: batched(P.ACCEPTANCE_RATE, np.float32([stats.acceptance_rate])),
             P.TOTAL_ACCEPTED_DRAFT_TOKENS: lambda: batched(P.TOTAL_ACCEPTED_DRAFT_TOKENS, np.int32([stats.accepted_tokens])),
             P.TOTAL_DRAFT_TOKENS: lambda: batched(P.TOTAL_DRAFT_TOKENS, np.int32([stats.draft_tokens])),
+            P.TOTAL_ACCEPTED_FORCED_TOKENS: lambda: batched(P.TOTAL_ACCEPTED_FORCED_TOKENS, np.int32([stats.forced_accepted_tokens])),
             P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
             P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),

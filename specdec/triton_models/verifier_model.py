@@ -49,10 +49,11 @@ class SenderSink:
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
-        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences()]
+        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences(), 0]
         if step is not None:
             stats[1:7] = [step.accepted, step.draft_depth, step.draft_tokens, step.verify_seconds, step.draft_seconds,
                           step.num_draft_tokens]
+            stats[8] = step.forced_accepted
         self._held.append((out, stats))
         if not (self.rounds or out.finished):
             return True

@@ -1,0 +1,292 @@
+"""Structured output: a request's grammar (JSON, JSON schema, regex, EBNF; TensorRT-LLM's
+guided_decoding_guide_type names) enforced on the target at every node of a draft tree,
+with xgrammar (the library TensorRT-LLM, vLLM and SGLang use) doing the matching.
+
+Lossless under speculation, for the same reason the logits rules are
+(specdec/engine/logits_processing.py): the target's distribution at every tree row is the
+one plain constrained decoding would use there, the grammar's token mask for the path from
+the committed context to that row. So, per sequence and per step:
+- `draft`: drafts the grammar forbids are pruned before the forward (never verified; their
+  subtrees go with them), and where the grammar forces a string (a key name, `": "`, a
+  closing brace: xgrammar's jump-forward string) its tokens are drafted in front of the
+  method's own tree, at no drafter cost (`DraftTree.forced` counts them, so acceptance
+  metrics keep them apart). The baseline (no draft budget) gets none: it stays one token
+  per forward.
+- `mask`: the matcher walks the final tree depth first (accept a node's token, fill its
+  row's bitmask, recurse, roll back), the bitmask is applied to the logits, and an
+  i.i.d.-sampled tree's draft distributions are masked and renormalised the same way at each
+  node's parent (a draw from q that survives pruning is a draw from the masked q, which is
+  the q the SpecInfer rule must use).
+- `advance`: the committed tokens move the matcher.
+
+Where a rule and the grammar leave a row nothing (min_tokens bans the end token where the
+grammar allows only the end; a bad word is the only way on), the grammar wins for that row:
+its tokens come back unbanned, so a request always has a way to finish.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+import specdec_wire as P
+from specdec.errors import InvalidRequestError
+from specdec.engine.tree import ROOT, DraftTree, IID_SAMPLED
+
+# TensorRT-LLM's guide types (docs/source/features/guided-decoding.md there): "json" is any
+# JSON object (the guide is ignored), the others compile the guide text.
+GUIDE_JSON = "json"
+GUIDE_JSON_SCHEMA = "json_schema"
+GUIDE_REGEX = "regex"
+GUIDE_EBNF = "ebnf_grammar"
+GUIDE_TYPES = (GUIDE_JSON, GUIDE_JSON_SCHEMA, GUIDE_REGEX, GUIDE_EBNF)
+
+_ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
+
+
+def _xgrammar():
+    import xgrammar  # imported on first use: a server without guided requests never loads it
+
+    return xgrammar
+
+
+def check_guide(guide_type: str | None, guide: str | None) -> None:
+    """Refuse a bad guide at the request, naming the field (cheap: parses the grammar, needs
+    no tokenizer). None / "" for both = no guide."""
+    if not guide_type:
+        if guide:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is required with guided_decoding_guide")
+        return
+    if guide_type not in GUIDE_TYPES:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, f"unknown guide type {guide_type!r}; one of {', '.join(GUIDE_TYPES)}")
+    if guide_type == GUIDE_JSON:
+        return
+    if not guide:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is required for guide type {guide_type!r}")
+    xgr = _xgrammar()
+    try:
+        if guide_type == GUIDE_JSON_SCHEMA:
+            json.loads(guide)
+            xgr.Grammar.from_json_schema(guide)
+        elif guide_type == GUIDE_REGEX:
+            xgr.Grammar.from_regex(guide)
+        else:
+            xgr.Grammar.from_ebnf(guide)
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid {guide_type}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    # xgrammar's C++ errors start with "[time] file:line: "; the message is what helps.
+    for marker in ("Check failed: (error.empty()) is false: ", ".cc:"):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+            text = text.split(": ", 1)[1] if marker == ".cc:" and ": " in text else text
+    return text.splitlines()[0][:300]
+
+
+class Grammars:
+    """Compiled grammars for one vocabulary, cached (the same guide gets the same compiled
+    object) and bounded (least recently used go first).
+
+    load: returns (xgrammar.TokenizerInfo, tokenize) on first use, so a server that never
+    sees a guided request never builds the vocabulary table; tokenize (text -> ids, no
+    special tokens) encodes forced strings."""
+
+    def __init__(self, load: Callable[[], tuple[object, Callable[[str], list[int]]]], cache_size: int = 64):
+        self._load = load
+        self._info = None
+        self._compiler = None
+        self.tokenize: Callable[[str], list[int]] | None = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._forced_ids: OrderedDict[str, list[int]] = OrderedDict()
+
+    @staticmethod
+    def for_tokenizer(tokenizer_loader: Callable[[], object], vocab_size: int) -> "Grammars":
+        """From a Hugging Face tokenizer (loaded on first use) and the model's vocabulary size
+        (the logits' width, which may exceed the tokenizer's)."""
+        def load():
+            tokenizer = tokenizer_loader()
+            info = _xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+            return info, (lambda text: tokenizer.encode(text, add_special_tokens=False))
+        return Grammars(load)
+
+    @property
+    def vocab_size(self) -> int:
+        self._ready()
+        return self._info.vocab_size
+
+    def _ready(self) -> None:
+        if self._compiler is None:
+            self._info, self.tokenize = self._load()
+            self._compiler = _xgrammar().GrammarCompiler(self._info, cache_enabled=False)
+
+    def compile(self, guide_type: str, guide: str | None):
+        check_guide(guide_type, guide)
+        key = (guide_type, "" if guide_type == GUIDE_JSON else guide or "")
+        with self._lock:
+            self._ready()
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+            try:
+                if guide_type == GUIDE_JSON:
+                    compiled = self._compiler.compile_builtin_json_grammar()
+                elif guide_type == GUIDE_JSON_SCHEMA:
+                    compiled = self._compiler.compile_json_schema(guide)
+                elif guide_type == GUIDE_REGEX:
+                    compiled = self._compiler.compile_regex(guide)
+                else:
+                    compiled = self._compiler.compile_grammar(guide)
+            except (ValueError, RuntimeError) as exc:
+                raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def start(self, guide_type: str, guide: str | None, end_ids: Sequence[int]) -> "GuidedSequence":
+        """A matcher at the grammar's start; end_ids are the tokens that end the sequence
+        (the request's end_id or the model's EOS), accepted once the grammar is complete."""
+        matcher = _xgrammar().GrammarMatcher(self.compile(guide_type, guide),
+                                             override_stop_tokens=list(end_ids) or None)
+        return GuidedSequence(matcher, self)
+
+    def forced_ids(self, text: str) -> list[int]:
+        ids = self._forced_ids.get(text)
+        if ids is None:
+            ids = self._forced_ids[text] = list(self.tokenize(text))
+            if len(self._forced_ids) > 4096:
+                self._forced_ids.popitem(last=False)
+        return ids
+
+
+class GuidedSequence:
+    """One sequence's grammar state: the matcher at the committed context."""
+
+    def __init__(self, matcher, grammars: Grammars):
+        self.matcher = matcher
+        self.grammars = grammars
+        self.vocab_size = grammars.vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Commit emitted tokens. Tokens after the grammar's end (a bonus token behind an end
+        token that the loop will not output) are not the grammar's."""
+        for tok in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(int(tok)):
+                raise AssertionError(f"the grammar refused committed token {tok}: the mask was not applied")
+
+    # ---- before the forward: what to verify ------------------------------------------------
+    def draft(self, tree: DraftTree, budget: int, forced: bool) -> DraftTree:
+        """The tree to verify: the grammar's forced tokens first (when `forced`), then the
+        method's nodes the grammar allows, at most `budget` nodes."""
+        chain = self._forced_chain(budget) if forced else []
+        allowed = self._allowed_nodes(tree)
+        if len(allowed) < len(tree):
+            tree = tree.select(allowed)
+        if chain:
+            tree = tree.with_forced_chain(chain)
+        return tree.truncated(budget)
+
+    def _forced_chain(self, budget: int) -> list[int]:
+        if budget <= 0 or self.matcher.is_terminated():
+            return []
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        chain = []
+        for tok in self.grammars.forced_ids(text)[:budget]:
+            if not self.matcher.accept_token(tok):
+                break
+            chain.append(tok)
+        self.matcher.rollback(len(chain))
+        return chain
+
+    def _allowed_nodes(self, tree: DraftTree) -> list[int]:
+        """The nodes whose whole path the grammar accepts (ascending)."""
+        keep: list[int] = []
+        children = tree.children()
+
+        def visit(row: int) -> None:
+            for node in children[row]:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(tree.tokens[node]):
+                    continue
+                keep.append(node)
+                visit(node + 1)
+                self.matcher.rollback(1)
+
+        visit(0)
+        return sorted(keep)
+
+    # ---- after the forward: the masks -------------------------------------------------------
+    def masks(self, tree: DraftTree | None) -> Tensor:
+        """[rows, ceil(V / 32)] int32 bitmask: row 0 at the committed context, row j+1 after
+        the path to node j (every node must be allowed: `draft` pruned the rest). A row past
+        the grammar's end allows everything (its token is never output)."""
+        xgr = _xgrammar()
+        rows = 1 + (len(tree) if tree is not None else 0)
+        bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        children = tree.children() if tree is not None else [[]]
+
+        def fill(row: int) -> None:
+            if self.matcher.is_terminated():
+                bitmask[row] = _ALL_ALLOWED
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+            for node in children[row]:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(tree.tokens[node]):
+                    raise AssertionError(f"tree node {node} ({tree.tokens[node]}) is not allowed: prune before verifying")
+                fill(node + 1)
+                self.matcher.rollback(1)
+
+        fill(0)
+        return bitmask
+
+    def apply(self, logits: Tensor, bitmask: Tensor, unruled: Tensor | None = None) -> Tensor:
+        """Mask [rows, V] logits (in place on a float copy). unruled: the same rows before
+        the request's logits rules; a row the rules and the grammar together leave empty
+        takes the grammar's mask of those instead (the grammar wins)."""
+        logits = logits.float().clone() if unruled is None else logits
+        width = logits.shape[-1]
+        _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=width)
+        if unruled is not None:
+            empty = torch.isneginf(logits).all(dim=-1)
+            if bool(empty.any()):
+                fallback = unruled[empty].float().clone()
+                _xgrammar().apply_token_bitmask_inplace(fallback, bitmask[empty.cpu()].to(logits.device), vocab_size=width)
+                logits[empty] = fallback
+        return logits
+
+
+def allowed_rows(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """[rows, V] bool from an xgrammar bitmask (bit t of word t // 32)."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def masked_draft_probs(tree: DraftTree, bitmask: Tensor) -> DraftTree:
+    """An i.i.d.-sampled tree with each node's q masked by its parent row's grammar mask and
+    renormalised (the distribution the surviving draws were in fact drawn from)."""
+    if tree.scheme != IID_SAMPLED or not len(tree):
+        return tree
+    probs = tree.draft_probs
+    allowed = allowed_rows(bitmask, probs.shape[-1]).to(probs.device)
+    parent_rows = torch.as_tensor([0 if p == ROOT else p + 1 for p in tree.parents])
+    masked = probs * allowed[parent_rows].to(probs.dtype)
+    mass = masked.sum(dim=-1, keepdim=True)
+    masked = torch.where(mass > 0, masked / mass.clamp_min(1e-30), probs)
+    return DraftTree(tree.tokens, tree.parents, masked, tree.scheme, tree.confidence, tree.forced)
