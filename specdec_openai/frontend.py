@@ -33,7 +33,8 @@ PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TO
                   P.RANDOM_SEED: "seed", P.SEED: "seed", P.STOP_WORDS: "stop", P.SPECULATIVE_METHOD: "speculative_method",
                   P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages",
                   P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
-                  P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens"}
+                  P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens",
+                  P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format"}
 # Accepted only at their neutral value (anything else would be silently different output).
 NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None,
            "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
@@ -84,6 +85,8 @@ class Job:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension
     min_tokens: int = 0  # vLLM's extension (TensorRT-LLM's min_length)
+    guide_type: str | None = None  # from response_format (TensorRT-LLM's guided decoding)
+    guide: str | None = None
 
 
 def _number(body: Mapping[str, Any], name: str, default, kind=float):
@@ -93,6 +96,27 @@ def _number(body: Mapping[str, Any], name: str, default, kind=float):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
         raise OpenAIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
     return kind(value)
+
+
+def response_format(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """OpenAI's response_format -> (guide type, guide): {"type": "text"} or absent: none;
+    "json_object": any JSON object; "json_schema": its json_schema.schema (strict or not,
+    the schema is enforced: a grammar is never looser than asked)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return "json", None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "response_format.json_schema.schema must be a JSON object (the schema)", "response_format")
+        return "json_schema", json.dumps(schema)
+    raise OpenAIError(400, f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format")
 
 
 def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
@@ -128,7 +152,8 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     seed = body.get("seed")
     if seed is not None:
         seed = _number(body, "seed", None, int)
-    return Job(model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
+    guide_type, guide = response_format(body)
+    return Job(guide_type=guide_type, guide=guide, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
                include_usage=bool(stream_options.get("include_usage", False)),
@@ -200,7 +225,8 @@ class Frontend:
                                stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False,
                                ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
                                presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
-                               repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None)
+                               repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None,
+                               guide_type=job.guide_type, guide=job.guide)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError

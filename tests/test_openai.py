@@ -144,3 +144,30 @@ def test_a_client_that_goes_away_stops_the_stream(api, triton_server):
         time.sleep(0.2)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
     assert metric(triton_server, "specdec_requests_total", reason="cancelled") == cancelled + 1
+
+
+def test_response_format_json_schema_and_json_object(sdk, grpc_client):
+    """OpenAI's response_format maps onto the ensemble's guided decoding: the same output
+    as the ensemble with the same schema, valid, and a bad schema refused naming it."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+                                               "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+              "required": ["color", "hex"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Pick a primary color and give its hex code as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema, "strict": True}}
+    out = sdk.chat.completions.create(model=f"{BASE}:eagle3", messages=messages, max_tokens=48, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    ref = grpc_client.generate(GenerateRequest(messages[0]["content"], max_tokens=48, temperature=0.0, method="none",
+                                               guide_type="json_schema", guide=json.dumps(schema))).text
+    assert out.choices[0].message.content == ref
+    any_json = sdk.chat.completions.create(model=BASE, messages=messages, max_tokens=64, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(any_json.choices[0].message.content), dict)
+    with pytest.raises(openai.APIStatusError) as err:
+        sdk.chat.completions.create(model=BASE, messages=messages, max_tokens=8, response_format={"type": "yaml"})
+    assert err.value.status_code == 400 and err.value.body["param"] == "response_format"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
+    with pytest.raises(openai.APIStatusError) as err:
+        sdk.chat.completions.create(model=BASE, messages=messages, max_tokens=8, response_format=bad)
+    assert err.value.status_code == 400 and err.value.body["param"] == "response_format", err.value.body

@@ -596,6 +596,8 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmReques
         sampling["bad"] = list(params.bad_words)
     if params.return_log_probs:
         raise InvalidRequestError(P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
+    if params.guided:  # the LLM API has GuidedDecodingParams; not mapped (nor tested on a GPU) yet
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is not served by the TensorRT-LLM variant of this ensemble yet")
     return LlmRequest(
         prompt=req.prompt, apply_chat_template=req.apply_chat_template, stream=req.stream,
         return_perf_metrics=req.return_perf_metrics, sampling=sampling, exclude_input_in_output=req.exclude_input_in_output,
@@ -617,6 +619,7 @@ def perf_counts(output_tokens: int, accepted: int, drafted: int) -> dict[str, fl
         P.ACCEPTANCE_RATE: accepted / drafted if drafted else 0.0,
         P.TOTAL_ACCEPTED_DRAFT_TOKENS: accepted,
         P.TOTAL_DRAFT_TOKENS: drafted,
+        P.TOTAL_ACCEPTED_FORCED_TOKENS: 0,  # grammars are not served by this variant yet
         P.VERIFICATION_STEPS: steps,
         P.OUTPUT_TOKENS: output_tokens,
     }

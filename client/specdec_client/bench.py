@@ -21,7 +21,7 @@ import specdec_wire as P
 
 from specdec_client import server_metrics
 from specdec_client.client import AsyncSpecDecClient, GenerateRequest
-from specdec_client.datasets import Prompt
+from specdec_client.datasets import Prompt, structured_valid
 from specdec_client.errors import SpecDecClientError
 from specdec_client.metrics import Slo, Trace
 
@@ -149,6 +149,7 @@ class BenchConfig:
             prompt.text, max_tokens=prompt.max_tokens or self.max_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop, method=mode.method,
             num_draft_tokens=mode.num_draft_tokens, ignore_eos=self.ignore_eos,
+            guide_type=prompt.guide_type, guide=prompt.guide,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -240,6 +241,8 @@ class RequestRecord:
     output_tokens_from_server: bool
     text: str
     error: str | None
+    forced: int = 0  # of `accepted`, the tokens the request's grammar forced (structured output)
+    valid: bool | None = None  # the output satisfies the prompt's guide (None: no guide, or failed)
 
     def trace(self) -> Trace:
         return Trace(self.send, self.chunks, self.end, self.output_tokens, self.verification_steps,
@@ -301,6 +304,8 @@ async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: Blo
         verification_steps=int(perf.get("verification_steps", 0)),
         accepted=int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)), drafted=int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)),
         output_tokens_from_server=from_server, text="".join(texts), error=error,
+        forced=int(perf.get(P.TOTAL_ACCEPTED_FORCED_TOKENS, 0)),
+        valid=None if error else structured_valid(prompt, "".join(texts)),
     )
 
 

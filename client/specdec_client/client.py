@@ -84,6 +84,10 @@ class GenerateRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     bad_words: tuple[str, ...] = ()
+    # Structured output (TensorRT-LLM's guided decoding): "json", "json_schema", "regex" or
+    # "ebnf_grammar", and the guide's text (none for "json").
+    guide_type: str | None = None
+    guide: str | None = None
     # Sent always: TensorRT-LLM's default (false) puts the prompt before a non-streamed answer.
     exclude_input_in_output: bool = True
 
@@ -97,6 +101,7 @@ class GenerateRequest:
             P.APPLY_CHAT_TEMPLATE: self.apply_chat_template, P.MIN_LENGTH: self.min_length,
             P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
             P.FREQUENCY_PENALTY: self.frequency_penalty, P.EXCLUDE_INPUT_IN_OUTPUT: self.exclude_input_in_output,
+            P.GUIDED_DECODING_GUIDE_TYPE: self.guide_type, P.GUIDED_DECODING_GUIDE: self.guide,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:

@@ -33,6 +33,10 @@ class Prompt:
     text: str
     max_tokens: int | None = None  # None = the run's --max-tokens
     input_tokens: int | None = None
+    # Structured output (JSONL fields guide_type / guide, as the ensemble's guided decoding):
+    # every mode, the baseline included, decodes under the same grammar.
+    guide_type: str | None = None
+    guide: str | None = None
 
 
 @dataclass
@@ -106,7 +110,37 @@ def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
     max_tokens = row.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise DatasetError(f"{where}: field 'max_tokens' must be a positive integer, got {max_tokens!r}")
-    return Prompt(text, max_tokens)
+    guide_type, guide = row.get("guide_type"), row.get("guide")
+    for name, value in (("guide_type", guide_type), ("guide", guide)):
+        if value is not None and not isinstance(value, str):
+            raise DatasetError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return Prompt(text, max_tokens, guide_type=guide_type or None, guide=guide or None)
+
+
+def structured_valid(prompt: Prompt, text: str) -> bool | None:
+    """Whether an output satisfies its prompt's guide (None: the prompt has none): a JSON
+    schema validates (jsonschema), "json" parses, a regex matches the whole text."""
+    if not prompt.guide_type:
+        return None
+    if prompt.guide_type == "regex":
+        import re
+
+        return re.fullmatch(prompt.guide or "", text) is not None
+    if prompt.guide_type in ("json", "json_schema"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        if prompt.guide_type == "json":
+            return True
+        import jsonschema
+
+        try:
+            jsonschema.validate(value, json.loads(prompt.guide or "{}"))
+        except jsonschema.ValidationError:
+            return False
+        return True
+    return None  # a grammar: no checker here (the server enforced it)
 
 
 # ---- ShareGPT --------------------------------------------------------------------------

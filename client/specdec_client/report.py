@@ -181,9 +181,26 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
         lines += [f"- {m['mode']}: {m['identical']} / {m['compared']}" for m in loss.get("by_mode", [])]
     else:
         lines.append("Sampling (temperature > 0): outputs are not expected to match token for token; not compared.")
+    lines += structured_lines(summary)
     lines += slo_lines(summary)
     lines += ["", "## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
+
+
+def structured_lines(summary: dict[str, Any]) -> list[str]:
+    """Structured output: outputs that satisfy their guide, and of the accepted draft tokens
+    those the grammar forced (drafted without the drafter)."""
+    runs = [r for r in summary["runs"] if r.get("structured")]
+    if not runs:
+        return []
+    lines = ["", "## Structured output", "", "| mode | load | valid outputs | accepted draft tokens | of them forced by the grammar |",
+             "|---|---|---|---|---|"]
+    for r in runs:
+        s, accepted = r["structured"], r.get("accepted_tokens")
+        forced = r.get("forced_accepted_tokens", 0)
+        lines.append(f"| {r['mode']} | {r['load']} | {s['valid']} / {s['checked']} | {'-' if accepted is None else accepted} "
+                     f"| {forced} |")
+    return lines
 
 
 def slo_lines(summary: dict[str, Any]) -> list[str]:

@@ -72,11 +72,20 @@ def run_entry(run: Run, slo: M.Slo | None = None) -> dict[str, Any]:
         "e2e_ms": m.e2e.as_dict(MS), "per_user_tok_s": m.per_user_tok_s.as_dict(),
         "output_tok_s": m.output_tok_s, "requests_per_s": m.requests_per_s,
         "mean_acceptance_length": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
+        "accepted_tokens": sum(r.accepted for b in run.blocks for r in b.records),
+        "forced_accepted_tokens": sum(r.forced for b in run.blocks for r in b.records),
+        "structured": _structured(run),
         "per_position_acceptance": None if positions is None else [
             {"position": p.position, "drafted": p.drafted, "accepted": p.accepted, "acceptance": p.acceptance}
             for p in positions
         ],
     }
+
+
+def _structured(run: Run) -> dict[str, int] | None:
+    """Requests with a guide (structured output) and how many outputs satisfied it."""
+    checked = [r.valid for b in run.blocks for r in b.records if r.valid is not None]
+    return {"checked": len(checked), "valid": sum(checked)} if checked else None
 
 
 def _block_gains(spec: Run, base: Run) -> list[float]:

@@ -1,0 +1,154 @@
+"""Structured output (issue 35): a request's grammar (TensorRT-LLM's guided decoding, compiled
+by xgrammar) enforced on the target at every tree node of every served method.
+
+In process: greedy speculative output identical to the grammar-constrained baseline for
+every served method, outputs that validate, the grammar's forced tokens drafted and counted
+apart, compiled grammars cached, conflicts between rules and the grammar. Through the real
+Triton server: the ensemble over gRPC (every method family, the drafter served apart
+included, greedy and T=0.7), a regex over HTTP's generate endpoint, and bad guides refused
+naming the field over gRPC and HTTP with the server still serving. The exact proof of
+losslessness under a grammar (sampled chain, tree, hybrid, draft model) is in
+tests/test_exact_lossless.py."""
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import jsonschema
+import pytest
+
+import specdec_wire as P
+from specdec.config import SamplingParams
+from specdec.engine.grammar import check_guide
+from specdec.errors import InvalidRequestError
+from specdec_client import GenerateRequest, ServerError
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+PROMPT = "Extract name, age and city as JSON: Maria is 34 and lives in Lisbon."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from specdec.serving.runtime import build_engine
+
+    return build_engine()
+
+
+def generate(engine, prompt: str, params: SamplingParams, method: str = "none"):
+    from specdec.serving.runtime import encode_prompt
+
+    outs = list(engine.generate(encode_prompt(engine.tokenizer, prompt), params, method))
+    return [t for o in outs for t in o.new_token_ids], outs[-1]
+
+
+def test_every_served_method_equals_the_constrained_baseline_and_validates(engine):
+    params = SamplingParams(max_tokens=48, guide_type="json_schema", guide=json.dumps(SCHEMA))
+    base_ids, last = generate(engine, PROMPT, params)
+    text = engine.tokenizer.decode(base_ids)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert last.finish_reason == "eos"  # the grammar completed, then the end token
+    forced = 0
+    for method in engine.offer.methods:
+        ids, last = generate(engine, PROMPT, params, method)
+        assert ids == base_ids, method
+        assert last.stats.drafts > 0, method
+        forced += last.stats.forced_accepted_tokens
+    assert forced > 0  # the grammar's forced strings were drafted (and accepted) somewhere
+    free, _ = generate(engine, PROMPT, SamplingParams(max_tokens=48))
+    assert free != base_ids  # the grammar changed the output (else this test would prove little)
+
+
+def test_sampled_outputs_validate_under_every_guide_type(engine):
+    cases = [("json_schema", json.dumps(SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+             ("json", None, lambda t: json.loads(t)),
+             ("regex", r"\d{4}-\d{2}-\d{2}", lambda t: re.fullmatch(r"\d{4}-\d{2}-\d{2}", t) or pytest.fail(t)),
+             ("ebnf_grammar", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no") or pytest.fail(t))]
+    for guide_type, guide, check in cases:
+        for method, seed in (("eagle3-hybrid", 1), ("eagle3-tree", 2), ("ngram", 3)):
+            params = SamplingParams(max_tokens=64, temperature=0.7, seed=seed, guide_type=guide_type, guide=guide)
+            ids, last = generate(engine, PROMPT, params, method)
+            if guide_type == "json" and last.finish_reason == "length":
+                continue  # free JSON at T=0.7 may run past max_tokens (a list of people); bounded guides may not
+            assert last.finish_reason == "eos", (guide_type, method, engine.tokenizer.decode(ids))
+            check(engine.tokenizer.decode(ids))
+
+
+def test_rules_and_grammar_conflicts_and_limits(engine):
+    schema = json.dumps({"type": "string", "enum": ["yes", "no"]})
+    # min_tokens beyond what the grammar allows: the grammar wins (the end token comes back)
+    ids, last = generate(engine, "Is water wet?", SamplingParams(max_tokens=16, min_length=10, guide_type="json_schema", guide=schema), "eagle3")
+    assert engine.tokenizer.decode(ids) in ('"yes"', '"no"') and last.finish_reason == "eos"
+    # ignore_eos: the grammar's end still ends the request (nothing may follow it)
+    ids, last = generate(engine, "Is water wet?", SamplingParams(max_tokens=16, ignore_eos=True, guide_type="json_schema", guide=schema))
+    assert last.finish_reason == "eos"
+    # a grammar that cannot complete within max_tokens: "length", with the text so far
+    ids, last = generate(engine, PROMPT, SamplingParams(max_tokens=5, guide_type="json_schema", guide=json.dumps(SCHEMA)), "eagle3")
+    assert last.finish_reason == "length" and len(ids) == 5 and engine.tokenizer.decode(ids).startswith("{")
+
+
+def test_compiled_grammars_are_cached_and_bad_guides_named(engine):
+    grammars = engine.speculator.target_pass.grammars
+    first = grammars.compile("json_schema", json.dumps(SCHEMA))
+    assert grammars.compile("json_schema", json.dumps(SCHEMA)) is first
+    for guide_type, guide, field in [("xml", "x", P.GUIDED_DECODING_GUIDE_TYPE), ("json_schema", "{bad", P.GUIDED_DECODING_GUIDE),
+                                     ("regex", "a(", P.GUIDED_DECODING_GUIDE), ("ebnf_grammar", "root ::= foo", P.GUIDED_DECODING_GUIDE),
+                                     ("json_schema", None, P.GUIDED_DECODING_GUIDE), (None, "{}", P.GUIDED_DECODING_GUIDE_TYPE)]:
+        with pytest.raises(InvalidRequestError, match=field):
+            check_guide(guide_type, guide)
+    assert not engine.sequences
+
+
+# ---- through the real Triton server -------------------------------------------------------
+@pytest.mark.server
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_ensemble_serves_schemas_on_every_method_family(triton_server, grpc_client, temperature):
+    def ask(method: str) -> tuple[str, dict]:
+        out = grpc_client.generate(GenerateRequest(PROMPT, max_tokens=48, temperature=temperature, seed=5, method=method,
+                                                   guide_type="json_schema", guide=json.dumps(SCHEMA)))
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        return out.text, out.perf
+
+    base, perf = ask("none")
+    assert perf[P.TOTAL_DRAFT_TOKENS] == 0 and perf[P.TOTAL_ACCEPTED_FORCED_TOKENS] == 0
+    forced = 0
+    for method in ("eagle3", "eagle3-tree", "eagle3-apart", "ngram", "medusa-tree", "draft_model"):
+        text, perf = ask(method)
+        if temperature == 0.0:
+            assert text == base, method
+        forced += perf[P.TOTAL_ACCEPTED_FORCED_TOKENS]
+        assert perf[P.TOTAL_ACCEPTED_FORCED_TOKENS] <= perf[P.TOTAL_ACCEPTED_DRAFT_TOKENS]
+    assert forced > 0
+
+
+def _post(server, body: dict, model: str = "ensemble") -> tuple[int, str]:
+    req = urllib.request.Request(f"{server.endpoints.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.server
+def test_http_generate_with_a_regex_and_bad_guides_refused_over_grpc_and_http(triton_server, grpc_client):
+    from test_serving import metric, ready
+
+    status, text = _post(triton_server, {"text_input": "Make up a US phone number.", "max_tokens": 24,
+                                         "guided_decoding_guide_type": "regex", "guided_decoding_guide": r"\(\d{3}\) \d{3}-\d{4}",
+                                         "speculative_method": "ngram", "exclude_input_in_output": True})
+    assert status == 200, text
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", json.loads(text)["text_output"]), text
+    bad = [({"guided_decoding_guide_type": "xml", "guided_decoding_guide": "<a/>"}, P.GUIDED_DECODING_GUIDE_TYPE),
+           ({"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": "{not json"}, P.GUIDED_DECODING_GUIDE),
+           ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "(unclosed"}, P.GUIDED_DECODING_GUIDE)]
+    for fields, name in bad:
+        status, text = _post(triton_server, {"text_input": "Hi", "max_tokens": 8, **fields})
+        assert status >= 400 and name in text, (fields, text)
+        with pytest.raises(ServerError, match=name):
+            grpc_client.generate(GenerateRequest("Hi", max_tokens=8, method="eagle3", guide_type=fields["guided_decoding_guide_type"],
+                                                 guide=fields["guided_decoding_guide"]))
+    assert ready(triton_server)
+    assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
