@@ -126,20 +126,24 @@ class SpecDecUser(User):
             prompt.text, max_tokens=prompt.max_tokens or opts.specdec_max_tokens, temperature=opts.specdec_temperature,
             seed=opts.specdec_seed, method=self.method, num_draft_tokens=self.k,
             ignore_eos=str(opts.specdec_ignore_eos).lower() in ("1", "true", "yes", "on"),
+            guide_type=prompt.guide_type, guide=prompt.guide,  # structured prompts (JSONL guide fields)
         )
 
     @task
     def generate(self):
         prompt = self.prompts[next(_counter) % len(self.prompts)]
-        chunks, perf, error = [], {}, None
+        chunks, texts, perf, error = [], [], {}, None
         send = time.perf_counter()
         try:
             for chunk in self.client.stream(self.request(prompt)):
                 if chunk.text:
                     chunks.append(chunk.time)
+                    texts.append(chunk.text)
                 perf.update(chunk.perf)
         except SpecDecClientError as exc:  # carries the server's message
             error = exc
+        if error is None and D.structured_valid(prompt, "".join(texts)) is False:
+            error = StructuredOutputError(f"the output does not satisfy its {prompt.guide_type} guide")
         trace = M.Trace(send, chunks, time.perf_counter(), int(perf.get("output_tokens", len(chunks))),
                         int(perf.get("verification_steps", 0)))
         self.fire(trace, error)
@@ -153,6 +157,10 @@ class SpecDecUser(User):
              response_length=trace.output_tokens if error is None else 0, exception=error, context=context)
         if error is None:
             log_timings(self.environment.stats, self.mode, trace)
+
+
+class StructuredOutputError(Exception):
+    """An output that does not satisfy its prompt's guide: a failure in Locust's table."""
 
 
 def log_timings(stats: RequestStats, mode: str, trace: M.Trace) -> None:

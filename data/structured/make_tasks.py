@@ -1,7 +1,9 @@
 """Writes tasks.jsonl: the structured-output workload (issue 35), written here by hand.
 
-Each line: {"id", "kind", "prompt", "guide_type", "guide"} where guide is a JSON schema
-(kind extraction, tool_call, classification) or a regex (kind format). Run:
+Each line: {"id", "kind", "prompt", "guide_type", "guide", "max_tokens"} where guide is a
+JSON schema (kind extraction, tool_call, classification) or a regex (kind format), and
+max_tokens (160) leaves room for every schema to complete (free-text fields carry a
+maxLength, as production tool schemas do, so a rambling model cannot run past it). Run:
     python data/structured/make_tasks.py
 The schemas are small and strict (additionalProperties false, every field required), the
 shape of production extraction and tool calls."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+MAX_TOKENS = 160
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}},
           "required": ["name", "age", "city"], "additionalProperties": False}
@@ -59,13 +62,15 @@ TOOLS = {
         "required": ["name", "arguments"], "additionalProperties": False},
     "send_email": {"type": "object", "properties": {
         "name": {"const": "send_email"},
-        "arguments": {"type": "object", "properties": {"to": {"type": "string"}, "subject": {"type": "string"},
-                                                       "body": {"type": "string"}},
+        "arguments": {"type": "object", "properties": {"to": {"type": "string", "maxLength": 60},
+                                                       "subject": {"type": "string", "maxLength": 80},
+                                                       "body": {"type": "string", "maxLength": 200}},
                       "required": ["to", "subject", "body"], "additionalProperties": False}},
         "required": ["name", "arguments"], "additionalProperties": False},
     "create_reminder": {"type": "object", "properties": {
         "name": {"const": "create_reminder"},
-        "arguments": {"type": "object", "properties": {"text": {"type": "string"}, "time": {"type": "string"}},
+        "arguments": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 100},
+                                                       "time": {"type": "string", "maxLength": 40}},
                       "required": ["text", "time"], "additionalProperties": False}},
         "required": ["name", "arguments"], "additionalProperties": False},
 }
@@ -123,7 +128,7 @@ def tasks() -> list[dict]:
 
     def add(kind: str, prompt: str, guide_type: str, guide: str) -> None:
         out.append({"id": f"{kind}-{sum(1 for t in out if t['kind'] == kind):02d}", "kind": kind, "prompt": prompt,
-                    "guide_type": guide_type, "guide": guide})
+                    "guide_type": guide_type, "guide": guide, "max_tokens": MAX_TOKENS})
 
     for schema, text in EXTRACTION:
         fields = ", ".join(schema["properties"])
