@@ -129,7 +129,10 @@ class Grammars:
             self._compiler = _xgrammar().GrammarCompiler(self._info, cache_enabled=False)
 
     def compile(self, guide_type: str, guide: str | None):
-        check_guide(guide_type, guide)
+        """The compiled guide (the request parser checked it with check_guide; a guide that
+        parses and still does not compile is refused here, naming it)."""
+        if guide_type not in GUIDE_TYPES:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, f"unknown guide type {guide_type!r}; one of {', '.join(GUIDE_TYPES)}")
         key = (guide_type, "" if guide_type == GUIDE_JSON else guide or "")
         with self._lock:
             self._ready()
@@ -176,10 +179,6 @@ class GuidedSequence:
         self.matcher = matcher
         self.grammars = grammars
         self.vocab_size = grammars.vocab_size
-
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit emitted tokens. Tokens after the grammar's end (a bonus token behind an end

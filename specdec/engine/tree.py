@@ -113,22 +113,22 @@ class DraftTree:
             return self
         if self.scheme == IID_SAMPLED:
             merged = self._merged_sampled(chain, 1.0)
-        else:
-            merged = DraftTree.chain(chain, confidence=[1.0] * len(chain))
-            for tokens in self._root_paths():
-                merged = merged.merged(tokens)
-            if self.confidence is not None:  # the method's own nodes keep theirs
-                by_path = {tuple(self.tokens[n] for n in self.path_to(i)): c for i, c in enumerate(self.confidence)}
-                conf = [1.0] * len(chain) + [by_path.get(tuple(merged.tokens[n] for n in merged.path_to(i)), float("nan"))
-                                             for i in range(len(chain), len(merged))]
-                merged = DraftTree(merged.tokens, merged.parents, None, DETERMINISTIC, conf)
-        merged.forced = len(chain)
-        return merged
-
-    def _root_paths(self) -> list[list[int]]:
-        """Each node's path of tokens, in node order (merging them in order rebuilds the tree
-        with the same node order)."""
-        return [[self.tokens[n] for n in self.path_to(i)] for i in range(len(self))]
+            merged.forced = len(chain)
+            return merged
+        tokens, parents, conf = list(chain), list(range(ROOT, len(chain) - 1)), [1.0] * len(chain)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        own = self.confidence if self.confidence is not None else [float("nan")] * len(self)
+        mapped: list[int] = []  # this tree's node -> its node in the merged tree
+        for tok, parent, c in zip(self.tokens, self.parents, own):
+            at = ROOT if parent == ROOT else mapped[parent]
+            node = child.get((at, tok))
+            if node is None:  # not on the forced chain: the method's own node, its confidence kept
+                node = child[(at, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(at)
+                conf.append(c)
+            mapped.append(node)
+        return DraftTree(tokens, parents, None, DETERMINISTIC, conf, len(chain))
 
     def merged(self, continuation: list[int], confidence: float = float("nan")) -> "DraftTree":
         """This tree plus a chain of tokens from the root, sharing any prefix it already has
