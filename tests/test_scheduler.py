@@ -86,7 +86,6 @@ def test_every_live_stream_shares_each_forward_and_greedy_equals_plain(target_di
     assert max(r.sequences for r in rounds) == 8
     decoding = [r.sequences for r in rounds if not r.prefilling]
     assert sorted(decoding)[len(decoding) // 2] >= 6  # the median round carries most of the live streams
-    assert not any(r.chunked for r in rounds)  # short prompts: each went whole (the server test sees chunks)
     assert any(o.verified and o.step.draft_tokens for s in sinks.values() for o in s.outputs)  # ngram drafted
 
 
