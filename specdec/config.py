@@ -139,6 +139,9 @@ class ModelConfig:
         return (1, n // 2 - 1, n - 4)
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. temperature == 0 means greedy."""
@@ -168,6 +171,9 @@ class SamplingParams:
     # guide's type and text, enforced on the target at every tree node.
     guide_type: str | None = None
     guide: str | None = None
+    # Prefix caching and suffix decoding scope (vLLM's cache_salt): requests share cached KV
+    # and learnt continuations only with requests of the same salt (None is one scope).
+    cache_salt: str | None = None
 
     @property
     def guided(self) -> bool:
@@ -203,6 +209,8 @@ class SamplingParams:
             raise InvalidRequestError("bad_words", "bad words must be non-empty")
         if isinstance(self.min_length, bool) or not isinstance(self.min_length, int) or self.min_length < 0:
             raise InvalidRequestError("min_length", f"must be an integer >= 0, got {self.min_length!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.guide_type or self.guide:
             from specdec.engine.grammar import check_guide
 
@@ -370,6 +378,12 @@ class EngineConfig:
     # tokens in the same forward as their steps (running streams wait one chunk, not a wave
     # of prompts); 0 prefills whole prompts. 256 tokens cost about 5 decode steps here.
     prefill_chunk_tokens: int = 256
+    # Prefix caching (vLLM's enable_prefix_caching, TensorRT-LLM's enable_kv_cache_reuse): a
+    # prompt starts from the KV of its longest prefix still held in the slots (a finished
+    # sequence's slot keeps its content until reused, LRU), matched in blocks of
+    # prefix_block_tokens (specdec/engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
+    prefix_block_tokens: int = 16
     speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -389,6 +403,13 @@ class EngineConfig:
             raise ConfigError("max_num_draft_tokens", f"must be >= 0, got {self.max_num_draft_tokens}")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError("prefill_chunk_tokens", f"must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
+        if self.prefix_block_tokens < 1:
+            raise ConfigError("prefix_block_tokens", f"must be >= 1, got {self.prefix_block_tokens}")
+
+    @property
+    def prefix_cache_block(self) -> int | None:
+        """The KV cache's prefix-index block size (None: prefix caching off)."""
+        return self.prefix_block_tokens if self.enable_prefix_caching else None
 
 
 @dataclass(frozen=True)

@@ -598,6 +598,8 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> LlmReques
         raise InvalidRequestError(P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
     if params.guided:  # the LLM API has GuidedDecodingParams; not mapped (nor tested on a GPU) yet
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is not served by the TensorRT-LLM variant of this ensemble yet")
+    if params.cache_salt:  # its KV reuse has no per-request scope mapped here: refused, not silently shared
+        raise InvalidRequestError(P.CACHE_SALT, "is not served by the TensorRT-LLM variant of this ensemble yet")
     return LlmRequest(
         prompt=req.prompt, apply_chat_template=req.apply_chat_template, stream=req.stream,
         return_perf_metrics=req.return_perf_metrics, sampling=sampling, exclude_input_in_output=req.exclude_input_in_output,
@@ -622,6 +624,7 @@ def perf_counts(output_tokens: int, accepted: int, drafted: int) -> dict[str, fl
         P.TOTAL_ACCEPTED_FORCED_TOKENS: 0,  # grammars are not served by this variant yet
         P.VERIFICATION_STEPS: steps,
         P.OUTPUT_TOKENS: output_tokens,
+        P.NUM_CACHED_TOKENS: 0,  # the LLM API's per-request KV reuse count is not mapped yet
     }
 
 

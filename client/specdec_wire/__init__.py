@@ -56,6 +56,9 @@ NUM_OUTPUT_TOKENS = "num_output_tokens"  # the token ids this response carries (
 # "ebnf_grammar") and its text (a JSON schema, a regex, an EBNF grammar; none for "json").
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"
 GUIDED_DECODING_GUIDE = "guided_decoding_guide"
+# vLLM's prefix-cache isolation: requests share cached KV (and the suffix method's learnt
+# continuations) only with requests of the same salt; "" or absent is one shared scope.
+CACHE_SALT = "cache_salt"
 
 # Ours: the speculative_method that turns speculation off (the matched baseline).
 METHOD_NONE = "none"
@@ -73,6 +76,8 @@ TOTAL_DRAFT_TOKENS = "total_draft_tokens"
 TOTAL_ACCEPTED_FORCED_TOKENS = "total_accepted_forced_tokens"
 # Ours: verification steps so far (mean acceptance length = output tokens / steps).
 VERIFICATION_STEPS = "verification_steps"
+# vLLM's RequestOutput.num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+NUM_CACHED_TOKENS = "num_cached_tokens"
 OUTPUT_TOKENS = "output_tokens"
 # Ours: why the request ended ("stop", "length", "eos", "cancelled"; "" until the last response).
 FINISH_REASON = "finish_reason"
@@ -126,6 +131,7 @@ REQUEST_INPUTS = (
     (RETURN_NUM_OUTPUT_TOKENS, "TYPE_BOOL", (1,), True),
     (GUIDED_DECODING_GUIDE_TYPE, "TYPE_STRING", (1,), True),
     (GUIDED_DECODING_GUIDE, "TYPE_STRING", (1,), True),
+    (CACHE_SALT, "TYPE_STRING", (1,), True),
 )
 # Running totals the loop reports with every response (and the rate derived from them).
 PERF_COUNTS = (
@@ -134,6 +140,7 @@ PERF_COUNTS = (
     (TOTAL_ACCEPTED_FORCED_TOKENS, "TYPE_INT32", (1,)),
     (VERIFICATION_STEPS, "TYPE_INT32", (1,)),
     (OUTPUT_TOKENS, "TYPE_INT32", (1,)),
+    (NUM_CACHED_TOKENS, "TYPE_INT32", (1,)),
 )
 PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS, (FINISH_REASON, "TYPE_STRING", (1,)))
 # With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).

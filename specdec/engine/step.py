@@ -70,6 +70,7 @@ class StepResult:
     log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
     num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
     forced_accepted: int = 0  # of `accepted`, the tokens the request's grammar forced (not the drafter's)
+    cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Speculator(KeyedSequences[_Sequence]):
                     for i in ids:
                         self.target_pass.release(i)
         self.planner.verify_cost.fit()
+        self.target_pass.reset_prefix_counters()  # the dummy prompts are not traffic
 
     def check_method(self, method: str) -> None:
         """For internal callers (the request parsers check clients): a method this target serves."""
@@ -174,7 +176,8 @@ class Speculator(KeyedSequences[_Sequence]):
         prompts go at once. A prompt not finished in this call answers no tokens
         (StepResult.emitted == []): its caller sends another step. New sequences are all or
         nothing: on error none of them holds a slot anywhere."""
-        self.target_pass.admit([(i.seq_id, i.prompt_ids, i.params) for i in starts])
+        self.target_pass.admit([(i.seq_id, i.prompt_ids, i.params) for i in starts],
+                               frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method)))
         for item in starts:
             speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
             self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
@@ -224,7 +227,7 @@ class Speculator(KeyedSequences[_Sequence]):
             if seq.method != METHOD_NONE and seq.method in self.drafts.drafters:
                 self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, seq.method, out.hidden)
             result = StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
-                                verify_seconds=t1 - t0, log_probs=out.log_probs)
+                                verify_seconds=t1 - t0, log_probs=out.log_probs, cached_tokens=out.cached_tokens)
             by_id[item.seq_id] = result
             first_items.append(item)
             first_results.append(result)

@@ -24,6 +24,7 @@ from specdec.engine.sequences import KeyedSequences
 from specdec.engine.tree import DraftTree
 from specdec.engine.acceptance import VerifyResult, verify_greedy, verify_sampled
 from specdec.engine.grammar import Grammars, GuidedSequence, masked_draft_probs
+from specdec.engine.prefix_cache import PrefixCacheCounters
 
 
 @dataclass
@@ -42,6 +43,7 @@ class _TargetSequence:
     unprefilled: list[int] = field(default_factory=list)
     prompt_hidden: list[Tensor] = field(default_factory=list)
     guide: GuidedSequence | None = None  # the request's grammar, at the committed context
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     def processed(self, logits: Tensor, tree: DraftTree | None = None, bitmask: Tensor | None = None) -> Tensor:
         """The target's logits as plain decoding would use them at each tree row: the
@@ -67,6 +69,7 @@ class PrefillOutput:
     first_token: int
     hidden: Tensor | None  # [prompt_len, taps * H] when taps were asked for
     log_probs: list[float] | None = None  # of first_token, with return_log_probs
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -88,7 +91,16 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         self.config = config
         self.tap_layers = tuple(tap_layers)
         self.device = target.embed.weight.device
-        self.cache = target.new_cache(config.max_batch_size, config.max_seq_len, config.max_num_draft_tokens + 1)
+        self.cache = target.new_cache(config.max_batch_size, config.max_seq_len, config.max_num_draft_tokens + 1,
+                                      config.prefix_cache_block)
+        # With prefix caching, each slot's hidden taps beside its KV: a drafter that reads them
+        # (EAGLE-3, Medusa) gets the cached prefix's taps exactly as a full prefill makes them.
+        # taps_len[slot]: how many leading positions hold taps (a forward without taps stops it).
+        self.taps: Tensor | None = None
+        self.taps_len = [0] * config.max_batch_size
+        if self.cache.prefix is not None and self.tap_layers:
+            width = len(self.tap_layers) * target.cfg.hidden_size
+            self.taps = torch.zeros((config.max_batch_size, self.cache.capacity, width), dtype=target.act_dtype, device=self.device)
 
     def context_len(self, seq_id: Hashable) -> int:
         return self.cache.lengths[self._get(seq_id).slot]
@@ -100,9 +112,11 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         """Admitted, its prompt not all in the cache yet (no first token)."""
         return bool(self._get(seq_id).unprefilled)
 
-    def admit(self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]]) -> None:
+    def admit(self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], needs_taps: frozenset = frozenset()) -> None:
         """Give each sequence a slot; its prompt is prefilled by run() (in chunks, possibly
-        over several calls). Prompts were checked at the trust boundary (check_prompt: the
+        over several calls), after the longest prefix the cache holds (needs_taps: ids whose
+        prefill must return the taps of the whole prompt: a reused prefix is then one whose
+        taps are held too). Prompts were checked at the trust boundary (check_prompt: the
         request parser in process, the verifier's START in Triton). Raises before changing
         anything if a sequence id is taken or slots run out."""
         for seq_id, _, _ in items:
@@ -113,10 +127,46 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         guides = [self._start_guide(params) for _, _, params in items]
         now = time.monotonic()
         for (seq_id, prompt, params), guide in zip(items, guides):
-            self._seqs[seq_id] = _TargetSequence(
-                self.cache.allocate(), params, make_generator(params.seed), len(prompt), last_used=now,
-                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt), guide=guide,
+            slot, reused = self._claim_slot(prompt, params.cache_salt, seq_id in needs_taps)
+            seq = self._seqs[seq_id] = _TargetSequence(
+                slot, params, make_generator(params.seed), len(prompt), last_used=now,
+                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt[reused:]), guide=guide,
+                cached_tokens=reused,
             )
+            if reused and seq_id in needs_taps:
+                seq.prompt_hidden.append(self.taps[slot, :reused].clone())
+
+    def _claim_slot(self, prompt: Sequence[int], salt: str | None, needs_taps: bool) -> tuple[int, int]:
+        """A slot holding the prompt's longest cached prefix: (slot, tokens reused). At least
+        the prompt's last token is computed (its logits sample the first token)."""
+        cache = self.cache
+        found = cache.lookup(prompt, salt, len(prompt) - 1)
+        if found is not None and needs_taps:
+            found.tokens = min(found.tokens, self.taps_len[found.slot])
+        slot = cache.claim(prompt, salt, found)
+        reused = cache.lengths[slot]
+        if self.taps is not None:
+            if found is not None and reused and found.slot != slot:
+                self.taps[slot, :reused] = self.taps[found.slot, :reused]
+            self.taps_len[slot] = min(self.taps_len[found.slot], reused) if found is not None and reused else 0
+        if cache.prefix is not None:
+            cache.prefix.record(len(prompt), reused)
+        return slot, reused
+
+    def _keep_taps(self, slot: int, start: int, taps: Tensor | None) -> None:
+        """Hold the taps of positions committed at `start` (while they continue the held ones)."""
+        if self.taps is None or taps is None or self.taps_len[slot] != start:
+            return
+        self.taps[slot, start : start + taps.shape[0]] = taps
+        self.taps_len[slot] = start + taps.shape[0]
+
+    @property
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        return None if self.cache.prefix is None else self.cache.prefix.counters
+
+    def reset_prefix_counters(self) -> None:
+        if self.cache.prefix is not None:
+            self.cache.prefix.counters = PrefixCacheCounters()
 
     def _start_guide(self, params: SamplingParams) -> GuidedSequence | None:
         if not params.guided:
@@ -135,7 +185,7 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
     ) -> list[PrefillOutput]:
         """Start sequences and prefill their whole prompts in one forward (admit + run)."""
-        self.admit(items)
+        self.admit(items, frozenset(seq_id for seq_id, _, _ in items) if want_hidden else frozenset())
         done, _ = self.run([seq_id for seq_id, _, _ in items], [], want_hidden)
         return [done[seq_id] for seq_id, _, _ in items]
 
@@ -190,11 +240,13 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         done = {}
         for c, (seq_id, seq, chunk) in enumerate(chunks):
             b = row_of[c]
-            self.cache.commit(seq.slot, range(len(chunk)))
+            start = self.cache.lengths[seq.slot]
+            self.cache.commit(seq.slot, range(len(chunk)), chunk)
             del seq.unprefilled[: len(chunk)]
             seq.last_used = now
             if out.hidden_taps is not None:
                 seq.prompt_hidden.append(out.hidden_taps[b, : len(chunk)])
+                self._keep_taps(seq.slot, start, out.hidden_taps[b, : len(chunk)])
             if not seq.unprefilled:
                 done[seq_id] = self._first_token(seq, out.logits[b, :1])
         results = []
@@ -206,10 +258,12 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             else:
                 result = verify_sampled(tree, logits_to_probs(logits, seq.params), seq.generator)
             kept = [0] + [node + 1 for node in result.accepted_nodes]
-            self.cache.commit(seq.slot, kept)
+            start = self.cache.lengths[seq.slot]
+            self.cache.commit(seq.slot, kept, [seq.root_token] + [tree.tokens[node] for node in result.accepted_nodes])
             seq.emitted(result.emitted)
             seq.last_used = now
             hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
+            self._keep_taps(seq.slot, start, hidden)
             log_probs = token_log_probs(logits, seq.params, kept, result.emitted) if seq.params.return_log_probs else None
             results.append(VerifyOutput(result, hidden, log_probs))
         return done, results
@@ -221,7 +275,7 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         hidden = torch.cat(seq.prompt_hidden) if seq.prompt_hidden else None
         seq.prompt_hidden = []
         log_probs = token_log_probs(logits[None], seq.params, [0], [first]) if seq.params.return_log_probs else None
-        return PrefillOutput(first, hidden, log_probs)
+        return PrefillOutput(first, hidden, log_probs, seq.cached_tokens)
 
     def release(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)

@@ -139,6 +139,7 @@ async def run_loop(
                 yield LoopUpdate([], "", True, FINISH_CANCELLED)
                 return
             reply = await backend.verify(None, hidden_apart)
+        req.stats.cached_prompt_tokens = reply.cached_tokens
         tokens, text = req.accept(reply.emitted, reply.log_probs)
         yield LoopUpdate(tokens, text, req.finished, req.finish_reason, log_probs=_kept(reply.log_probs, tokens))
         while not req.finished:

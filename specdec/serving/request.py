@@ -168,6 +168,7 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedReques
         return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
         guide_type=_scalar(inputs, P.GUIDED_DECODING_GUIDE_TYPE, "", str) or None,
         guide=_scalar(inputs, P.GUIDED_DECODING_GUIDE, "", str) or None,
+        cache_salt=_scalar(inputs, P.CACHE_SALT, "", str) or None,
     ).validate(offer.max_tokens_limit)
     method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
     parsed = ParsedRequest(

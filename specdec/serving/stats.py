@@ -17,6 +17,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     forced_accepted_tokens: int = 0  # of accepted_tokens, those a grammar forced (drafted without the drafter)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     emitted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -42,7 +43,8 @@ class SpecStats:
             self.accepted_per_position[d] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        for name in ("steps", "drafts", "draft_tokens", "accepted_tokens", "forced_accepted_tokens", "emitted_tokens", "draft_seconds", "verify_seconds"):
+        for name in ("steps", "drafts", "draft_tokens", "accepted_tokens", "forced_accepted_tokens", "emitted_tokens", "draft_seconds", "verify_seconds",
+                     "cached_prompt_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for d, (n, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
             if d >= len(self.drafted_per_position):
@@ -71,6 +73,7 @@ class SpecStats:
             "accepted_tokens": self.accepted_tokens,
             "forced_accepted_tokens": self.forced_accepted_tokens,
             "emitted_tokens": self.emitted_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,

@@ -45,10 +45,11 @@ ROUND_TOKENS = "round_tokens"
 # The verifier's numbers for one round of one sequence, one FP32 row per round.
 # verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
 # batch_sequences: sequences that shared the round's target forward; forced_accepted: of
-# accepted, the tokens the request's grammar forced.
+# accepted, the tokens the request's grammar forced; cached_tokens: the prompt's tokens whose
+# KV came from the prefix cache (in the first token's row).
 STEP_STATS = "step_stats"
 STEP_STATS_FIELDS = ("verified", "accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds",
-                     "num_draft_tokens", "batch_sequences", "forced_accepted")
+                     "num_draft_tokens", "batch_sequences", "forced_accepted", "cached_tokens")
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
@@ -57,7 +58,7 @@ CONTROL_READY = "READY"
 CONTROL_CORRID = "CORRID"
 
 # Sampling settings as the loop sends them to the verifier and the drafter (encode_sampling).
-SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS)
+SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS, (W.CACHE_SALT, "TYPE_STRING", (1,), True))
 # ... and what only the verifier needs: the logits rules, and whether to return log probs.
 RULES_INPUTS = (
     (W.MIN_LENGTH, "TYPE_INT32", (1,), True),
@@ -111,6 +112,8 @@ def encode_sampling(params: SamplingParams, rules: bool = False) -> dict[str, np
     }
     if params.seed is not None:
         out[W.RANDOM_SEED] = np.uint64([params.seed])
+    if params.cache_salt is not None:
+        out[W.CACHE_SALT] = np.array([params.cache_salt.encode()], dtype=np.object_)
     if not rules:
         return out
     if params.min_length:
@@ -148,6 +151,7 @@ def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
     return SamplingParams(
         max_tokens=one(W.MAX_TOKENS, 1, int), temperature=one(W.TEMPERATURE, 0.0, float), top_k=one(W.TOP_K, 0, int),
         top_p=one(W.TOP_P, 1.0, float), seed=one(W.RANDOM_SEED, None, int),
+        cache_salt=one(W.CACHE_SALT, None, lambda v: v.decode() if isinstance(v, bytes) else str(v)),
         min_length=one(W.MIN_LENGTH, 0, int), end_ids=tuple(ids(END_IDS)), bad_word_ids=tuple(w for w in words if w),
         repetition_penalty=one(W.REPETITION_PENALTY, 1.0, float), presence_penalty=one(W.PRESENCE_PENALTY, 0.0, float),
         frequency_penalty=one(W.FREQUENCY_PENALTY, 0.0, float), return_log_probs=one(W.RETURN_LOG_PROBS, False, bool),

@@ -151,6 +151,8 @@ class VerifierStream:
                 req.stats.draft_seconds += stats["draft_seconds"]
                 req.stats.verify_seconds += stats["verify_seconds"]
                 req.stats.record_step(depth, drafted, accepted, len(tokens), int(stats["forced_accepted"]))
+            elif tokens:  # the prompt's first token
+                req.stats.cached_prompt_tokens = int(stats["cached_tokens"])
             finished = last and bool(reason)
             if finished:
                 req.finish(reason)
@@ -337,6 +339,7 @@ class TritonPythonModel:
             P.TOTAL_ACCEPTED_FORCED_TOKENS: lambda: batched(P.TOTAL_ACCEPTED_FORCED_TOKENS, np.int32([stats.forced_accepted_tokens])),
             P.VERIFICATION_STEPS: lambda: batched(P.VERIFICATION_STEPS, np.int32([stats.steps])),
             P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
+            P.NUM_CACHED_TOKENS: lambda: batched(P.NUM_CACHED_TOKENS, np.int32([stats.cached_prompt_tokens])),
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
             P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
             P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),

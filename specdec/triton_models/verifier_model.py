@@ -49,11 +49,12 @@ class SenderSink:
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
-        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences(), 0]
+        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences(), 0, 0]
         if step is not None:
             stats[1:7] = [step.accepted, step.draft_depth, step.draft_tokens, step.verify_seconds, step.draft_seconds,
                           step.num_draft_tokens]
             stats[8] = step.forced_accepted
+            stats[9] = step.cached_tokens
         self._held.append((out, stats))
         if not (self.rounds or out.finished):
             return True

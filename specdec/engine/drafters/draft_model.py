@@ -58,17 +58,24 @@ class DraftModelDrafter(SlotCacheDrafter):
     name = "draft_model"
 
     def __init__(self, model: Transformer, draft_to_target: Tensor | None, target_vocab: int, config: SpeculativeConfig,
-                 max_batch_size: int, max_seq_len: int):
+                 max_batch_size: int, max_seq_len: int, prefix_block_tokens: int | None = None):
+        """prefix_block_tokens: prefix caching of the draft's own KV (the engine's setting):
+        a prompt the target finds cached starts the draft from its cached prefix too."""
         self.model = model
         self.config = config
         self.target_vocab = target_vocab
         self.draft_to_target = draft_to_target  # [Vd] target ids, or None: the same vocabulary
         width = config.dynamic_tree_max_topK if config.use_dynamic_tree else 1
-        self.cache = model.new_cache(max_batch_size, max_seq_len, SHARED_CATCH_UP + width * config.max_draft_len)
+        self.cache = model.new_cache(max_batch_size, max_seq_len, SHARED_CATCH_UP + width * config.max_draft_len,
+                                     prefix_block_tokens)
 
     # ---- sequence life cycle --------------------------------------------------------------
     def on_prefill(self, seq: SequenceState, hidden: Tensor | None) -> None:
-        seq.drafter_state[self.name] = _DraftState(self.cache.allocate(), list(seq.prompt_ids) + [seq.output_ids[0]])
+        tokens = list(seq.prompt_ids) + [seq.output_ids[0]]
+        salt = seq.params.cache_salt
+        # the last token is always run: its logits start the first draft
+        slot = self.cache.claim(tokens, salt, self.cache.lookup(tokens, salt, len(tokens) - 1))
+        seq.drafter_state[self.name] = _DraftState(slot, tokens[self.cache.lengths[slot]:])
 
     def on_verified(self, seq: SequenceState, emitted: list[int], accepted: int, hidden: Tensor | None) -> None:
         state: _DraftState = seq.drafter_state[self.name]
@@ -78,7 +85,7 @@ class DraftModelDrafter(SlotCacheDrafter):
             if column is None:
                 break
             kept.append(column)
-        self.cache.commit(state.slot, kept)
+        self.cache.commit(state.slot, kept, emitted[: len(kept)])
         state.written = {}
         state.pending += emitted[len(kept):]
 
@@ -103,7 +110,7 @@ class DraftModelDrafter(SlotCacheDrafter):
             batch = build_batch([s.slot for s in group], [self.cache.lengths[s.slot] for s in group], [s.pending for s in group])
             logits = self.model(batch, self.cache, last_only=True).logits[:, 0]
             for b, s in enumerate(group):
-                self.cache.commit(s.slot, range(len(s.pending)))
+                self.cache.commit(s.slot, range(len(s.pending)), s.pending)
                 s.last_logits, s.pending = logits[b], []
 
     def _pass(self, states: list[_DraftState], tokens: list[list[int]], offsets: list[int], depths: list[list[int]],
@@ -247,7 +254,8 @@ def _has_tokenizer(path: Path) -> bool:
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> DraftModelDrafter:
     model, draft_to_target = load_draft(draft_dir(spec), ctx, spec.draft_dtype or ctx.engine.draft_dtype)
-    return DraftModelDrafter(model, draft_to_target, ctx.target_cfg.vocab_size, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len)
+    return DraftModelDrafter(model, draft_to_target, ctx.target_cfg.vocab_size, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len,
+                             ctx.engine.prefix_cache_block)
 
 
 register(DrafterKind(methods=(METHOD_DRAFT_MODEL,), build=_build))

@@ -427,11 +427,12 @@ class Transformer(nn.Module):
         p = self.embed.weight
         return torch.float32 if p.device.type == "cpu" else p.dtype
 
-    def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int) -> KVCache:
+    def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int,
+                  prefix_block_tokens: int | None = None) -> KVCache:
         p = self.embed.weight
         return KVCache(
             self.cfg.num_layers, max_slots, self.cfg.num_kv_heads, max_seq_len, self.cfg.head_dim,
-            max_new_per_step, dtype=self.act_dtype, device=p.device,
+            max_new_per_step, dtype=self.act_dtype, device=p.device, prefix_block_tokens=prefix_block_tokens,
         )
 
 
