@@ -8,6 +8,11 @@ inter-chunk latency (see loadtest/timings.py), are logged into stats entries of 
 (Type "TTFT", "ITL", "TPOT", "inter-chunk"; Name = the mode), which show up in Locust's
 stats, CSV and HTML but stay out of the Aggregated row (see log_timings).
 
+Conversations (--specdec-dataset sharegpt-multiturn): a user sends a conversation's turns in
+order, each with the whole history (the model's own answers included, rendered by the
+target's chat template), and each turn's TTFT is also logged under "<mode> turn <n>".
+Repeated tasks: --specdec-dataset jsonl --specdec-dataset-path data/repeated/tasks.jsonl.
+
 Scenarios (ScenarioShape, --specdec-scenario / SPECDEC_SCENARIO): concurrency_1 and
 production; see loadtest/scenarios.py. The decoding mode is --specdec-method and
 --specdec-num-draft-tokens (0 = the baseline), so the same scenario runs both. Distributed
@@ -29,6 +34,7 @@ grpc_gevent.init_gevent()  # before any gRPC channel exists: make gRPC cooperati
 import itertools  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent.lock  # noqa: E402
@@ -61,6 +67,10 @@ def add_options(parser):
     g.add_argument("--specdec-dataset-path", default="", env_var="SPECDEC_DATASET_PATH")
     g.add_argument("--specdec-num-prompts", type=int, default=64, env_var="SPECDEC_NUM_PROMPTS")
     g.add_argument("--specdec-seed", type=int, default=0, env_var="SPECDEC_SEED")
+    g.add_argument("--specdec-turns", type=int, default=4, env_var="SPECDEC_TURNS", help="sharegpt-multiturn: turns")
+    g.add_argument("--specdec-cache-salt", default="", env_var="SPECDEC_CACHE_SALT",
+                   help="prefix-cache scope of every request (empty: the shared scope; 'unique': one per request, "
+                        "so nothing is reused: the without-cache side of a comparison)")
     g.add_argument("--specdec-users", type=int, default=scenarios.DEFAULT_PRODUCTION_USERS, env_var="SPECDEC_USERS",
                    help="production: peak users")
     g.add_argument("--specdec-ramp-steps", type=int, default=scenarios.DEFAULT_RAMP_STEPS, env_var="SPECDEC_RAMP_STEPS")
@@ -74,6 +84,7 @@ def mode_of(options) -> tuple[str, str | None, int | None]:
 
 
 _prompts: list | None = None
+_render = None
 _prompt_lock = gevent.lock.Semaphore()
 _counter = itertools.count()
 
@@ -84,8 +95,19 @@ def prompts_for(options) -> list:
     with _prompt_lock:
         if _prompts is None:
             _prompts = D.load(options.specdec_dataset, options.specdec_num_prompts, options.specdec_seed,
-                              options.specdec_dataset_path or None).prompts
+                              options.specdec_dataset_path or None, turns=options.specdec_turns).prompts
     return _prompts
+
+
+def chat_renderer():
+    """The target's chat template (messages -> text), loaded once per process."""
+    global _render
+    with _prompt_lock:
+        if _render is None:
+            _render = D.chat_renderer()
+            if _render is None:
+                raise SpecDecClientError("conversations need the target's tokenizer (its chat template)")
+    return _render
 
 
 def worker_index(runner: Runner | None) -> int | None:
@@ -120,22 +142,39 @@ class SpecDecUser(User):
     def on_stop(self):
         self.client.close()
 
-    def request(self, prompt) -> GenerateRequest:
+    def request(self, prompt, text: str | None = None) -> GenerateRequest:
+        """text: a rendered conversation (sent without the server's chat template)."""
         opts = self.environment.parsed_options
+        salt = opts.specdec_cache_salt or None
         return GenerateRequest(
-            prompt.text, max_tokens=prompt.max_tokens or opts.specdec_max_tokens, temperature=opts.specdec_temperature,
-            seed=opts.specdec_seed, method=self.method, num_draft_tokens=self.k,
+            prompt.text if text is None else text, max_tokens=prompt.max_tokens or opts.specdec_max_tokens,
+            temperature=opts.specdec_temperature, seed=opts.specdec_seed, method=self.method, num_draft_tokens=self.k,
             ignore_eos=str(opts.specdec_ignore_eos).lower() in ("1", "true", "yes", "on"),
             guide_type=prompt.guide_type, guide=prompt.guide,  # structured prompts (JSONL guide fields)
+            cache_salt=uuid.uuid4().hex if salt == "unique" else salt,
+            apply_chat_template=None if text is None else False,
         )
 
     @task
     def generate(self):
         prompt = self.prompts[next(_counter) % len(self.prompts)]
+        if not prompt.turns:
+            self.send(prompt)
+            return
+        history = []
+        for turn, message in enumerate(prompt.messages):
+            history.append({"role": "user", "content": message})
+            answer = self.send(prompt, chat_renderer()(history), turn)
+            if answer is None:
+                return
+            history.append({"role": "assistant", "content": answer})
+
+    def send(self, prompt, text: str | None = None, turn: int | None = None) -> str | None:
+        """One streamed request, fired as one Locust request; its text (None on failure)."""
         chunks, texts, perf, error = [], [], {}, None
         send = time.perf_counter()
         try:
-            for chunk in self.client.stream(self.request(prompt)):
+            for chunk in self.client.stream(self.request(prompt, text)):
                 if chunk.text:
                     chunks.append(chunk.time)
                     texts.append(chunk.text)
@@ -147,6 +186,9 @@ class SpecDecUser(User):
         trace = M.Trace(send, chunks, time.perf_counter(), int(perf.get("output_tokens", len(chunks))),
                         int(perf.get("verification_steps", 0)))
         self.fire(trace, error)
+        if error is None and turn is not None and trace.chunks:
+            self.environment.stats.get(f"{self.mode} turn {turn + 1}", "TTFT").log(M.ttft(trace) * 1000, 0)
+        return None if error is not None else "".join(texts)
 
     def fire(self, trace: M.Trace, error: Exception | None) -> None:
         fire = self.environment.events.request.fire

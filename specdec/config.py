@@ -24,7 +24,10 @@ METHOD_EAGLE3 = "eagle3"
 METHOD_EAGLE3_TREE = "eagle3-tree"
 METHOD_DRAFT_MODEL = "draft_model"
 METHOD_MEDUSA = "medusa"
-ALL_METHODS = (METHOD_NONE, METHOD_NGRAM, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_DRAFT_MODEL, METHOD_MEDUSA)
+METHOD_SUFFIX = "suffix"
+METHOD_ARCTIC_SUFFIX = "arctic_suffix"  # optional: Arctic Inference's, for comparison (drafters/arctic_suffix.py)
+ALL_METHODS = (METHOD_NONE, METHOD_NGRAM, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_DRAFT_MODEL, METHOD_MEDUSA, METHOD_SUFFIX,
+               METHOD_ARCTIC_SUFFIX)
 
 
 # Where things are: the checkout (the model repository and the shipped drafters live in it)
@@ -265,6 +268,16 @@ class SpeculativeConfig:
     # Greedy requests keep the top-k tree.
     sampled_tree: bool = False
     sampled_tree_mass: float = 0.8
+    # Suffix decoding across requests (specdec/engine/drafters/suffix.py): the longest
+    # context suffix matched, the least probability a drafted token may have given its
+    # parent, and the corpus bounds (tokens over all cache_salt scopes: 4 bytes each; scopes). Method `suffix`
+    # drafts from it alone; EAGLE-3 with hybrid_suffix merges its best path into the head's
+    # tree (with hybrid_ngram too: EAGLE-3 + prompt lookup + suffix in one tree).
+    suffix_max_match: int = 24
+    suffix_min_token_prob: float = 0.1
+    suffix_corpus_tokens: int = 1 << 22
+    suffix_scopes: int = 256
+    hybrid_suffix: bool = False
     # Where the drafter runs when served: true = beside the target in the `verifier` model,
     # one call per step (TensorRT-LLM's one-model EAGLE-3); false = in the `drafter` model,
     # its own process (a draft call and a verify call per step; the two-model path).
@@ -280,6 +293,15 @@ class SpeculativeConfig:
             object.__setattr__(self, "draft_len_schedule", _parse_schedule(self.draft_len_schedule))
         if self.hybrid_ngram and self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
             raise ConfigError("hybrid_ngram", f"merges n-gram drafts into an EAGLE-3 tree; method is {self.method!r}")
+        if self.hybrid_suffix and self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE):
+            raise ConfigError("hybrid_suffix", f"merges suffix drafts into an EAGLE-3 tree; method is {self.method!r}")
+        if not isinstance(self.suffix_max_match, int) or self.suffix_max_match < 1:
+            raise ConfigError("suffix_max_match", f"must be an integer >= 1, got {self.suffix_max_match!r}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ConfigError("suffix_min_token_prob", f"must be in [0, 1], got {self.suffix_min_token_prob!r}")
+        for name in ("suffix_corpus_tokens", "suffix_scopes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {getattr(self, name)!r}")
         if self.sampled_tree and (not self.use_dynamic_tree or self.method not in (METHOD_EAGLE3, METHOD_EAGLE3_TREE)):
             raise ConfigError("sampled_tree", "draws EAGLE-3 dynamic trees: needs method eagle3 with use_dynamic_tree: true")
         if not 0.0 < self.sampled_tree_mass <= 1.0:

@@ -34,7 +34,7 @@ PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TO
                   P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages",
                   P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
                   P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens",
-                  P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format"}
+                  P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format", P.CACHE_SALT: "cache_salt"}
 # Accepted only at their neutral value (anything else would be silently different output).
 NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None,
            "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
@@ -87,6 +87,7 @@ class Job:
     min_tokens: int = 0  # vLLM's extension (TensorRT-LLM's min_length)
     guide_type: str | None = None  # from response_format (TensorRT-LLM's guided decoding)
     guide: str | None = None
+    cache_salt: str | None = None  # vLLM's prefix-cache isolation
 
 
 def _number(body: Mapping[str, Any], name: str, default, kind=float):
@@ -153,7 +154,10 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     if seed is not None:
         seed = _number(body, "seed", None, int)
     guide_type, guide = response_format(body)
-    return Job(guide_type=guide_type, guide=guide, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
+    return Job(guide_type=guide_type, guide=guide, cache_salt=cache_salt, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
                include_usage=bool(stream_options.get("include_usage", False)),
@@ -226,7 +230,7 @@ class Frontend:
                                ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
                                presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
                                repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None,
-                               guide_type=job.guide_type, guide=job.guide)
+                               guide_type=job.guide_type, guide=job.guide, cache_salt=job.cache_salt)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError
@@ -250,9 +254,13 @@ class Frontend:
             return False
 
 
-def usage(job: Job, completion_tokens: int) -> dict:
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens}
+def usage(job: Job, completion_tokens: int, perf: Mapping[str, float] | None = None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens from the prefix cache (num_cached_tokens)."""
+    out = {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": job.prompt_tokens + completion_tokens}
+    if perf is not None and P.NUM_CACHED_TOKENS in perf:
+        out["prompt_tokens_details"] = {"cached_tokens": int(perf[P.NUM_CACHED_TOKENS])}
+    return out
 
 
 def extension(perf: Mapping[str, float], job: Job) -> dict:
@@ -327,7 +335,7 @@ def create_app(frontend: Frontend):
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
         return {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice],
-                "usage": usage(job, completion_tokens(perf, len(ids))), "specdec": extension(perf, job)}
+                "usage": usage(job, completion_tokens(perf, len(ids)), perf), "specdec": extension(perf, job)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -367,7 +375,7 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
                 yield event([delta(chunk.text)])
         yield event([delta(None, finish_reason(server_reason))], specdec=extension(perf, job))
         if job.include_usage:
-            yield event([], usage=usage(job, completion_tokens(perf, ids)))
+            yield event([], usage=usage(job, completion_tokens(perf, ids), perf))
     except OpenAIError as exc:  # after the 200 header: the error travels in the stream, as OpenAI's does
         yield json.dumps(exc.body())
     yield "[DONE]"

@@ -42,6 +42,7 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.engine.drafters.eagle3 import Eagle3Drafter
 from specdec.engine.drafters.medusa import MedusaDrafter
 from specdec.engine.drafters.ngram import NgramDrafter
+from specdec.engine.drafters.suffix import SuffixCorpora, SuffixDrafter
 from specdec.engine.models.eagle3_head import load_eagle3
 from specdec.engine.models.llama import build_batch
 from specdec.engine.models.loading import load_transformer
@@ -100,8 +101,15 @@ def staircase_cost() -> VerifyCost:
 def make_engine(toy, name: str) -> SpecEngine:
     spec = served_methods()[name]
     cfg = EngineConfig(max_batch_size=1, max_seq_len=48, max_num_draft_tokens=8, draft_dtype="float32")
+    # an earlier request of the same scope whose continuation of the prompt differs from the
+    # prompt's own pattern: the suffix drafts (alone, and merged into the hybrid) branch off it
+    corpora = SuffixCorpora(1000, 4)
+    corpora.add(None, PROMPT + [0, 0, 2])
+    corpora.add = lambda salt, ids: None  # every replay starts from this corpus (cancelled runs teach nothing)
     if spec.method == "eagle3":
-        drafter = Eagle3Drafter(toy["head"], spec, 1, 48)
+        drafter = Eagle3Drafter(toy["head"], spec, 1, 48, corpora if spec.hybrid_suffix else None)
+    elif spec.method == "suffix":
+        drafter = SuffixDrafter(spec, corpora)
     elif spec.method == "medusa":
         drafter = MedusaDrafter(toy["medusa"], spec)
     elif spec.method == "ngram":
@@ -175,12 +183,13 @@ SHIPPED = {
     "eagle3-tree": PARAMS,  # sampled tree, children drawn until they cover mass 0.8
     "eagle3-adaptive": TOP_P,  # planned chain: confidence-cut drafting, nodes kept by gain
     "eagle3-tree-adaptive": PARAMS,  # EAGLE-2 tree (top-k children, one-hot rule), planned
-    "eagle3-hybrid": PARAMS,  # planned sampled chain with the n-gram continuation merged in
+    "eagle3-hybrid": PARAMS,  # planned sampled chain with the n-gram and suffix continuations merged in
     "medusa": PARAMS,  # sampled chain, each head's q independent of the draws before it
     "medusa-tree": RULES,  # top-k tree, one-hot rule, with penalties and bad words
     "ngram": RULES,  # one-hot chain
     "ngram-tree": PARAMS,  # one-hot tree of continuations
     "ngram-adaptive": TOP_P,
+    "suffix": PARAMS,  # one-hot frequency tree from an earlier request and the prompt, planned
     "draft_model": PARAMS,  # sampled chain with the draft LM's q
     "draft_model-adaptive": PARAMS,
 }

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import specdec_wire as P
@@ -41,6 +42,9 @@ class Mode:
     name: str
     method: str | None
     num_draft_tokens: int | None
+    # False: every request gets a salt of its own, so it reuses no cached prefix (the
+    # "without the cache" side of a prefix-caching comparison, on the same server).
+    prefix_cache: bool = True
 
     @property
     def is_baseline(self) -> bool:
@@ -52,8 +56,24 @@ class Mode:
         return METHOD_NONE if self.is_baseline else (self.method or "")
 
 
-def parse_modes(methods: Sequence[str]) -> list[Mode]:
-    """'ngram', 'ngram:6' (6 draft tokens) -> modes; the baseline always comes first."""
+NO_CACHE = "/no-cache"
+PREFIX_CACHE_CHOICES = ("on", "off", "both")
+
+
+def parse_modes(methods: Sequence[str], prefix_cache: str = "on") -> list[Mode]:
+    """'ngram', 'ngram:6' (6 draft tokens) -> modes; the baseline always comes first.
+    prefix_cache "off": every mode without the prefix cache ("<name>/no-cache"); "both":
+    each mode with it and then without it."""
+    if prefix_cache not in PREFIX_CACHE_CHOICES:
+        raise BenchConfigError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_CHOICES)}, got {prefix_cache!r}")
+    modes = _parse_modes(methods)
+    if prefix_cache == "on":
+        return modes
+    uncached = [Mode(m.name + NO_CACHE, m.method, m.num_draft_tokens, prefix_cache=False) for m in modes]
+    return uncached if prefix_cache == "off" else [x for pair in zip(modes, uncached) for x in pair]
+
+
+def _parse_modes(methods: Sequence[str]) -> list[Mode]:
     modes = [Mode(BASELINE, None, 0)]
     for item in methods:
         item = item.strip()
@@ -108,6 +128,10 @@ class BenchConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_attainment: float = 0.9  # a rate is sustained when this share of its requests met the SLO
+    prefix_cache: str = "on"  # as the modes were made (parse_modes)
+    # Conversations (Prompt.turns) are rendered by the target's chat template here, client
+    # side, the model's own answers included: messages -> prompt text. Not recorded.
+    render_chat: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.modes or not self.modes[0].is_baseline:
@@ -144,16 +168,19 @@ class BenchConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def request(self, mode: Mode, prompt: Prompt) -> GenerateRequest:
+    def request(self, mode: Mode, prompt: Prompt, cache_salt: str | None = None, text: str | None = None) -> GenerateRequest:
+        """text: the rendered conversation (sent without the server's chat template)."""
         return GenerateRequest(
-            prompt.text, max_tokens=prompt.max_tokens or self.max_tokens, temperature=self.temperature,
+            prompt.text if text is None else text, max_tokens=prompt.max_tokens or self.max_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop, method=mode.method,
             num_draft_tokens=mode.num_draft_tokens, ignore_eos=self.ignore_eos,
-            guide_type=prompt.guide_type, guide=prompt.guide,
+            guide_type=prompt.guide_type, guide=prompt.guide, cache_salt=cache_salt,
+            apply_chat_template=None if text is None else False,
         )
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = asdict(replace(self, render_chat=None))
+        del out["render_chat"]
         out["modes"] = [asdict(m) for m in self.modes]
         out["loads"] = [{**asdict(load), "label": load.label} for load in self.loads]
         out["stop"] = list(self.stop)
@@ -243,6 +270,8 @@ class RequestRecord:
     error: str | None
     forced: int = 0  # of `accepted`, the tokens the request's grammar forced (structured output)
     valid: bool | None = None  # the output satisfies the prompt's guide (None: no guide, or failed)
+    turn: int = 0  # of a conversation (0: its first user message, or a plain prompt)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (num_cached_tokens)
 
     def trace(self) -> Trace:
         return Trace(self.send, self.chunks, self.end, self.output_tokens, self.verification_steps,
@@ -283,12 +312,42 @@ class BenchResult:
 
 
 # ---- running -----------------------------------------------------------------------------
+def cache_salt(run_id: str, plan: BlockPlan) -> str:
+    """The prefix-cache scope of a request: one per (load, mode, repeat) of this run, so no
+    mode reuses the KV another mode computed for the same prompts (each mode's own requests
+    share it, as production traffic does: a common system prompt, a conversation's history);
+    without the cache, one per request."""
+    if not plan.mode.prefix_cache:
+        return f"bench:{run_id}:{uuid.uuid4().hex}"
+    return f"bench:{run_id}:{plan.load.label}:{plan.mode.name}:{plan.repeat}"
+
+
+async def run_prompt(client: AsyncSpecDecClient, config: BenchConfig, plan: BlockPlan, index: int,
+                     prompt: Prompt, run_id: str) -> list[RequestRecord]:
+    """One record per request: a plain prompt's one, or a conversation's turns in order
+    (each sends the history with the answers so far; a failed turn ends the conversation)."""
+    if not prompt.turns:
+        return [await one_request(client, config, plan, index, prompt, cache_salt(run_id, plan))]
+    if config.render_chat is None:
+        raise BenchConfigError("conversations need the target's chat template (its tokenizer could not be loaded)")
+    history: list[dict[str, str]] = []
+    records = []
+    for turn, message in enumerate(prompt.messages):
+        history.append({"role": "user", "content": message})
+        record = await one_request(client, config, plan, index, prompt, cache_salt(run_id, plan), config.render_chat(history), turn)
+        records.append(record)
+        if record.error is not None:
+            break
+        history.append({"role": "assistant", "content": record.text})
+    return records
+
+
 async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: BlockPlan, index: int,
-                      prompt: Prompt) -> RequestRecord:
+                      prompt: Prompt, salt: str | None = None, text: str | None = None, turn: int = 0) -> RequestRecord:
     chunks, texts, perf, error = [], [], {}, None
     send = time.perf_counter()
     try:
-        async for chunk in client.stream(config.request(plan.mode, prompt)):
+        async for chunk in client.stream(config.request(plan.mode, prompt, salt, text)):
             if chunk.text:
                 texts.append(chunk.text)
                 chunks.append(chunk.time)
@@ -306,10 +365,11 @@ async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: Blo
         output_tokens_from_server=from_server, text="".join(texts), error=error,
         forced=int(perf.get(P.TOTAL_ACCEPTED_FORCED_TOKENS, 0)),
         valid=None if error else structured_valid(prompt, "".join(texts)),
+        turn=turn, cached_tokens=int(perf.get(P.NUM_CACHED_TOKENS, 0)),
     )
 
 
-async def closed_loop(client, config, plan, prompts, done: Callable[[], None]) -> list[RequestRecord]:
+async def closed_loop(client, config, plan, prompts, done: Callable[[], None], run_id: str = "") -> list[RequestRecord]:
     """`concurrency` workers, each sending its next request as soon as the last one ends."""
     pending = list(plan.prompt_indices)
     records: list[RequestRecord] = []
@@ -317,25 +377,27 @@ async def closed_loop(client, config, plan, prompts, done: Callable[[], None]) -
     async def worker():
         while pending:
             index = pending.pop(0)
-            records.append(await one_request(client, config, plan, index, prompts[index]))
+            records.extend(await run_prompt(client, config, plan, index, prompts[index], run_id))
             done()
 
     await asyncio.gather(*(worker() for _ in range(min(plan.load.concurrency, len(pending)))))
     return records
 
 
-async def open_loop(client, config, plan, prompts, done: Callable[[], None], rng: random.Random) -> list[RequestRecord]:
+async def open_loop(client, config, plan, prompts, done: Callable[[], None], rng: random.Random,
+                    run_id: str = "") -> list[RequestRecord]:
     """Requests sent at seeded Poisson arrival times, however many are still in flight."""
     start = time.perf_counter()
 
-    async def send_at(offset: float, index: int) -> RequestRecord:
+    async def send_at(offset: float, index: int) -> list[RequestRecord]:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        record = await one_request(client, config, plan, index, prompts[index])
+        records = await run_prompt(client, config, plan, index, prompts[index], run_id)
         done()
-        return record
+        return records
 
     arrivals = poisson_arrivals(len(plan.prompt_indices), plan.load.request_rate, rng)
-    return list(await asyncio.gather(*(send_at(t, i) for t, i in zip(arrivals, plan.prompt_indices))))
+    sent = await asyncio.gather(*(send_at(t, i) for t, i in zip(arrivals, plan.prompt_indices)))
+    return [r for records in sent for r in records]
 
 
 async def _scrape(url: str | None):
@@ -353,7 +415,7 @@ async def warm_up(client: AsyncSpecDecClient, config: BenchConfig, prompts: Sequ
         for i in range(config.warmup):
             prompt = prompts[i % len(prompts)]
             short = Prompt(prompt.text, min(WARMUP_MAX_TOKENS, prompt.max_tokens or config.max_tokens))
-            await client.generate(config.request(mode, short))
+            await client.generate(config.request(mode, short, cache_salt=f"warm-up:{uuid.uuid4().hex}"))
 
 
 async def run_bench(config: BenchConfig, prompts: Sequence[Prompt], on_request: Callable[[], None] = lambda: None,
@@ -364,14 +426,15 @@ async def run_bench(config: BenchConfig, prompts: Sequence[Prompt], on_request: 
         await warm_up(client, config, prompts)
         result = BenchResult(config, time.perf_counter(), time.time())
         rng = random.Random(config.arrival_seed)
+        run_id = uuid.uuid4().hex[:12]
         for plan in schedule(config, len(prompts)):
             on_block(plan)
             before = await _scrape_or_none(result, config.metrics_url)
             start = time.perf_counter()
             if plan.load.request_rate is None:
-                records = await closed_loop(client, config, plan, prompts, on_request)
+                records = await closed_loop(client, config, plan, prompts, on_request, run_id)
             else:
-                records = await open_loop(client, config, plan, prompts, on_request, rng)
+                records = await open_loop(client, config, plan, prompts, on_request, rng, run_id)
             end = time.perf_counter()
             after = await _scrape_or_none(result, config.metrics_url)
             delta = server_metrics.delta(before, after) if before is not None and after is not None else None

@@ -46,6 +46,8 @@ def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
                    "(at least 16, at most --num-prompts), so every load is measured over the same number of waves")
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompt sampling")
     g.add_argument("--tokenizer", help="tokenizer directory for length filters (default: the prepared target)")
+    g.add_argument("--turns", type=int, default=4, help="sharegpt-multiturn: user turns per conversation (each "
+                   "turn sends the whole history with the model's own answers)")
     g.add_argument("--min-input-tokens", type=int, default=4, help="sharegpt filter")
     g.add_argument("--max-input-tokens", type=int, default=512, help="sharegpt filter")
     g.add_argument("--input-tokens", type=int, default=128, help="synthetic: mean prompt length")
@@ -69,6 +71,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, help="SLO: TPOT (per-token latency after the first) limit")
     p.add_argument("--slo-attainment", type=float, default=0.9, help="share of requests that must meet the SLO for a "
                    "rate to count as sustained (default 0.9)")
+    p.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on",
+                   help="on: each mode's requests share the server's prefix cache (scoped per mode, load and repeat, "
+                        "so no mode reuses another's KV); off: every request gets a salt of its own (nothing reused); "
+                        "both: each mode twice, with and without ('<mode>/no-cache')")
     p.add_argument("--repeats", type=int, default=1, help="times every prompt is run per mode and load")
     p.add_argument("--block-size", type=int, help="prompts per interleaved block (default max(8, 2 x concurrency))")
     p.add_argument("--warmup", type=int, default=2, help="unrecorded warm-up requests per mode")
@@ -119,7 +125,8 @@ def load_config(args, target: Target) -> BenchConfig:
     loads = [LoadPoint(concurrency=c) for c in concurrency] + [LoadPoint(request_rate=r) for r in args.request_rate]
     return BenchConfig(
         url=target.url, protocol=args.protocol, model=args.model, metrics_url=target.metrics_url,
-        modes=tuple(parse_modes(methods)), loads=tuple(loads), max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        modes=tuple(parse_modes(methods, args.prefix_cache)), loads=tuple(loads), prefix_cache=args.prefix_cache,
+        render_chat=D.chat_renderer(args.tokenizer) if args.dataset == "sharegpt-multiturn" else None, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
         repeats=args.repeats, block_size=args.block_size, prompts_per_concurrency=args.prompts_per_concurrency,
         warmup=args.warmup, timeout_s=args.timeout,
@@ -130,7 +137,7 @@ def load_config(args, target: Target) -> BenchConfig:
 def load_prompts(args) -> D.PromptSet:
     return D.load(args.dataset, args.num_prompts, args.dataset_seed, args.dataset_path, args.tokenizer,
                   args.min_input_tokens, args.max_input_tokens, args.input_tokens, args.input_spread,
-                  args.output_tokens, args.output_spread)
+                  args.output_tokens, args.output_spread, args.turns)
 
 
 def server_metadata(config: BenchConfig) -> dict[str, Any]:

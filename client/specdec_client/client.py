@@ -88,6 +88,8 @@ class GenerateRequest:
     # "ebnf_grammar", and the guide's text (none for "json").
     guide_type: str | None = None
     guide: str | None = None
+    # Prefix-cache scope (vLLM's cache_salt): KV is shared only between requests of one salt.
+    cache_salt: str | None = None
     # Sent always: TensorRT-LLM's default (false) puts the prompt before a non-streamed answer.
     exclude_input_in_output: bool = True
 
@@ -102,6 +104,7 @@ class GenerateRequest:
             P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
             P.FREQUENCY_PENALTY: self.frequency_penalty, P.EXCLUDE_INPUT_IN_OUTPUT: self.exclude_input_in_output,
             P.GUIDED_DECODING_GUIDE_TYPE: self.guide_type, P.GUIDED_DECODING_GUIDE: self.guide,
+            P.CACHE_SALT: self.cache_salt,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:

@@ -37,6 +37,14 @@ class Prompt:
     # every mode, the baseline included, decodes under the same grammar.
     guide_type: str | None = None
     guide: str | None = None
+    # A conversation (sharegpt-multiturn): the user's later messages. Each turn is sent with
+    # the whole history, the model's own earlier answers included, through the chat template.
+    turns: tuple[str, ...] = ()
+
+    @property
+    def messages(self) -> tuple[str, ...]:
+        """The user's messages in order (one for a plain prompt)."""
+        return (self.text, *self.turns)
 
 
 @dataclass
@@ -72,6 +80,15 @@ def load_token_counter(model_dir: str | Path | None = None) -> TokenCounter:
         counter = whitespace_counter()
         return TokenCounter(f"{counter.name}; tokenizer unavailable: {type(exc).__name__}: {exc}"[:300], counter.count)
     return TokenCounter(f"tokenizer:{model_dir}", lambda text: len(tokenizer.encode(text, add_special_tokens=False)), tokenizer)
+
+
+def chat_renderer(model_dir: str | Path | None = None) -> Callable[[list[dict]], str] | None:
+    """messages -> prompt text through the target's chat template (what the server's
+    apply_chat_template does for one message), for conversations; None without a tokenizer."""
+    tokenizer = load_token_counter(model_dir).tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 # ---- JSONL -----------------------------------------------------------------------------
@@ -166,6 +183,24 @@ def first_human_turn(conversation: Any) -> str | None:
     return text or None
 
 
+def human_turns(conversation: Any) -> list[str]:
+    """The human messages of a ShareGPT conversation that alternates human/gpt from a human
+    turn (other shapes: [])."""
+    turns = conversation.get("conversations") if isinstance(conversation, dict) else None
+    if not isinstance(turns, list):
+        return []
+    out = []
+    for i, turn in enumerate(turns):
+        expected = "human" if i % 2 == 0 else "gpt"
+        if not isinstance(turn, dict) or turn.get("from") != expected or not isinstance(turn.get("value"), str):
+            return []
+        if expected == "human":
+            if not turn["value"].strip():
+                return []
+            out.append(turn["value"].strip())
+    return out
+
+
 def read_conversations(path: Path) -> tuple[list, bool]:
     """The records of a JSON array file, and whether a torn (cut-off) last record was
     dropped: the packaged ShareGPT 0.1.0 file ends mid-record, so it is decoded record
@@ -235,6 +270,43 @@ def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_
     return PromptSet(prompts, info)
 
 
+def load_sharegpt_conversations(num_conversations: int, seed: int, counter: TokenCounter, turns: int = 4,
+                                min_input_tokens: int = 4, max_input_tokens: int = 256,
+                                path: str | Path | None = None) -> PromptSet:
+    """`num_conversations` ShareGPT conversations with at least `turns` human messages, each
+    message within [min_input_tokens, max_input_tokens] tokens, cut to their first `turns`
+    (the model answers each turn itself; ShareGPT's recorded answers are not used)."""
+    if turns < 1:
+        raise DatasetError(f"turns must be >= 1, got {turns}")
+    path = Path(path) if path is not None else sharegpt_path()
+    data, torn = read_conversations(path)
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    prompts, examined = [], 0
+    for index in order:
+        if len(prompts) >= num_conversations:
+            break
+        messages = human_turns(data[index])[:turns]
+        if len(messages) < turns:
+            continue
+        examined += 1
+        if any(len(m.split()) > 2 * max_input_tokens for m in messages):
+            continue
+        counts = [counter.count(m) for m in messages]
+        if all(min_input_tokens <= n <= max_input_tokens for n in counts):
+            prompts.append(Prompt(messages[0], None, counts[0], turns=tuple(messages[1:])))
+    if not prompts:
+        raise DatasetError(f"{path}: no conversation has {turns} human turns of {min_input_tokens}..{max_input_tokens} tokens")
+    info = {
+        "name": "sharegpt-multiturn", "path": str(path), "conversations": len(data), "examined": examined,
+        "selected": len(prompts), "requested": num_conversations, "seed": seed, "torn_tail_dropped": torn,
+        "filter": {"turns": turns, "min_input_tokens": min_input_tokens, "max_input_tokens": max_input_tokens,
+                   "per": "human message"},
+        "token_counter": counter.name,
+    }
+    return PromptSet(prompts, info)
+
+
 # ---- synthetic -------------------------------------------------------------------------
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact story water light river mountain garden music paper").split()
@@ -245,7 +317,7 @@ def _spread(rng: random.Random, mean: int, spread: int) -> int:
 
 
 def synthetic(num_prompts: int, seed: int, counter: TokenCounter, input_tokens: int = 128, input_spread: int = 0,
-              output_tokens: int | None = None, output_spread: int = 0) -> PromptSet:
+              output_tokens: int | None = None, output_spread: int = 0, turns: int = 4) -> PromptSet:
     """Prompts of random words with lengths uniform in mean +- spread (tokens). With
     `output_tokens`, each prompt carries its own max_tokens (use with ignore_eos)."""
     rng = random.Random(seed)
@@ -274,7 +346,7 @@ def _synthetic_prompt(rng: random.Random, target: int, counter: TokenCounter, ma
 
 
 # ---- one entry point (bench CLI and Locust) --------------------------------------------
-DATASETS = ("sharegpt", "synthetic", "jsonl")
+DATASETS = ("sharegpt", "sharegpt-multiturn", "synthetic", "jsonl")
 
 
 def load(kind: str, num_prompts: int, seed: int = 0, path: str | Path | None = None, tokenizer: str | Path | None = None,
@@ -289,6 +361,8 @@ def load(kind: str, num_prompts: int, seed: int = 0, path: str | Path | None = N
             raise DatasetError("the jsonl data set needs a file path (--dataset-path)")
         return load_jsonl(path, num_prompts, seed)
     counter = load_token_counter(tokenizer)
+    if kind == "sharegpt-multiturn":
+        return load_sharegpt_conversations(num_prompts, seed, counter, turns, min_input_tokens, max_input_tokens, path)
     if kind == "synthetic":
         return synthetic(num_prompts, seed, counter, input_tokens, input_spread, output_tokens, output_spread)
     return load_sharegpt(num_prompts, seed, counter, min_input_tokens, max_input_tokens, path)

@@ -182,6 +182,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
     else:
         lines.append("Sampling (temperature > 0): outputs are not expected to match token for token; not compared.")
     lines += structured_lines(summary)
+    lines += turn_lines(summary)
     lines += slo_lines(summary)
     lines += ["", "## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
     return "\n".join(lines)
@@ -200,6 +201,24 @@ def structured_lines(summary: dict[str, Any]) -> list[str]:
         forced = r.get("forced_accepted_tokens", 0)
         lines.append(f"| {r['mode']} | {r['load']} | {s['valid']} / {s['checked']} | {'-' if accepted is None else accepted} "
                      f"| {forced} |")
+    return lines
+
+
+def turn_lines(summary: dict[str, Any]) -> list[str]:
+    """Conversations: per turn index, TTFT p50, TPOT p50, per-user speed and the prompt
+    tokens the prefix cache supplied; with and without the cache side by side when both ran."""
+    runs = [r for r in summary["runs"] if r.get("by_turn")]
+    if not runs:
+        return []
+    lines = ["", "## Conversations, by turn", "",
+             "Each turn sends the whole history, the model's own earlier answers included.", "",
+             "| mode | load | turn | requests | TTFT p50 ms | TPOT p50 ms | per-user tok/s p50 | accept len | cached prompt tokens (mean) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for t in r["by_turn"]:
+            lines.append(f"| {r['mode']} | {r['load']} | {t['turn'] + 1} | {t['requests']} | {t['ttft_ms']['p50']:.0f} "
+                         f"| {t['tpot_ms']['p50']:.1f} | {t['per_user_tok_s']['p50']:.1f} | {t['mean_acceptance_length']:.2f} "
+                         f"| {t['cached_prompt_tokens_mean']:.0f} |")
     return lines
 
 

@@ -75,11 +75,31 @@ def run_entry(run: Run, slo: M.Slo | None = None) -> dict[str, Any]:
         "accepted_tokens": sum(r.accepted for b in run.blocks for r in b.records),
         "forced_accepted_tokens": sum(r.forced for b in run.blocks for r in b.records),
         "structured": _structured(run),
+        "cached_prompt_tokens": sum(r.cached_tokens for b in run.blocks for r in b.records),
+        "by_turn": _by_turn(run),
         "per_position_acceptance": None if positions is None else [
             {"position": p.position, "drafted": p.drafted, "accepted": p.accepted, "acceptance": p.acceptance}
             for p in positions
         ],
     }
+
+
+def _by_turn(run: Run) -> list[dict[str, Any]] | None:
+    """Conversations: per turn index, TTFT, TPOT, per-user speed and prompt tokens reused."""
+    records = [r for b in run.blocks for r in b.records]
+    turns = sorted({r.turn for r in records})
+    if turns == [0]:
+        return None
+    out = []
+    for turn in turns:
+        mine = [r for r in records if r.turn == turn]
+        m = M.run_metrics([r.trace() for r in mine], run.wall_s)
+        ok = [r for r in mine if r.error is None]
+        out.append({"turn": turn, "requests": m.requests, "failures": m.failures, "ttft_ms": m.ttft.as_dict(MS),
+                    "tpot_ms": m.tpot.as_dict(MS), "per_user_tok_s": m.per_user_tok_s.as_dict(),
+                    "mean_acceptance_length": m.mean_acceptance_length,
+                    "cached_prompt_tokens_mean": sum(r.cached_tokens for r in ok) / len(ok) if ok else 0.0})
+    return out
 
 
 def _structured(run: Run) -> dict[str, int] | None:
@@ -135,11 +155,11 @@ def lossless(result: BenchResult) -> dict[str, Any]:
     load point and repeat (both successful)."""
     if not result.config.greedy:
         return {"greedy": False, "compared": 0, "identical": 0, "by_mode": []}
-    base = {(r.concurrency, r.request_rate, r.repeat, r.prompt_index): r.text
+    base = {(r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn): r.text
             for r in result.records if r.mode == result.config.modes[0].name and r.error is None}
     counts: dict[str, list[int]] = {m.name: [0, 0] for m in result.config.modes[1:]}
     for r in result.records:
-        key = (r.concurrency, r.request_rate, r.repeat, r.prompt_index)
+        key = (r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn)
         if r.mode in counts and r.error is None and key in base:
             counts[r.mode][0] += 1
             counts[r.mode][1] += int(r.text == base[key])

@@ -215,12 +215,20 @@ PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
 BATCH_SEQUENCES = "specdec_batch_sequences"
 BATCH_SEQUENCES_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PREFILL_CHUNKED_ROUNDS_TOTAL = "specdec_prefill_chunked_rounds_total"
+# Prefix caching, token-level as vLLM counts it (hit rate = hits / queries): prompt tokens
+# looked up, and of those the ones whose KV was reused; requests that reused any.
+PREFIX_CACHE_QUERIES_TOTAL = "specdec_prefix_cache_queries_total"
+PREFIX_CACHE_HITS_TOTAL = "specdec_prefix_cache_hits_total"
+PREFIX_CACHE_HIT_REQUESTS_TOTAL = "specdec_prefix_cache_hit_requests_total"
 VERIFIER_METRICS = {
     PREFILL_CHUNKED_ROUNDS_TOTAL: ("counter", "Target forwards that carried part of a prompt, its rest left for later rounds, "
                                               "beside running sequences (chunked prefill)"),
     BATCH_SEQUENCES: ("histogram", "Sequences in each target forward (prompt chunks, decode steps and trees together)",
                       BATCH_SEQUENCES_BUCKETS),
     ACTIVE_SEQUENCES: ("gauge", "Sequences holding a KV-cache slot"),
+    PREFIX_CACHE_QUERIES_TOTAL: ("counter", "Prompt tokens looked up in the prefix cache"),
+    PREFIX_CACHE_HITS_TOTAL: ("counter", "Prompt tokens whose KV came from the prefix cache (not computed)"),
+    PREFIX_CACHE_HIT_REQUESTS_TOTAL: ("counter", "Requests that reused at least one cached prompt token"),
     ACCEPTANCE_ESTIMATE: ("gauge", "Estimated chance that draft position `position` is accepted given the one before, per `method`"),
     PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),
 }

@@ -207,6 +207,15 @@ class DraftTree:
             mask[row, row] = True
         return [root_token] + self.tokens, [0] + self.depths(), mask
 
+    def first_path(self) -> list[int]:
+        """Tokens along each node's first child from the root (a drafter that lists the most
+        probable child first: its best path)."""
+        kids, node, out = self.children(), ROOT, []
+        while kids[node + 1]:
+            node = kids[node + 1][0]
+            out.append(self.tokens[node])
+        return out
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""
         path = []

@@ -113,6 +113,7 @@ class TritonPythonModel:
         )
         self.engine = self.scheduler.engine
         self._planner_published = 0.0
+        self._prefix_published = (0, 0, 0)  # prefix-cache counters already published
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="verifier")
 
     def execute(self, requests):
@@ -146,6 +147,7 @@ class TritonPythonModel:
         if info.chunked:
             self.metrics.inc(P.PREFILL_CHUNKED_ROUNDS_TOTAL)
         self.heap.maybe_trim()
+        self._publish_prefix_cache()
         speculator = self.engine.speculator
         if speculator.adaptive and info.seconds and self._planner_due():
             planner = speculator.planner
@@ -154,6 +156,18 @@ class TritonPythonModel:
                 for position, rate in enumerate(planner.position_estimates(method, depth), start=1):
                     self.metrics.set(P.ACCEPTANCE_ESTIMATE, round(rate, 4), method=method, position=str(position))
             self.metrics.set(P.PLANNED_TOKENS_PER_SECOND, round(planner.tokens_per_second, 2))
+
+    def _publish_prefix_cache(self) -> None:
+        """The prefix cache's counters, as increments since the last round."""
+        counters = self.engine.target_pass.prefix_cache_counters
+        if counters is None:
+            return
+        now = (counters.queried_tokens, counters.reused_tokens, counters.hit_requests)
+        for name, value, before in zip((P.PREFIX_CACHE_QUERIES_TOTAL, P.PREFIX_CACHE_HITS_TOTAL, P.PREFIX_CACHE_HIT_REQUESTS_TOTAL),
+                                       now, self._prefix_published):
+            if value > before:
+                self.metrics.inc(name, value - before)
+        self._prefix_published = now
 
     def _on_live(self, live: int) -> None:
         self.metrics.set(P.ACTIVE_SEQUENCES, live, model="verifier")

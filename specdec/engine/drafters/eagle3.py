@@ -25,6 +25,7 @@ from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import ROOT, DraftTree
 from specdec.engine.drafters.base import KeepDrafting, SlotCacheDrafter
 from specdec.engine.drafters.ngram import find_continuations
+from specdec.engine.drafters.suffix import SuffixCorpora, learn, suffix_tree
 from specdec.config import REPO_ROOT
 from specdec.engine.drafters.registry import BuildContext, DrafterKind, register, resolve_path
 from specdec.engine.drafters.tree_search import Expansion, draft_pass_batch, dynamic_trees, sampled_trees
@@ -45,8 +46,11 @@ class _HeadState:
 class Eagle3Drafter(SlotCacheDrafter):
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, config: SpeculativeConfig, max_batch_size: int, max_seq_len: int):
+    def __init__(self, head: Eagle3Head, config: SpeculativeConfig, max_batch_size: int, max_seq_len: int,
+                 suffix_corpora: SuffixCorpora | None = None):
+        """suffix_corpora: with hybrid_suffix, the engine's corpus of earlier requests."""
         self.head = head
+        self.suffix_corpora = suffix_corpora
         self.config = config
         self.tap_layers = tuple(head.cfg.tap_layers)
         width = config.dynamic_tree_max_topK if config.use_dynamic_tree else 1
@@ -64,6 +68,11 @@ class Eagle3Drafter(SlotCacheDrafter):
         state.pending_hidden.append(hidden.float())
         state.pending_tokens += seq.prompt_ids[1:] + [seq.output_ids[0]]
 
+    def on_finish(self, seq: SequenceState) -> None:
+        super().on_finish(seq)
+        if self.suffix_corpora is not None:
+            learn(self.suffix_corpora, seq)
+
     def on_verified(self, seq: SequenceState, emitted: list[int], accepted: int, hidden: Tensor | None) -> None:
         state: _HeadState = seq.drafter_state[self.name]
         state.pending_hidden.append(hidden.float())  # [1 + accepted, 3H]: root + accepted tokens
@@ -80,8 +89,9 @@ class Eagle3Drafter(SlotCacheDrafter):
         active = [i for i, b in enumerate(budgets) if b > 0]
         if not active:
             return trees
-        lookups = {i: self._lookup(seqs[i], budgets[i]) for i in active} if self.config.hybrid_ngram else {}
-        head_budget = {i: max(1, budgets[i] - len(lookups.get(i, ()))) for i in active}
+        hybrid = self.config.hybrid_ngram or self.config.hybrid_suffix
+        lookups = {i: self._lookups(seqs[i], budgets[i]) for i in active} if hybrid else {}
+        head_budget = {i: max(1, budgets[i] - sum(len(c) for c in lookups.get(i, ()))) for i in active}
         if not self.config.use_dynamic_tree:
             groups = [(self._chains, active)]
         elif self.config.sampled_tree:  # sampled requests draw their trees, greedy ones take the top-k tree
@@ -94,20 +104,31 @@ class Eagle3Drafter(SlotCacheDrafter):
                 continue
             made = draft([seqs[i] for i in rows], [states[i] for i in rows], [head_budget[i] for i in rows], keep_drafting)
             for i, tree in zip(rows, made):
-                trees[i] = tree.merged(lookups[i]) if lookups.get(i) else tree
+                for chain in lookups.get(i, ()):
+                    tree = tree.merged(chain)
+                trees[i] = tree
         return trees
 
-    def _lookup(self, seq: SequenceState, budget: int) -> list[int]:
-        """hybrid_ngram: the most recent n-gram continuation (at most max_draft_len tokens,
-        leaving the head at least one node of the budget)."""
+    def _lookups(self, seq: SequenceState, budget: int) -> list[list[int]]:
+        """The chains merged into the head's tree (each at most max_draft_len tokens, leaving
+        the head at least one node of the budget): hybrid_ngram, the most recent n-gram
+        continuation; hybrid_suffix, the suffix draft's most frequent path."""
         cfg = self.config
-        history = np.asarray(seq.all_ids, dtype=np.int64)
         length = min(cfg.max_draft_len, budget - 1)
-        for n in range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1):
-            found = find_continuations(history, n, length, max_matches=1) if length > 0 else []
-            if found:
-                return [int(t) for t in found[0]]
-        return []
+        chains = []
+        if cfg.hybrid_ngram and length > 0:
+            history = np.asarray(seq.all_ids, dtype=np.int64)
+            for n in range(cfg.prompt_lookup_max, cfg.prompt_lookup_min - 1, -1):
+                found = find_continuations(history, n, length, max_matches=1)
+                if found:
+                    chains.append([int(t) for t in found[0]])
+                    break
+        length = min(cfg.max_draft_len, budget - 1 - sum(len(c) for c in chains))
+        if cfg.hybrid_suffix and length > 0:
+            path = suffix_tree(self.suffix_corpora, cfg, seq, length).first_path()
+            if path:
+                chains.append(path)
+        return [c for c in chains if c]
 
     def _absorb_pending(self, states: list[_HeadState]) -> None:
         """Run every sequence's pending pairs through the head in one ragged pass, commit them."""
@@ -219,7 +240,8 @@ def head_dir(spec: SpeculativeConfig) -> Path:
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> Eagle3Drafter:
     head = load_eagle3(head_dir(spec), ctx.embedding(), ctx.target_cfg)
     head = cast_linears(head, getattr(torch, ctx.engine.draft_dtype))
-    return Eagle3Drafter(head, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len)
+    return Eagle3Drafter(head, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len,
+                         ctx.suffix_corpora(spec) if spec.hybrid_suffix else None)
 
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:

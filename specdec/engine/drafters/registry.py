@@ -26,6 +26,16 @@ class BuildContext:
     load_embedding: Callable[[], torch.nn.Embedding]
     _embedding: torch.nn.Embedding | None = None
     target_dir: Path | None = None
+    _suffix_corpora: object | None = None
+
+    def suffix_corpora(self, spec: SpeculativeConfig):
+        """The one SuffixCorpora of this engine (made with the first spec's bounds): every
+        drafter that drafts from earlier requests (suffix, the EAGLE-3 hybrid) learns into it."""
+        if self._suffix_corpora is None:
+            from specdec.engine.drafters.suffix import SuffixCorpora
+
+            self._suffix_corpora = SuffixCorpora(spec.suffix_corpus_tokens, spec.suffix_scopes)
+        return self._suffix_corpora
 
     def embedding(self) -> torch.nn.Embedding:
         if self._embedding is None:
@@ -67,4 +77,4 @@ def resolve_path(path: str | None, default: Path) -> Path:
 
 def _load_builtin_drafters() -> None:
     # Importing a drafter module registers it.
-    from specdec.engine.drafters import draft_model, eagle3, medusa, ngram  # noqa: F401
+    from specdec.engine.drafters import arctic_suffix, draft_model, eagle3, medusa, ngram, suffix  # noqa: F401
