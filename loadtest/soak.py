@@ -19,6 +19,14 @@ stubs included; sampled every second, the peak reported too). At the end: the ve
 slots must all be free again (specdec_active_sequences) and memory after warm-up must not
 have grown > 5%.
 
+Phase 1b (conversations, --conversations N): N two-turn conversations, --users at a time,
+each turn sending the history with the model's own answer (the chat template rendered here)
+under a cache_salt drawn from a pool (and some of their own), with the prefix cache and
+the suffix method on (methods suffix, eagle3-hybrid, eagle3, the baseline in turn): no
+failures, every turn after the first reuses cached KV, no slot held at the end, and the
+server's memory after the first tenth flat (< 5% growth) while its prefix cache and suffix
+corpus churn through their bounds.
+
 Phase 2 (crash drill): kill the verifier's Python stub mid-stream; streams in flight must
 end with an error (not hang) within --drill-timeout-s; then restart the server and check
 that it serves again.
@@ -193,6 +201,74 @@ class Soak:
         return sum(server_metrics.by_label(samples, "specdec_active_sequences", "model").values())
 
 
+CONVERSATION_METHODS = ("suffix", "eagle3-hybrid", "eagle3", "baseline")
+SALT_POOL = 64  # salts shared by conversations; one in four conversations has a salt of its own
+
+
+async def conversations(server, prompts: list[str], args) -> dict:
+    """Phase 1b: args.conversations two-turn conversations; memory sampled as they go."""
+    from specdec_client.datasets import chat_renderer
+
+    render = chat_renderer()
+    rng = random.Random(args.seed)
+    rss = PeakRss(lambda: rss_bytes(group_members(server.pgid)))
+    todo = list(range(args.conversations))
+    out = {"conversations": 0, "turns": 0, "failures": 0, "second_turns_reusing_cache": 0, "errors": [], "rss_mib": []}
+    sample_every = max(1, args.conversations // 10)
+
+    async def one(client, n: int) -> None:
+        salt = f"soak-{rng.randrange(SALT_POOL)}" if rng.random() < 0.75 else f"soak-own-{n}"
+        method = CONVERSATION_METHODS[n % len(CONVERSATION_METHODS)]
+        history = [{"role": "user", "content": rng.choice(prompts)[:400]}]
+        for turn in range(2):
+            request = GenerateRequest(render(history), max_tokens=args.conversation_tokens, apply_chat_template=False,
+                                      cache_salt=salt, method=None if method == "baseline" else method,
+                                      num_draft_tokens=0 if method == "baseline" else None)
+            result = await client.generate(request)
+            out["turns"] += 1
+            if turn:
+                out["second_turns_reusing_cache"] += int(result.perf.get(P.NUM_CACHED_TOKENS, 0) > 0)
+            history += [{"role": "assistant", "content": result.text}, {"role": "user", "content": "Say more."}]
+
+    async def user(client) -> None:
+        while todo:
+            n = todo.pop(0)
+            try:
+                await one(client, n)
+            except Exception as exc:  # noqa: BLE001 - counted, reported
+                out["failures"] += 1
+                out["errors"].append(str(exc)[:200])
+            out["conversations"] += 1
+            if out["conversations"] % sample_every == 0:
+                out["rss_mib"].append(rss.sample() / 2**20)
+
+    clients = [AsyncSpecDecClient(_url(server, args.protocol), args.protocol, timeout_s=args.request_timeout_s)
+               for _ in range(args.users)]
+    t0 = time.monotonic()
+    for c in clients:
+        await c.__aenter__()
+    try:
+        await asyncio.gather(*(user(c) for c in clients))
+    finally:
+        for c in clients:
+            await c.__aexit__(None, None, None)
+    samples = server_metrics.scrape(server.endpoints.metrics_url)
+    counters = {name: sum(v for (n, _), v in samples.items() if n == name)
+                for name in (P.PREFIX_CACHE_QUERIES_TOTAL, P.PREFIX_CACHE_HITS_TOTAL)}
+    warm = out["rss_mib"][0] if out["rss_mib"] else None
+    out.update(seconds=time.monotonic() - t0, errors=out["errors"][:5], rss_peak_mib=rss.peak / 2**20,
+               rss_growth_after_first_tenth=(out["rss_mib"][-1] - warm) / warm if warm else None,
+               prefix_cache_hit_rate=counters[P.PREFIX_CACHE_HITS_TOTAL] / max(1.0, counters[P.PREFIX_CACHE_QUERIES_TOTAL]),
+               active_sequences_at_end=sum(server_metrics.by_label(samples, "specdec_active_sequences", "model").values()))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    from specdec.launcher.processes import group_members as members
+
+    return members(pgid)
+
+
 def _url(server, protocol: str) -> str:
     return server.endpoints.grpc if protocol == "grpc" else server.endpoints.http
 
@@ -265,6 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--cancels", type=int, default=500, help="streams cancelled after their first chunk, per entry point")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=1000, help="phase 1b: two-turn conversations (0: skip)")
+    p.add_argument("--conversation-tokens", type=int, default=16, help="phase 1b: max_tokens per turn")
+    p.add_argument("--only-conversations", action="store_true", help="run phase 1b alone (no cancel storms, soak or drill)")
     # Bundled Triton 2.51's gRPC frontend can abort on concurrent client cancellations
     # ("ASSERTION FAILED: prior > 0"; triton-inference-server/server#7368, fixed upstream in
     # a later release): soak the gRPC path on a server that has the fix.
@@ -284,6 +363,11 @@ def main(argv=None) -> int:
     try:
         server.start(DEFAULT_MODEL_REPOSITORY, *free_ports(3))
         server.wait_ready(600)
+        if args.conversations:
+            report["conversations"] = asyncio.run(conversations(server, prompts, args))
+            print(json.dumps({k: v for k, v in report["conversations"].items() if k != "rss_mib"}), flush=True)
+        if args.only_conversations:
+            return _conversation_verdict(report, args)
         report["cancel_storms"] = [asyncio.run(cancel_storm(server, prompts[1], args.cancels, model, args.protocol))
                                    for model in ("ensemble", "speculative_loop")]
         report["soak"] = asyncio.run(Soak(server, prompts, methods, args).run())
@@ -302,6 +386,8 @@ def main(argv=None) -> int:
         report["serves_after_restart"] = bool(asyncio.run(one()))
     finally:
         restarted.stop()
+    if args.conversations:
+        report["verdict_conversations"] = _conversation_checks(report["conversations"])
     soak = report["soak"]
     report["rss_peak_mib"] = max([soak["rss_peak_mib"], *(c["rss_peak_mib"] for c in report["cancel_storms"])])
     report["verdict"] = {
@@ -314,8 +400,25 @@ def main(argv=None) -> int:
         "rss_growth_below_5pct": soak["rss_growth_after_warmup"] is not None and soak["rss_growth_after_warmup"] < 0.05,
         "crash_drill_no_hang": all(s["outcome"] != "hung" for s in report["crash_drill"]["streams"]),
         "serves_after_restart": report["serves_after_restart"],
+        **report.get("verdict_conversations", {}),
     }
     (args.out / "soak.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["verdict"], indent=2))
+    return 0 if all(report["verdict"].values()) else 1
+
+
+def _conversation_checks(c: dict) -> dict:
+    return {
+        "conversations_no_failures": c["failures"] == 0,
+        "conversations_second_turns_reuse_cache": c["second_turns_reusing_cache"] > 0.9 * (c["turns"] - c["conversations"]),
+        "conversations_no_slot_held": c["active_sequences_at_end"] == 0,
+        "conversations_rss_flat": c["rss_growth_after_first_tenth"] is not None and c["rss_growth_after_first_tenth"] < 0.05,
+    }
+
+
+def _conversation_verdict(report: dict, args) -> int:
+    report["verdict"] = _conversation_checks(report["conversations"])
+    (args.out / "conversations.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report["verdict"], indent=2))
     return 0 if all(report["verdict"].values()) else 1
 

@@ -100,7 +100,11 @@ def staircase_cost() -> VerifyCost:
 
 def make_engine(toy, name: str) -> SpecEngine:
     spec = served_methods()[name]
-    cfg = EngineConfig(max_batch_size=1, max_seq_len=48, max_num_draft_tokens=8, draft_dtype="float32")
+    # No prefix caching: each replay must start from the same state, and a replay that reused
+    # the last one's cached prompt would see logits that differ in the last bits (the cache's
+    # own equality is tests/test_prefix_cache.py's)
+    cfg = EngineConfig(max_batch_size=1, max_seq_len=48, max_num_draft_tokens=8, draft_dtype="float32",
+                       enable_prefix_caching=False)
     # an earlier request of the same scope whose continuation of the prompt differs from the
     # prompt's own pattern: the suffix drafts (alone, and merged into the hybrid) branch off it
     corpora = SuffixCorpora(1000, 4)

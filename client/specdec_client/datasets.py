@@ -317,7 +317,7 @@ def _spread(rng: random.Random, mean: int, spread: int) -> int:
 
 
 def synthetic(num_prompts: int, seed: int, counter: TokenCounter, input_tokens: int = 128, input_spread: int = 0,
-              output_tokens: int | None = None, output_spread: int = 0, turns: int = 4) -> PromptSet:
+              output_tokens: int | None = None, output_spread: int = 0) -> PromptSet:
     """Prompts of random words with lengths uniform in mean +- spread (tokens). With
     `output_tokens`, each prompt carries its own max_tokens (use with ignore_eos)."""
     rng = random.Random(seed)
@@ -351,7 +351,7 @@ DATASETS = ("sharegpt", "sharegpt-multiturn", "synthetic", "jsonl")
 
 def load(kind: str, num_prompts: int, seed: int = 0, path: str | Path | None = None, tokenizer: str | Path | None = None,
          min_input_tokens: int = 4, max_input_tokens: int = 512, input_tokens: int = 128, input_spread: int = 0,
-         output_tokens: int | None = None, output_spread: int = 0) -> PromptSet:
+         output_tokens: int | None = None, output_spread: int = 0, turns: int = 4) -> PromptSet:
     if kind not in DATASETS:
         raise DatasetError(f"dataset must be one of {', '.join(DATASETS)}, got {kind!r}")
     if num_prompts < 1:
