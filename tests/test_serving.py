@@ -3,6 +3,8 @@ with tritonclient through specdec_client: streaming, protocols, losslessness, co
 cancellation and bad input."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import time
@@ -211,20 +213,23 @@ def test_malformed_requests_are_named(triton_server):
 def test_sampled_requests_through_the_server_equal_the_in_process_engine(triton_server, grpc_client, smol_dir):
     """Sampling through Triton runs the same speculator with the same seeded generators as
     the in-process engine: with a seed, the served text equals the engine's, for chains with
-    draft probabilities (eagle3), trees (eagle3-tree) and one-hot drafts (ngram)."""
+    draft probabilities (eagle3), trees (eagle3-tree) and one-hot drafts (ngram). Both
+    prefill the whole prompt (no prefix cache; a salt of its own on the server): a prefix
+    cached by another request carries last-bit differences that the bf16 draft head can turn
+    into other draws (the same distribution, not the same sample)."""
     from specdec.config import SamplingParams, ServingConfig
     from specdec.config import SERVED_SETTINGS
     from specdec.serving.runtime import build_engine, encode_prompt
 
     settings = ServingConfig.from_file(SERVED_SETTINGS)
-    engine = build_engine(smol_dir, settings.engine, settings.methods)
+    engine = build_engine(smol_dir, dataclasses.replace(settings.engine, enable_prefix_caching=False), settings.methods)
     prompt = PROMPTS[5]
     ids = encode_prompt(engine.tokenizer, prompt, chat=settings.apply_chat_template)
     for method, k in (("eagle3", 5), ("eagle3-tree", 12), ("ngram", 4), ("none", 0)):
         params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7)
         local = "".join(out.text_delta for out in engine.generate(ids, params, method, k))
         served = grpc_client.generate(request(prompt, max_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=7,
-                                              method=method, num_draft_tokens=k))
+                                              method=method, num_draft_tokens=k, cache_salt=f"sampled-{method}"))
         assert served.text == local, method
 
 
@@ -342,8 +347,9 @@ def test_a_long_prompt_joins_a_running_stream_in_chunks(triton_server, grpc_clie
     long_prompt = "Summarise these notes, keeping every number: " + " ".join(
         f"step {i}: the server restarted after {3 * i} minutes and {i + 2} requests were retried;" for i in range(18))
     running = request(PROMPTS[4], max_tokens=96, ignore_eos=True, method=method)
-    joining = request(long_prompt, max_tokens=24, ignore_eos=True, method=method)
+    joining = request(long_prompt, max_tokens=24, ignore_eos=True, method=method, cache_salt=f"solo-{method}")
     solo = [grpc_client.generate(running).text, grpc_client.generate(joining).text]
+    joining = dataclasses.replace(joining, cache_salt=f"joined-{method}")  # not the solo run's cached prompt: prefilled again
     before = chunked_rounds()
     with SpecDecClient(triton_server.endpoints.grpc) as first, SpecDecClient(triton_server.endpoints.grpc) as second:
         stream = first.stream(running)

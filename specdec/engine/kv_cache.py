@@ -65,15 +65,16 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, salt: str | None = None) -> int:
+    def allocate(self, salt: str | None = None, keep: int | None = None) -> int:
         """Take the lowest free slot (keeps active slots compact, so batches are often a view);
-        with prefix caching the lowest empty one, else the least recently used retained one."""
+        with prefix caching the lowest empty one, else the least recently used retained one
+        (not `keep` while another is free)."""
         if not self._free:
             raise CapacityError(f"no free KV-cache slot: all {self.max_slots} slots (max_batch_size) are in use")
         if self.prefix is None:
             slot = min(self._free)
         else:
-            slot = min(self._free, key=lambda s: (self.prefix.holds(s) > 0, self.prefix.last_used[s], s))
+            slot = min(self._free, key=lambda s: (s == keep, self.prefix.holds(s) > 0, self.prefix.last_used[s], s))
             self.prefix.reset(slot, salt)
         self._free.remove(slot)
         self.lengths[slot] = 0
@@ -85,16 +86,17 @@ class KVCache:
 
     def claim(self, tokens: Sequence[int], salt: str | None, found: PrefixMatch | None) -> int:
         """A slot for a sequence whose first tokens are `tokens`, holding the KV of `found`
-        (from lookup; None: an empty slot); its length is then found.tokens. A free slot
-        that holds it is adopted; one in use is copied from."""
+        (from lookup; None: an empty slot); its length is then found.tokens. A free slot that
+        holds it and no more is adopted; one that holds more (a longer conversation, kept for
+        its own next turn) is copied from while another slot is free, as is one in use."""
         if found is None or found.tokens == 0:
             return self.allocate(salt)
-        if found.slot in self._free:
+        if found.slot in self._free and (found.tokens >= self.prefix.holds(found.slot) or len(self._free) == 1):
             self._free.remove(found.slot)
             slot = found.slot
             self.prefix.truncate(slot, found.tokens)
         else:
-            slot = self.allocate(salt)
+            slot = self.allocate(salt, keep=found.slot)
             self.copy_prefix(found, slot)
             self.prefix.extend(slot, tokens[: found.tokens])
         self.lengths[slot] = found.tokens
