@@ -8,5 +8,5 @@ cd "$(dirname "$0")/../../.."
 OUT=results/bench/conversations
 .venv/bin/python results/bench/suffix/settings.py "$OUT/specdec.json"
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \
-  --dataset sharegpt-multiturn --turns 4 --num-prompts 6 --max-input-tokens 160 --max-tokens 48 --no-ignore-eos \
-  --prefix-cache both --methods eagle3-hybrid,eagle3-hybrid-ngram,suffix --concurrency 1 --block-size 6 --warmup 1
+  --dataset sharegpt-multiturn --turns 4 --num-prompts 5 --max-input-tokens 160 --max-tokens 48 --no-ignore-eos \
+  --prefix-cache both --methods eagle3,eagle3-hybrid,eagle3-hybrid-ngram,suffix --concurrency 1 --block-size 5 --warmup 1

@@ -12,5 +12,5 @@ OUT=results/bench/suffix
 METHODS=suffix,eagle3-hybrid,eagle3-hybrid-ngram,ngram-tree
 if grep -q '"arctic-suffix"' "$OUT/specdec.json"; then METHODS=$METHODS,arctic-suffix; fi
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \
-  --dataset jsonl --dataset-path data/repeated/tasks.jsonl --num-prompts 40 --max-tokens 128 --no-ignore-eos \
+  --dataset jsonl --dataset-path data/repeated/tasks.jsonl --num-prompts 32 --max-tokens 128 --no-ignore-eos \
   --methods "$METHODS" --concurrency 1 --block-size 8 --warmup 1
