@@ -649,3 +649,34 @@ def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
 
     view = server_view(scrape(10, 1.0, 10), scrape(110, 5.0, 110))
     assert view == {"none": {"steps": 100, "step_ms": pytest.approx(40.0), "emitted": 100}}
+
+
+# ---- conversations and the prefix-cache comparison (issue 36) -------------------------------------
+def test_conversations_alternate_and_keep_every_turn_in_range(tmp_path):
+    convs = [
+        {"conversations": [{"from": "human", "value": "a b"}, {"from": "gpt", "value": "x"}, {"from": "human", "value": "c d"},
+                           {"from": "gpt", "value": "y"}, {"from": "human", "value": "e f"}]},
+        {"conversations": [{"from": "human", "value": "only one"}]},
+        {"conversations": [{"from": "gpt", "value": "starts with the model"}, {"from": "human", "value": "q"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    got = D.load_sharegpt_conversations(5, 0, D.whitespace_counter(), turns=3, min_input_tokens=1, path=path)
+    assert [p.messages for p in got.prompts] == [("a b", "c d", "e f")]
+    assert D.human_turns(convs[2]) == []
+    with pytest.raises(D.DatasetError, match="turns"):
+        D.load_sharegpt_conversations(5, 0, D.whitespace_counter(), turns=4, min_input_tokens=1, path=path)
+
+
+def test_prefix_cache_modes_pair_each_mode_with_its_uncached_twin():
+    from specdec_client.bench import BlockPlan, LoadPoint, cache_salt, parse_modes
+
+    modes = parse_modes(["suffix"], "both")
+    assert [m.name for m in modes] == ["baseline", "baseline/no-cache", "suffix", "suffix/no-cache"]
+    assert modes[0].is_baseline and modes[1].is_baseline and not modes[1].prefix_cache
+    plan = lambda mode: BlockPlan(LoadPoint(concurrency=1), 0, 0, mode, (0,))  # noqa: E731
+    assert cache_salt("run", plan(modes[2])) == cache_salt("run", plan(modes[2]))  # one scope per mode
+    assert cache_salt("run", plan(modes[2])) != cache_salt("run", plan(modes[0]))  # never another mode's
+    assert cache_salt("run", plan(modes[3])) != cache_salt("run", plan(modes[3]))  # without: one per request
+    with pytest.raises(BenchConfigError, match="prefix-cache"):
+        parse_modes(["suffix"], "sometimes")

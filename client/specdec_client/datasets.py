@@ -237,14 +237,21 @@ def read_conversations(path: Path) -> tuple[list, bool]:
     return records, torn
 
 
-def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_tokens: int = 4,
-                  max_input_tokens: int = 512, path: str | Path | None = None) -> PromptSet:
-    """`num_prompts` first-turn human prompts whose token length is within
-    [min_input_tokens, max_input_tokens], drawn in a seeded random order."""
+def _in_seeded_order(path: str | Path | None, seed: int) -> tuple[Path, list, bool, list[int]]:
+    """The ShareGPT file (default: the package's), its records, whether a torn tail was
+    dropped, and the records' indices in a seeded random order."""
     path = Path(path) if path is not None else sharegpt_path()
     data, torn = read_conversations(path)
     order = list(range(len(data)))
     random.Random(seed).shuffle(order)
+    return path, data, torn, order
+
+
+def load_sharegpt(num_prompts: int, seed: int, counter: TokenCounter, min_input_tokens: int = 4,
+                  max_input_tokens: int = 512, path: str | Path | None = None) -> PromptSet:
+    """`num_prompts` first-turn human prompts whose token length is within
+    [min_input_tokens, max_input_tokens], drawn in a seeded random order."""
+    path, data, torn, order = _in_seeded_order(path, seed)
     prompts, examined = [], 0
     for index in order:
         if len(prompts) >= num_prompts:
@@ -278,10 +285,7 @@ def load_sharegpt_conversations(num_conversations: int, seed: int, counter: Toke
     (the model answers each turn itself; ShareGPT's recorded answers are not used)."""
     if turns < 1:
         raise DatasetError(f"turns must be >= 1, got {turns}")
-    path = Path(path) if path is not None else sharegpt_path()
-    data, torn = read_conversations(path)
-    order = list(range(len(data)))
-    random.Random(seed).shuffle(order)
+    path, data, torn, order = _in_seeded_order(path, seed)
     prompts, examined = [], 0
     for index in order:
         if len(prompts) >= num_conversations:
