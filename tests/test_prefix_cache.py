@@ -203,3 +203,24 @@ def test_a_bad_cache_salt_is_refused_naming_the_field(triton_server, grpc_client
     with pytest.raises(ServerError, match="cache_salt"):
         grpc_client.generate(GenerateRequest("hi", max_tokens=4, cache_salt=salt))
     assert grpc_client.generate(GenerateRequest("hi", max_tokens=4)).text  # still serving
+
+
+def test_arctic_suffix_drafts_when_installed_and_is_refused_by_name_when_not():
+    """The optional comparison method: Arctic Inference's suffix decoding when its package is
+    installed (results/bench/suffix/build_arctic.sh), a ConfigError naming the method if not."""
+    import importlib.util
+
+    from specdec.config import ConfigError
+    from specdec.engine.drafters.arctic_suffix import ArcticSuffixDrafter
+
+    spec = SpeculativeConfig(method="arctic_suffix", max_draft_len=4, use_dynamic_tree=True, max_total_draft_tokens=8)
+    if importlib.util.find_spec("arctic_inference") is None:
+        with pytest.raises(ConfigError, match="arctic"):
+            ArcticSuffixDrafter(spec)
+        return
+    drafter = ArcticSuffixDrafter(spec)
+    seq = SequenceState("r", [5, 6, 7, 8, 5, 6], SamplingParams(), "arctic_suffix", None, output_ids=[7])
+    drafter.on_prefill(seq, None)
+    tree = drafter.propose([seq], [8])[0]
+    assert tree.tokens and tree.tokens[0] == 8  # what followed 5 6 7 in the prompt
+    drafter.on_finish(seq)
