@@ -48,8 +48,11 @@ class Eagle3Drafter(SlotCacheDrafter):
 
     def __init__(self, head: Eagle3Head, config: SpeculativeConfig, max_batch_size: int, max_seq_len: int,
                  suffix_corpora: SuffixCorpora | None = None):
-        """suffix_corpora: with hybrid_suffix, the engine's corpus of earlier requests."""
+        """suffix_corpora: with hybrid_suffix, the engine's corpus of earlier requests (None:
+        one of its own)."""
         self.head = head
+        if config.hybrid_suffix and suffix_corpora is None:
+            suffix_corpora = SuffixCorpora(config.suffix_corpus_tokens, config.suffix_scopes)
         self.suffix_corpora = suffix_corpora
         self.config = config
         self.tap_layers = tuple(head.cfg.tap_layers)
