@@ -54,7 +54,7 @@ def counts(path: Path) -> dict[str, int]:
 def main(out: Path, requests: int) -> dict:
     env = Environment(user_classes=[L.SpecDecUser])
     env.parsed_options = argparse.Namespace(specdec_max_tokens=5, specdec_temperature=0.0, specdec_seed=0,
-                                            specdec_ignore_eos="true")
+                                            specdec_ignore_eos="true", specdec_cache_salt="", specdec_turns=4)
     env.create_local_runner()  # subscribes the stats to request events, as in a real run
     user = L.SpecDecUser(env)
     user.client, user.protocol, user.prompts = ScriptedClient(), "grpc", [Prompt("hi", 5)]
