@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.engine.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixIndex, PrefixMatch
+from specdec.engine.prefix_cache import PrefixIndex, PrefixMatch
 from specdec.errors import CapacityError, UnknownSequenceError
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,8 @@ class KVCache:
             self.k[:, slot, :, start : start + m] = self.k[:, slot, :, :].index_select(2, src)
             self.v[:, slot, :, start : start + m] = self.v[:, slot, :, :].index_select(2, src)
         self.lengths[slot] = start + m
-        if self.prefix is not None and self.prefix.holds(slot) == start:
-            if tokens is not None:
-                self.prefix.extend(slot, tokens)
+        if self.prefix is not None and tokens is not None and self.prefix.holds(slot) == start:
+            self.prefix.extend(slot, tokens)
 
     def truncate(self, slot: int, length: int) -> None:
         """Drop committed positions past `length` (used when a drafter must rewind)."""

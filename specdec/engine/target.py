@@ -245,8 +245,9 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             del seq.unprefilled[: len(chunk)]
             seq.last_used = now
             if out.hidden_taps is not None:
-                seq.prompt_hidden.append(out.hidden_taps[b, : len(chunk)])
-                self._keep_taps(seq.slot, start, out.hidden_taps[b, : len(chunk)])
+                taps = out.hidden_taps[b, : len(chunk)]
+                seq.prompt_hidden.append(taps)
+                self._keep_taps(seq.slot, start, taps)
             if not seq.unprefilled:
                 done[seq_id] = self._first_token(seq, out.logits[b, :1])
         results = []

@@ -179,13 +179,10 @@ class SpecEngine:
         except Exception:
             self._admitted.difference_update(r.request_id for r in new)
             raise
-        for req, res in zip(new, first):
-            req.stats.cached_prompt_tokens = res.cached_tokens
         outputs = [self._emit(req, res) for req, res in zip(new, first) if res.emitted]
         decoded = [(req, res) for req, res in zip(running, results) if req.output_ids or res.emitted]
         for req, res in decoded:
             if not req.output_ids:  # its prompt's last chunk: the first token
-                req.stats.cached_prompt_tokens = res.cached_tokens
                 outputs.append(self._emit(req, res))
                 continue
             req.stats.draft_seconds += res.draft_seconds
@@ -199,6 +196,8 @@ class SpecEngine:
         return outputs
 
     def _emit(self, req: RequestState, res: StepResult, verified: bool = False) -> StepOutput:
+        if not verified:  # the prompt's first token
+            req.stats.cached_prompt_tokens = res.cached_tokens
         kept, text = req.accept(res.emitted, res.log_probs)
         if req.finished:
             self._release(req)

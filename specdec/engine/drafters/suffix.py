@@ -42,7 +42,8 @@ class SuffixCorpus:
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.lengths: list[int] = []
+        self.lengths: list[int] = []  # of its documents, oldest first
+        self.held = 0  # their sum
         self.tokens = np.full(1, SEPARATOR, dtype=np.int32)
 
     def add(self, ids: Sequence[int]) -> None:
@@ -51,9 +52,12 @@ class SuffixCorpus:
         ids = list(ids)[-self.max_tokens :]
         self.tokens = np.concatenate([self.tokens, np.asarray(ids, dtype=np.int32), np.int32([SEPARATOR])])
         self.lengths.append(len(ids))
+        self.held += len(ids)
         drop = 0
-        while sum(self.lengths) > self.max_tokens:
-            drop += self.lengths.pop(0) + 1
+        while self.held > self.max_tokens:
+            oldest = self.lengths.pop(0)
+            self.held -= oldest
+            drop += oldest + 1
         if drop:
             self.tokens = self.tokens[drop:]
 
@@ -153,14 +157,12 @@ def frequency_tree(conts: list[np.ndarray], budget: int, min_prob: float) -> Dra
     frontier = [(-counts[i] / total, i) for i in kids.get(ROOT, [])]
     heapq.heapify(frontier)
     chosen: list[tuple[int, float]] = []  # (node, probability given its parent)
-    path_prob: dict[int, float] = {}
     while frontier and len(chosen) < budget:
         neg, node = heapq.heappop(frontier)
         parent_count = total if parents[node] == ROOT else counts[parents[node]]
         cond = counts[node] / parent_count
         if cond < min_prob:
             continue
-        path_prob[node] = -neg
         chosen.append((node, cond))
         for kid in kids.get(node, []):
             heapq.heappush(frontier, (neg * counts[kid] / counts[node], kid))
