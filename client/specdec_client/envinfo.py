@@ -89,11 +89,29 @@ def server_settings(path: str | Path | None) -> dict[str, Any]:
     }
 
 
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """The checked-out commit the result measured, "+dirty" when tracked code outside
+    results/ differs from it; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
+                               cwd=cwd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance() -> dict[str, Any]:
+    """Commit, date and machine: what every file under results/ records about its run."""
+    return {"commit": git_commit(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": host_info()}
+
+
 def environment(server_metadata: dict[str, Any] | None, settings_path: str | Path | None) -> dict[str, Any]:
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(),
         "packages": package_versions(),
         "server": server_metadata or {},
-        "host": host_info(),
         "server_config": server_settings(settings_path),
     }

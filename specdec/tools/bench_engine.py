@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from specdec_client.envinfo import cpu_model
+from specdec_client.envinfo import cpu_model, git_commit
 
 from specdec.config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.tools.sharegpt import sharegpt_prompts
@@ -36,7 +36,7 @@ def env_record(dtype: str) -> dict:
     return {
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": dtype,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
     }
 
 

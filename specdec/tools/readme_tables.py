@@ -1,0 +1,315 @@
+"""`specdec readme-tables`: the README's results tables, rendered from the files under results/.
+
+Each table in README.md sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` and is
+rewritten from its source files by this command; nothing inside is edited by hand. Each ends
+with a source line: the files, the commit that was measured, the date and the machine, as
+the files record them. `--check` renders without writing and fails when the README differs
+(tests/test_readme.py runs it, and fails on a figure outside a table as well).
+
+A new benchmark run rewrites its summary; `make results` (or `make results-quick`) reruns
+the benchmarks, then this command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+@dataclass
+class Table:
+    markdown: str
+    sources: list[str]  # paths relative to the repository root
+
+
+def read(path: str) -> dict:
+    return json.loads((ROOT / path).read_text())
+
+
+def provenance(path: str) -> tuple[str, str, str]:
+    """(commit, date, machine) as the file records them: a benchmark summary under `env`,
+    other tools at the top level or under `env`."""
+    data = read(path)
+    env = data.get("env") or {}
+    commit = env.get("commit") or data.get("commit")
+    date = env.get("date") or data.get("date")
+    host = env.get("host") or data.get("host")
+    if host:
+        machine = f"{host['cpu_model']} x {host.get('cpus_usable') or host['cpu_count']}"
+        if host.get("gpu_models"):
+            machine += ", " + ", ".join(host["gpu_models"])
+    else:
+        machine = f"{env.get('cpu', '?')} x {env.get('threads', '?')}"
+    if not commit or not date:
+        raise ValueError(f"{path} records no commit or date: rerun its benchmark (every result writes both)")
+    short = commit[:7] + (" with local changes" if commit.endswith("+dirty") else "")
+    return short, date[:10], machine
+
+
+# Sources measured before a change that moves their figures, with the command that refreshes
+# them: the table stays (it is what was measured) and says so.
+HISTORY = {
+    "results/bench/matrix-greedy/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-matrix"),
+    "results/bench/heads-greedy/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-heads"),
+    "results/bench/heads-t07/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-heads"),
+    "results/bench/v5-greedy/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
+    "results/bench/v5-t07/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
+    "results/bench/v5-t10/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
+}
+
+
+def source_line(paths: list[str]) -> str:
+    parts = []
+    for path in paths:
+        commit, date, machine = provenance(path)
+        parts.append(f"[`{path}`]({path}) (commit {commit}, {date}, {machine})")
+    line = "Source: " + "; ".join(parts) + "."
+    stale = {HISTORY[p] for p in paths if p in HISTORY}
+    for before, command in sorted(stale):
+        line += f" History: measured before {before}; `{command}` refreshes it."
+    return line
+
+
+# --- benchmark summaries (specdec-client bench, schema 2) ---
+
+def summary_index(path: str) -> tuple[dict, dict, dict]:
+    """(runs, speedups, summary) with runs and speedups keyed by (mode, load)."""
+    s = read(path)
+    runs = {(r["mode"], r["load"]): r for r in s["runs"]}
+    speedups = {(r["mode"], r["load"]): r for r in s["speedup"]}
+    return runs, speedups, s
+
+
+def modes_of(runs: dict, load: str) -> list[str]:
+    return [mode for mode, at in runs if at == load and mode != "baseline"]
+
+
+def ratio(entry: dict, blocks: bool = True, bold: bool = False) -> str:
+    text = f"{entry['output_tok_s_ratio']:.2f}x"
+    text = f"**{text}**" if bold else text
+    gains = entry.get("block_gains") or []
+    if blocks and len(gains) > 1:
+        text += f" ({min(gains):.2f}-{max(gains):.2f})"
+    return text
+
+
+def accept_len(run: dict) -> str:
+    value = run.get("mean_acceptance_length")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def best_mode(speedups: dict, load: str) -> str | None:
+    at = [(e["output_tok_s_ratio"], mode) for (mode, lo), e in speedups.items() if lo == load]
+    return max(at)[1] if at else None
+
+
+def lossless_line(summary: dict) -> str:
+    check = summary.get("lossless") or {}
+    if not check.get("greedy"):
+        return ""
+    return f"{check['identical']:,} of {check['compared']:,} greedy speculative outputs identical to the baseline's."
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def by_ratio(speedups: dict, modes: list[str], load: str) -> list[str]:
+    return sorted(modes, key=lambda m: -speedups[(m, load)]["output_tok_s_ratio"])
+
+
+def structured() -> Table:
+    path = "results/bench/structured/summary.json"
+    runs, speedups, s = summary_index(path)
+    load = "c=1"
+    base = runs[("baseline", load)]
+    rows = [["baseline", f"{base['output_tok_s']:.1f} tok/s", f"{base['tpot_ms']['p50']:.0f} ms", "-", "-"]]
+    best = best_mode(speedups, load)
+    for mode in by_ratio(speedups, modes_of(runs, load), load):
+        run, sp = runs[(mode, load)], speedups[(mode, load)]
+        rows.append([f"**{mode}**" if mode == best else mode, ratio(sp, bold=mode == best), f"{sp['tpot_p50_ratio']:.2f}x",
+                     accept_len(run), f"{run['accepted_tokens']:,} ({run['forced_accepted_tokens']:,})"])
+    valid = sorted({f"{r['structured']['valid']} of {r['structured']['checked']}" for r in runs.values() if r.get("structured")})
+    text = table(["mode (x constrained baseline)", "output tok/s (blocks)", "TPOT p50", "accept len",
+                  "accepted drafts (forced by the grammar)"], rows)
+    text += f"\n\n{lossless_line(s)} Outputs that validate against their schema, per mode: {', '.join(valid)}."
+    return Table(text, [path])
+
+
+def conversations() -> Table:
+    path = "results/bench/conversations/summary.json"
+    runs, speedups, s = summary_index(path)
+    load = "c=1"
+    last = max(t["turn"] for t in runs[("baseline", load)]["by_turn"])
+
+    def last_turn(mode: str) -> dict:
+        return next(t for t in runs[(mode, load)]["by_turn"] if t["turn"] == last)
+
+    rows = []
+    for mode in ["baseline"] + [m for m in modes_of(runs, load) if not m.endswith("/no-cache")]:
+        cached, fresh = last_turn(mode), last_turn(f"{mode}/no-cache")
+        ttft = f"{cached['ttft_ms']['p50']:.0f} / {fresh['ttft_ms']['p50']:.0f} ms ({cached['ttft_ms']['p50'] / fresh['ttft_ms']['p50']:.2f}x)"
+        speed = "1.00" if mode == "baseline" else ratio(speedups[(mode, load)], blocks=False)
+        accept = "1.00" if mode == "baseline" else f"{cached['mean_acceptance_length']:.2f} / {fresh['mean_acceptance_length']:.2f}"
+        rows.append([mode, ttft, speed, accept])
+    text = table([f"mode", f"TTFT p50, turn {last + 1}: cache / none", "output tok/s x baseline (cache on)",
+                  f"accept len, turn {last + 1}: cache / none"], rows)
+    text += f"\n\n{lossless_line(s)}"
+    return Table(text, [path])
+
+
+def suffix() -> Table:
+    path = "results/bench/suffix/summary.json"
+    runs, speedups, s = summary_index(path)
+    load = "c=1"
+    best = best_mode(speedups, load)
+    rows = [[f"**{m}**" if m == best else m, ratio(speedups[(m, load)], bold=m == best), accept_len(runs[(m, load)])]
+            for m in by_ratio(speedups, modes_of(runs, load), load)]
+    base = runs[("baseline", load)]["output_tok_s"]
+    text = table([f"mode (x baseline, {base:.1f} tok/s)", "output tok/s (blocks)", "accept len"], rows)
+    text += f"\n\n{lossless_line(s)}"
+    return Table(text, [path])
+
+
+def by_concurrency(path: str, modes: list[str] | None = None, blocks: bool = True) -> Table:
+    """Every mode x every load of a closed-loop sweep: the baseline's tok/s, then ratios."""
+    runs, speedups, s = summary_index(path)
+    loads = sorted({load for _, load in runs}, key=lambda lo: int(lo.split("=")[1]))
+    modes = modes or list(dict.fromkeys(m for m, _ in runs if m != "baseline"))
+    best = {load: best_mode(speedups, load) for load in loads}
+    rows = [["baseline tok/s"] + [f"{runs[('baseline', lo)]['output_tok_s']:.1f}" for lo in loads]]
+    for mode in modes:
+        rows.append([mode] + [ratio(speedups[(mode, lo)], blocks, bold=best[lo] == mode) for lo in loads])
+    text = table(["mode"] + loads, rows) + f"\n\n{lossless_line(s)}"
+    return Table(text, [path])
+
+
+def in_flight() -> Table:
+    path = "results/bench/load/in_flight.json"
+    data = read(path)
+    points: dict[tuple[int, str], list[dict]] = {}
+    for p in data["points"]:
+        points.setdefault((p["concurrency"], p["mode"]), []).append(p)
+    loads = sorted({c for c, _ in points})
+    modes = [m for m in dict.fromkeys(m for _, m in points) if m != "baseline"]
+
+    def each(c: int, mode: str, value: Callable[[dict], float], fmt: str) -> str:
+        return ", ".join(format(value(p), fmt) for p in sorted(points[(c, mode)], key=lambda p: p["block"]))
+
+    def gain(c: int, mode: str) -> str:
+        base = {p["block"]: p["triton"]["output_tok_s"] for p in points[(c, "baseline")]}
+        return ", ".join(f"{p['triton']['output_tok_s'] / base[p['block']]:.2f}" for p in sorted(points[(c, mode)], key=lambda p: p["block"]))
+
+    rows = [
+        ["Triton baseline, output tok/s"] + [each(c, "baseline", lambda p: p["triton"]["output_tok_s"], ".1f") for c in loads],
+        ["Triton / in-process engine (baseline)"] + [each(c, "baseline", lambda p: p["triton_over_in_process"], ".2f") for c in loads],
+        ["streams per target forward (median)"] + [each(c, "baseline", lambda p: p["triton"]["median_batch_sequences"], ".0f") for c in loads],
+        ["TTFT p50, Triton baseline (ms)"] + [each(c, "baseline", lambda p: p["triton"]["ttft_p50_ms"], ".0f") for c in loads],
+    ]
+    rows += [[f"{mode} / baseline, Triton"] + [gain(c, mode) for c in loads] for mode in modes]
+    rows.append(["benchmark client's CPU share"] + [each(c, "baseline", lambda p: 100 * p["triton"]["client_cpu_share"], ".1f") + " %" for c in loads])
+    return Table(table(["", *(f"c={c}" for c in loads)], rows), [path])
+
+
+def heads() -> Table:
+    paths = ["results/bench/heads-greedy/summary.json", "results/bench/heads-t07/summary.json"]
+    (g_runs, g_sp, _), (t_runs, t_sp, _) = summary_index(paths[0]), summary_index(paths[1])
+    loads = sorted({lo for _, lo in g_runs}, key=lambda lo: int(lo.split("=")[1]))
+
+    def cells(speedups: dict, mode: str) -> str:
+        return " / ".join(f"{speedups[(mode, lo)]['output_tok_s_ratio']:.2f}" if (mode, lo) in speedups else "-" for lo in loads)
+
+    rows = [[mode, cells(g_sp, mode), cells(t_sp, mode)] for mode in modes_of(g_runs, loads[0])]
+    return Table(table(["method", f"greedy, {' / '.join(loads)}", f"T=0.7, {' / '.join(loads)}"], rows), paths)
+
+
+def v5() -> Table:
+    paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
+             "T=1.0": "results/bench/v5-t10/summary.json"}
+    indexed = {name: summary_index(path) for name, path in paths.items()}
+    modes = list(dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")))
+    rows = []
+    for mode in modes:
+        row = [mode]
+        for runs, speedups, _ in indexed.values():
+            key = (mode, "c=1")
+            row.append(f"{speedups[key]['output_tok_s_ratio']:.2f} ({accept_len(runs[key])})" if key in speedups else "")
+        rows.append(row)
+    return Table(table(["method (x baseline, accept len)", *paths], rows), list(paths.values()))
+
+
+def greedy_margin() -> Table:
+    paths = ["results/identity/float32.json", "results/identity/bfloat16.json"]
+    rows = []
+    for path in paths:
+        data = read(path)
+        margin = data["baseline"]["margin"]
+        for method, m in data["methods"].items():
+            rows.append([data["dtype"], method, f"{m['identical']} of {m['of']}", f"{margin['min']:.2g}",
+                         f"{m['distance']['max']:.2g}", f"{m['flippable_rows']:,} of {m['compared_rows']:,}"])
+    header = ["weights", "method", "outputs identical to the baseline", "smallest baseline margin (logits)",
+              "largest logit distance (verify row vs decode row)", "rows where 2 x distance >= margin"]
+    return Table(table(header, rows), paths)
+
+
+TABLES: dict[str, Callable[[], Table]] = {
+    "structured": structured,
+    "conversations": conversations,
+    "suffix": suffix,
+    "in-flight": in_flight,
+    "load-sweep": lambda: by_concurrency("results/bench/load/closed_greedy/summary.json"),
+    "matrix-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
+    "heads": heads,
+    "v5": v5,
+    "greedy-margin": greedy_margin,
+}
+
+
+def render(name: str) -> str:
+    t = TABLES[name]()
+    return f"{t.markdown}\n\n{source_line(t.sources)}\n"
+
+
+def rewrite(text: str) -> tuple[str, list[str]]:
+    """The README with every table re-rendered; the names of unknown tables."""
+    unknown = []
+
+    def replace(m: re.Match) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            unknown.append(name)
+            return m[0]
+        return m[1] + render(name) + m[4]
+
+    return BLOCK.sub(replace, text), unknown
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specdec readme-tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail when the README's tables differ from their sources")
+    ap.add_argument("--readme", default=str(README))
+    args = ap.parse_args(argv)
+    path = Path(args.readme)
+    text = path.read_text()
+    new, unknown = rewrite(text)
+    if unknown:
+        print(f"unknown tables: {', '.join(unknown)} (known: {', '.join(TABLES)})", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != text:
+            print(f"{path}: tables differ from their sources: run `specdec readme-tables`", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(new)
+    print(f"rewrote {len(BLOCK.findall(new))} tables in {path}")
+    return 0

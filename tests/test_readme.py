@@ -1,0 +1,96 @@
+"""The README's numbers describe files under results/, not memory: every results table is
+rendered from its source (`specdec readme-tables`), each source records the commit it
+measured, the date and the machine, no measured figure stands outside a rendered table, and
+every link resolves."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from specdec.tools import readme_tables
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# A measured figure: a decimal (not a three-part version), a ratio, a percentage, "N of M",
+# or a number with a unit of time or throughput.
+FIGURE = re.compile(
+    r"(?<![\w.])\d+\.\d+(?!\.\d)x?(?![\w.])"
+    r"|\b\d+(\.\d+)?\s?%"
+    r"|\b\d[\d,]* of \d[\d,]*\b"
+    r"|\b\d[\d,.]*\s?(ms|tok/s|s)\b"
+)
+
+
+def prose_outside_tables(text: str) -> str:
+    """What a person wrote: the README without code blocks, inline code, link targets,
+    HTML comments and the rendered tables."""
+    text = readme_tables.BLOCK.sub("", text)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"<!--.*?-->", "", text, flags=re.S)
+
+
+def unsourced_figures(text: str) -> list[str]:
+    return [m.group(0) for m in FIGURE.finditer(prose_outside_tables(text))]
+
+
+def test_readme_tables_are_rendered_from_their_sources():
+    text = README.read_text()
+    names = [m["name"] for m in readme_tables.BLOCK.finditer(text)]
+    assert sorted(names) == sorted(readme_tables.TABLES), "every renderer has its table in the README, and no other"
+    rendered, unknown = readme_tables.rewrite(text)
+    assert not unknown
+    assert rendered == text, "a README table differs from its source: run `specdec readme-tables`"
+
+
+def test_a_hand_edited_table_figure_is_caught():
+    text = README.read_text()
+    block = next(readme_tables.BLOCK.finditer(text))
+    body = block["body"]
+    edited_body = re.sub(r"\d+\.\d+", lambda m: f"{float(m.group(0)) + 0.1:.2f}", body, count=1)
+    assert edited_body != body
+    edited = text.replace(body, edited_body, 1)
+    assert readme_tables.rewrite(edited)[0] != edited
+
+
+def test_no_measured_figure_outside_a_rendered_table():
+    assert unsourced_figures(README.read_text()) == []
+    # the check sees a figure written by hand into the prose, in every form it looks for
+    for figure in ("1.64x", "133 ms", "12.4 tok/s", "180 of 180", "48%", "0.29"):
+        assert unsourced_figures(f"speculation gave {figure} here"), figure
+    assert unsourced_figures("Arctic Inference 0.3.0, 64 tokens at c=16 on 2 cores") == []  # settings, not figures
+
+
+@pytest.mark.parametrize("name", sorted(readme_tables.TABLES))
+def test_every_source_records_commit_date_and_machine(name):
+    for path in readme_tables.TABLES[name]().sources:
+        commit, date, machine = readme_tables.provenance(path)
+        assert re.fullmatch(r"[0-9a-f]{7}( with local changes)?", commit), (path, commit)
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date) and machine, path
+
+
+def github_anchor(heading: str) -> str:
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return slug.replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_resolve(doc):
+    path = ROOT / doc
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", path.read_text(), flags=re.S)):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}
+            if anchor not in anchors:
+                broken.append(target)
+    assert broken == [], f"{doc}: links that do not resolve"
