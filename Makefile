@@ -34,7 +34,7 @@ generate: prepare
 test: prepare
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=30 tests
 
-# Everything, the slow tests too (the remaining statistical cases, every method through the server): ~45 min on 2 cores
+# Everything, the slow tests too (the chi-square sampling tests, the served-path variants): ~50 min on 2 cores
 test-all: prepare
 	$(BIN)/python -m pytest -q tests
 
@@ -86,11 +86,13 @@ readme-tables: prepare
 	$(BIN)/specdec readme-tables
 
 # Greedy identity as a margin (issue 34): the baseline's top-1/top-2 logit gaps vs each method's verify-row distance,
-# float32 over 512 ShareGPT prompts (~40 min) and bfloat16 weights over 100 prompts for every method (~60 min).
+# float32 over 512 ShareGPT prompts (~55 min) and bfloat16 weights over 100 prompts, a method per drafting family
+# and verify shape (~15 min; --methods all for every one).
 greedy-margin: prepare
-	$(BIN)/specdec greedy-margin --dtype float32 --prompts 512 --max-tokens 32 --methods eagle3-hybrid,eagle3,ngram \
+	$(BIN)/specdec greedy-margin --dtype float32 --prompts 512 --max-tokens 32 --methods eagle3-hybrid,ngram \
 		--out results/identity/float32.json
-	$(BIN)/specdec greedy-margin --dtype bfloat16 --prompts 100 --max-tokens 32 --methods all --out results/identity/bfloat16.json
+	$(BIN)/specdec greedy-margin --dtype bfloat16 --prompts 100 --max-tokens 32 \
+		--methods eagle3,eagle3-tree,eagle3-hybrid,medusa-tree,ngram,draft_model --out results/identity/bfloat16.json
 
 # Structured output: every mode under the task's grammar beside the constrained baseline, c=1 (~25 min)
 bench-structured: prepare

@@ -94,3 +94,16 @@ def test_relative_links_resolve(doc):
             if anchor not in anchors:
                 broken.append(target)
     assert broken == [], f"{doc}: links that do not resolve"
+
+
+def test_new_results_record_the_commit_they_measured():
+    """What every result writer stores (benchmark summaries, bench-engine/-load/-serving,
+    greedy-margin): this checkout's commit, "+dirty" when tracked code differs from it."""
+    from specdec_client.envinfo import environment, git_commit
+
+    commit = git_commit(ROOT)
+    if commit is None:
+        pytest.skip("not a git checkout")
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit)
+    env = environment(None, None)
+    assert env["commit"] == git_commit() and env["date"] and env["host"]["cpu_model"]

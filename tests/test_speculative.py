@@ -401,3 +401,23 @@ def test_a_failed_start_holds_no_slot(tiny_target):
         speculator.prefill(items)
     assert speculator.active == 0 and speculator.target_pass.cache.num_free == 4 and speculator.drafts.active == 0
     assert len(speculator.prefill(items[:1])) == 1 and speculator.target_pass.cache.num_free == 3
+
+
+def test_greedy_margin_compares_each_emitted_token_with_the_decode_row_behind_it(tiny_target):
+    """specdec greedy-margin's bookkeeping: one logits row per emitted token, each the row
+    whose argmax is that token, for the baseline and for trees alike; the verify rows of an
+    identical output sit within float32 noise of the decode rows."""
+    from specdec.tools.greedy_margin import decode, margins
+
+    cfg = EngineConfig(max_batch_size=2, max_seq_len=128, max_num_draft_tokens=8, enable_prefix_caching=False)
+    plain = SpecEngine(tiny_target, cfg)
+    reference = {tuple(p): out for p, out in zip(prompts(2), run_all(plain, prompts(2), SamplingParams(max_tokens=20, ignore_eos=True), "none", 0, 1))}
+    engine = SpecEngine(tiny_target, cfg, drafters={"tree": ScriptedDrafter(reference, VOCAB, tree=True)})
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for prompt in prompts(2):
+        base_ids, base_rows, base_steps = decode(engine, prompt, params, "none")
+        ids, rows, steps = decode(engine, prompt, params, "tree", num_draft_tokens=6)
+        assert ids == base_ids and len(rows) == len(ids) == 20
+        assert rows.argmax(-1).tolist() == ids and base_rows.argmax(-1).tolist() == base_ids
+        assert steps < base_steps  # drafts were accepted: rows came from several tree positions per step
+        assert float((rows - base_rows).abs().max()) < 1e-3 < float(margins(base_rows).min())

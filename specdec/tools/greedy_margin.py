@@ -63,11 +63,13 @@ def recorded_rows() -> Iterator[list[torch.Tensor]]:
         target_module.verify_greedy, target_module.TargetPass._first_token = verify, first_token
 
 
-def decode(engine, prompt: list[int], params: SamplingParams, method: str) -> tuple[list[int], torch.Tensor, int]:
-    """Output ids, the logits row behind each (up to max_tokens) and the number of steps."""
+def decode(engine, prompt: list[int], params: SamplingParams, method: str,
+           num_draft_tokens: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+    """Output ids, the logits row behind each (up to max_tokens) and the number of outputs
+    (the prefill's, then one per step); num_draft_tokens None: the method's own budget."""
     with recorded_rows() as rows:
         ids, steps = [], 0
-        for out in engine.generate(prompt, params, method, request_id=f"margin-{method}"):
+        for out in engine.generate(prompt, params, method, num_draft_tokens, request_id=f"margin-{method}"):
             ids += out.new_token_ids
             steps += 1
     return ids, torch.cat(rows)[: len(ids)], steps

@@ -162,7 +162,7 @@ def conversations() -> Table:
         speed = "1.00" if mode == "baseline" else ratio(speedups[(mode, load)], blocks=False)
         accept = "1.00" if mode == "baseline" else f"{cached['mean_acceptance_length']:.2f} / {fresh['mean_acceptance_length']:.2f}"
         rows.append([mode, ttft, speed, accept])
-    text = table([f"mode", f"TTFT p50, turn {last + 1}: cache / none", "output tok/s x baseline (cache on)",
+    text = table(["mode", f"TTFT p50, turn {last + 1}: cache / none", "output tok/s x baseline (cache on)",
                   f"accept len, turn {last + 1}: cache / none"], rows)
     text += f"\n\n{lossless_line(s)}"
     return Table(text, [path])
