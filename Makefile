@@ -92,7 +92,7 @@ greedy-margin: prepare
 	$(BIN)/specdec greedy-margin --dtype float32 --prompts 512 --max-tokens 32 --methods eagle3-hybrid,ngram \
 		--out results/identity/float32.json
 	$(BIN)/specdec greedy-margin --dtype bfloat16 --prompts 100 --max-tokens 32 \
-		--methods eagle3,eagle3-tree,eagle3-hybrid,medusa-tree,ngram,draft_model --out results/identity/bfloat16.json
+		--methods eagle3,eagle3-hybrid,medusa-tree,ngram,draft_model --out results/identity/bfloat16.json
 
 # Structured output: every mode under the task's grammar beside the constrained baseline, c=1 (~25 min)
 bench-structured: prepare
