@@ -249,7 +249,7 @@ def v5() -> Table:
 
 
 def greedy_margin() -> Table:
-    paths = ["results/identity/float32.json"]
+    paths = ["results/identity/float32.json", "results/identity/bfloat16.json"]
     rows = []
     for path in paths:
         data = read(path)
