@@ -106,6 +106,10 @@ def accept_len(run: dict) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def mode_cell(mode: str, best: str | None) -> str:
+    return f"**{mode}**" if mode == best else mode
+
+
 def best_mode(speedups: dict, load: str) -> str | None:
     at = [(e["output_tok_s_ratio"], mode) for (mode, lo), e in speedups.items() if lo == load]
     return max(at)[1] if at else None
@@ -137,7 +141,7 @@ def structured() -> Table:
     best = best_mode(speedups, load)
     for mode in by_ratio(speedups, modes_of(runs, load), load):
         run, sp = runs[(mode, load)], speedups[(mode, load)]
-        rows.append([f"**{mode}**" if mode == best else mode, ratio(sp, bold=mode == best), f"{sp['tpot_p50_ratio']:.2f}x",
+        rows.append([mode_cell(mode, best), ratio(sp, bold=mode == best), f"{sp['tpot_p50_ratio']:.2f}x",
                      accept_len(run), f"{run['accepted_tokens']:,} ({run['forced_accepted_tokens']:,})"])
     valid = sorted({f"{r['structured']['valid']} of {r['structured']['checked']}" for r in runs.values() if r.get("structured")})
     text = table(["mode (x constrained baseline)", "output tok/s (blocks)", "TPOT p50", "accept len",
@@ -173,7 +177,7 @@ def suffix() -> Table:
     runs, speedups, s = summary_index(path)
     load = "c=1"
     best = best_mode(speedups, load)
-    rows = [[f"**{m}**" if m == best else m, ratio(speedups[(m, load)], bold=m == best), accept_len(runs[(m, load)])]
+    rows = [[mode_cell(m, best), ratio(speedups[(m, load)], bold=m == best), accept_len(runs[(m, load)])]
             for m in by_ratio(speedups, modes_of(runs, load), load)]
     base = runs[("baseline", load)]["output_tok_s"]
     text = table([f"mode (x baseline, {base:.1f} tok/s)", "output tok/s (blocks)", "accept len"], rows)
