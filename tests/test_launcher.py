@@ -407,6 +407,19 @@ def test_demo_serves_the_fastest_measured_served_method(tmp_path):
     assert fastest_measured(set(), path) is None and fastest_measured({"eagle3"}, tmp_path / "missing.json") is None
 
 
+def test_demo_runs_the_method_it_names():
+    """make run once labelled its speculative run with the fastest method but sent method=None,
+    so the server's default ran under another method's name and budget."""
+    from specdec.tools.demo import demo_runs
+
+    (spec_label, spec), (base_label, base) = demo_runs("Hi", 32, "ngram-tree", 4)
+    assert "ngram-tree" in spec_label and (spec.method, spec.num_draft_tokens, spec.max_tokens) == ("ngram-tree", 4, 32)
+    assert base_label == "baseline" and base.num_draft_tokens == 0 and base.method is None
+    assert spec.prompt == base.prompt == "Hi"
+    (default_label, default), _ = demo_runs("Hi", 32, None, None)
+    assert "server default" in default_label and default.method is None and default.num_draft_tokens is None
+
+
 def test_serve_binds_this_machine_only_unless_asked():
     from specdec.launcher.serve import _build_parser
 

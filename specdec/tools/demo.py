@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import specdec_wire as P
@@ -54,8 +55,20 @@ def summarize(label: str, gen) -> str:
     return f"[{label}] {tokens} tokens, TTFT {gen.ttft_s * 1e3:.0f} ms, {tok_s:.1f} tok/s, mean acceptance length {mal:.2f}"
 
 
+def demo_runs(prompt: str, max_tokens: int, method: str | None, num_draft_tokens: int | None) -> list:
+    """(label, request) of the speculative run and the baseline: the speculative request
+    carries the method its label names (None: the server's default), the baseline none."""
+    from specdec_client import GenerateRequest
+
+    return [
+        (f"speculative: {method or 'server default'}",
+         GenerateRequest(prompt, max_tokens=max_tokens, method=method, num_draft_tokens=num_draft_tokens)),
+        ("baseline", GenerateRequest(prompt, max_tokens=max_tokens, method=None, num_draft_tokens=0)),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
-    from specdec_client import Generation, GenerateRequest, SpecDecClient
+    from specdec_client import Generation, SpecDecClient
 
     from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer
 
@@ -81,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready(timeout=600)
         print(f"ready: {server.endpoints}\n", flush=True)
         with SpecDecClient(server.endpoints.grpc) as client:
-            client.generate(GenerateRequest("Hello", max_tokens=4, method=method, num_draft_tokens=k))  # warm-up
-            for label, k in ((f"speculative: {method or 'default'}", k), ("baseline", 0)):
+            runs = demo_runs(args.prompt, args.max_tokens, method, k)
+            for _, request in runs:  # both modes warm (first-call costs stay out of either run)
+                client.generate(replace(request, prompt="Hello", max_tokens=8))
+            for label, request in runs:
                 print(f"--- {label} ---", flush=True)
-                request = GenerateRequest(args.prompt, max_tokens=args.max_tokens, method=args.method, num_draft_tokens=k)
                 send, chunks = time.perf_counter(), []
                 for chunk in client.stream(request):
                     print(chunk.text, end="", flush=True)
