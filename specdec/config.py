@@ -143,6 +143,7 @@ class ModelConfig:
 
 
 MAX_CACHE_SALT_CHARS = 256
+DEFAULT_MAX_GUIDE_BYTES = 64 * 1024  # EngineConfig.max_guide_bytes
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,10 @@ class SamplingParams:
         """Whether any rule changes the target's logits (else they are used as they come)."""
         return self.min_length > 0 or bool(self.bad_word_ids) or self.penalized
 
-    def validate(self, max_tokens_limit: int) -> "SamplingParams":
+    def validate(self, max_tokens_limit: int, max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES) -> "SamplingParams":
+        """Every field in range, naming the first that is not. Cheap: the guide is only
+        checked for its type, presence, size and (a JSON schema) JSON syntax here; its grammar
+        is parsed once, when it is compiled off the scheduler's thread."""
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_tokens_limit:
             raise InvalidRequestError("max_tokens", f"must be an integer in [1, {max_tokens_limit}], got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -217,7 +221,7 @@ class SamplingParams:
         if self.guide_type or self.guide:
             from specdec.engine.grammar import check_guide
 
-            check_guide(self.guide_type, self.guide)
+            check_guide(self.guide_type, self.guide, max_guide_bytes)
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -406,6 +410,11 @@ class EngineConfig:
     # prefix_block_tokens (specdec/engine/prefix_cache.py).
     enable_prefix_caching: bool = True
     prefix_block_tokens: int = 16
+    # Structured-output guides are a client's text, compiled off the scheduler's thread
+    # (specdec/engine/guide_compiler.py); these bound what one guide may cost: its size, and
+    # its compile time (a guide still compiling then is refused and its compile killed).
+    max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES
+    guide_compile_timeout_s: float = 10.0
     speculative: Mapping[str, SpeculativeConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -427,6 +436,10 @@ class EngineConfig:
             raise ConfigError("prefill_chunk_tokens", f"must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
         if self.prefix_block_tokens < 1:
             raise ConfigError("prefix_block_tokens", f"must be >= 1, got {self.prefix_block_tokens}")
+        if self.max_guide_bytes < 1:
+            raise ConfigError("max_guide_bytes", f"must be >= 1, got {self.max_guide_bytes}")
+        if not math.isfinite(self.guide_compile_timeout_s) or self.guide_compile_timeout_s <= 0:
+            raise ConfigError("guide_compile_timeout_s", f"must be > 0 seconds, got {self.guide_compile_timeout_s}")
 
     @property
     def prefix_cache_block(self) -> int | None:

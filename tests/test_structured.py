@@ -93,12 +93,90 @@ def test_compiled_grammars_are_cached_and_bad_guides_named(engine):
     grammars = engine.speculator.target_pass.grammars
     first = grammars.compile("json_schema", json.dumps(SCHEMA))
     assert grammars.compile("json_schema", json.dumps(SCHEMA)) is first
+    # The request's cheap check: type, presence, size, JSON syntax (no grammar parse).
     for guide_type, guide, field in [("xml", "x", P.GUIDED_DECODING_GUIDE_TYPE), ("json_schema", "{bad", P.GUIDED_DECODING_GUIDE),
-                                     ("regex", "a(", P.GUIDED_DECODING_GUIDE), ("ebnf_grammar", "root ::= foo", P.GUIDED_DECODING_GUIDE),
-                                     ("json_schema", None, P.GUIDED_DECODING_GUIDE), (None, "{}", P.GUIDED_DECODING_GUIDE_TYPE)]:
+                                     ("json_schema", None, P.GUIDED_DECODING_GUIDE), (None, "{}", P.GUIDED_DECODING_GUIDE_TYPE),
+                                     ("regex", "a" * 101, P.GUIDED_DECODING_GUIDE)]:
         with pytest.raises(InvalidRequestError, match=field):
-            check_guide(guide_type, guide)
+            check_guide(guide_type, guide, max_bytes=100)
+    check_guide("regex", "a" * 100, max_bytes=100)
+    # The grammar is parsed once, when compiled (off the scheduler's thread): named there.
+    for guide_type, guide in [("regex", "a("), ("ebnf_grammar", "root ::= foo")]:
+        check_guide(guide_type, guide)
+        with pytest.raises(InvalidRequestError, match=P.GUIDED_DECODING_GUIDE):
+            grammars.compile(guide_type, guide)
+        with pytest.raises(InvalidRequestError, match=P.GUIDED_DECODING_GUIDE):
+            grammars.prepare(guide_type, guide).result(timeout=60)
     assert not engine.sequences
+
+
+class Collect:
+    """A scheduler sink: outputs and emit times, or the error."""
+
+    def __init__(self):
+        import threading
+        import time
+
+        self.clock, self.times, self.outputs, self.error, self.done = time.perf_counter, [], [], None, threading.Event()
+
+    def emit(self, out):
+        self.times.append(self.clock())
+        self.outputs.append(out)
+        if out.finished:
+            self.done.set()
+        return True
+
+    def fail(self, exc):
+        self.error = exc
+        self.done.set()
+
+    @property
+    def ids(self):
+        return [t for out in self.outputs for t in out.new_token_ids]
+
+
+def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
+    """Issue 43: a client's guide compiled on the thread that steps every sequence froze
+    every stream. Now it compiles on the guide worker, behind a probe process killed at
+    engine.guide_compile_timeout_s: a guide past the limit is refused naming the field, its
+    compile is stopped (the probe killed), a repeat is refused at once, a cancel while it
+    compiles ends `cancelled`, and a stream decoding meanwhile is the same as alone."""
+    import dataclasses
+
+    from specdec.engine.grammar import Grammars
+    from specdec.serving.runtime import encode_prompt
+    from specdec.serving.scheduler import BatchScheduler
+
+    plain = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = encode_prompt(engine.tokenizer, "Tell me a story about a dragon.")
+    alone, _ = generate(engine, "Tell me a story about a dragon.", plain)
+    target_pass = engine.speculator.target_pass
+    saved, saved_config = target_pass.grammars, engine.config
+    target_pass.grammars = Grammars.for_tokenizer(lambda: engine.tokenizer, target_pass.target.cfg.vocab_size, compile_timeout_s=0.05)
+    engine.config = dataclasses.replace(engine.config, guide_compile_timeout_s=0.05)
+    target_pass.grammars.warm()
+    scheduler = BatchScheduler(engine)
+    try:
+        stream, slow, repeat, cancelled = Collect(), Collect(), Collect(), Collect()
+        scheduler.submit("stream", ids, plain, "none", 0, stream)
+        hostile = SamplingParams(max_tokens=8, guide_type="regex", guide="[a-z]{0,4000}")  # ~0.3 s to compile here
+        scheduler.submit("slow", ids, hostile, "none", 0, slow)
+        assert slow.done.wait(60) and isinstance(slow.error, InvalidRequestError)
+        assert P.GUIDED_DECODING_GUIDE in str(slow.error) and "guide_compile_timeout_s" in str(slow.error)
+        assert target_pass.grammars.probe_kills == 1
+        scheduler.submit("repeat", ids, hostile, "none", 0, repeat)
+        assert repeat.done.wait(60) and "guide_compile_timeout_s" in str(repeat.error)
+        assert target_pass.grammars.probe_kills == 1  # refused from memory, nothing compiled again
+        # Queued behind another slow guide, the cancel surely comes while it still compiles.
+        scheduler.submit("blocker", ids, dataclasses.replace(hostile, guide="[a-z]{0,4002}"), "none", 0, Collect())
+        scheduler.submit("cancelled", ids, dataclasses.replace(hostile, guide="[a-z]{0,4001}"), "none", 0, cancelled)
+        scheduler.cancel("cancelled")
+        assert cancelled.done.wait(60) and cancelled.outputs[-1].finish_reason == "cancelled"
+        assert stream.done.wait(120) and stream.error is None and stream.ids == alone
+    finally:
+        scheduler.close()
+        target_pass.grammars.close()
+        target_pass.grammars, engine.config = saved, saved_config
 
 
 # ---- through the real Triton server -------------------------------------------------------

@@ -25,6 +25,7 @@ its tokens come back unbanned, so a request always has a way to finish.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
@@ -35,6 +36,7 @@ from torch import Tensor
 
 import specdec_wire as P
 from specdec.errors import InvalidRequestError
+from specdec.engine.guide_compiler import GuideCompiler
 from specdec.engine.tree import ROOT, DraftTree, IID_SAMPLED
 
 # TensorRT-LLM's guide types (docs/source/features/guided-decoding.md there): "json" is any
@@ -54,9 +56,11 @@ def _xgrammar():
     return xgrammar
 
 
-def check_guide(guide_type: str | None, guide: str | None) -> None:
-    """Refuse a bad guide at the request, naming the field (cheap: parses the grammar, needs
-    no tokenizer). None / "" for both = no guide."""
+def check_guide(guide_type: str | None, guide: str | None, max_bytes: int | None = None) -> None:
+    """Refuse a bad guide at the request, naming the field. Cheap, whatever the client sends:
+    the type, presence, size and (a JSON schema) JSON syntax; the grammar itself is parsed
+    once, by the compile off the scheduler's thread (Grammars.compile). None / "" for both =
+    no guide."""
     if not guide_type:
         if guide:
             raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is required with guided_decoding_guide")
@@ -67,16 +71,30 @@ def check_guide(guide_type: str | None, guide: str | None) -> None:
         return
     if not guide:
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is required for guide type {guide_type!r}")
+    size = len(guide.encode("utf-8"))
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is {size} bytes; the limit is {max_bytes} (engine.max_guide_bytes)")
+    if guide_type == GUIDE_JSON_SCHEMA:
+        try:
+            json.loads(guide)
+        except ValueError as exc:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid json_schema: {exc}") from None
+        except RecursionError:  # nested deeper than the json module's stack
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, "is not a valid json_schema: nested too deeply") from None
+
+
+def parse_guide(guide_type: str, guide: str | None):
+    """The guide's grammar (xgrammar.Grammar), or the refusal naming the field."""
     xgr = _xgrammar()
     try:
+        if guide_type == GUIDE_JSON:
+            return xgr.Grammar.builtin_json_grammar()
         if guide_type == GUIDE_JSON_SCHEMA:
-            json.loads(guide)
-            xgr.Grammar.from_json_schema(guide)
-        elif guide_type == GUIDE_REGEX:
-            xgr.Grammar.from_regex(guide)
-        else:
-            xgr.Grammar.from_ebnf(guide)
-    except (ValueError, RuntimeError) as exc:
+            return xgr.Grammar.from_json_schema(guide)
+        if guide_type == GUIDE_REGEX:
+            return xgr.Grammar.from_regex(guide)
+        return xgr.Grammar.from_ebnf(guide)
+    except (ValueError, RuntimeError, RecursionError) as exc:
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid {guide_type}: {_first_line(exc)}") from None
 
 
@@ -96,65 +114,104 @@ class Grammars:
 
     load: returns (xgrammar.TokenizerInfo, tokenize) on first use, so a server that never
     sees a guided request never builds the vocabulary table; tokenize (text -> ids, no
-    special tokens) encodes forced strings."""
+    special tokens) encodes forced strings. compile_timeout_s: the limit on one guide's
+    compile (engine.guide_compile_timeout_s; None: no limit and no probe process).
 
-    def __init__(self, load: Callable[[], tuple[object, Callable[[str], list[int]]]], cache_size: int = 64):
+    The scheduler asks `prepare` (a future, compiled on the worker thread) before a guided
+    request joins the batch, so `start` on its thread finds the grammar compiled."""
+
+    def __init__(self, load: Callable[[], tuple[object, Callable[[str], list[int]]]], cache_size: int = 64,
+                 compile_timeout_s: float | None = None):
         self._load = load
         self._info = None
         self._compiler = None
         self.tokenize: Callable[[str], list[int]] | None = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the first load; never held while compiling
         self._forced_ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._worker = GuideCompiler(self._compile_uncached, lambda: self._ready_info().serialize_json(), compile_timeout_s)
 
     @staticmethod
-    def for_tokenizer(tokenizer_loader: Callable[[], object], vocab_size: int) -> "Grammars":
+    def for_tokenizer(tokenizer_loader: Callable[[], object], vocab_size: int, compile_timeout_s: float | None = None) -> "Grammars":
         """From a Hugging Face tokenizer (loaded on first use) and the model's vocabulary size
         (the logits' width, which may exceed the tokenizer's)."""
         def load():
             tokenizer = tokenizer_loader()
             info = _xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
             return info, (lambda text: tokenizer.encode(text, add_special_tokens=False))
-        return Grammars(load)
+        return Grammars(load, compile_timeout_s=compile_timeout_s)
 
     @property
     def vocab_size(self) -> int:
-        self._ready()
-        return self._info.vocab_size
+        return self._ready_info().vocab_size
 
-    def _ready(self) -> None:
-        if self._compiler is None:
-            self._info, self.tokenize = self._load()
-            self._compiler = _xgrammar().GrammarCompiler(self._info, cache_enabled=False)
+    def _ready_info(self):
+        with self._lock:
+            if self._compiler is None:
+                self._info, self.tokenize = self._load()
+                # One thread: a guide's compile takes at most the one core the worker has.
+                self._compiler = _xgrammar().GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+            return self._info
 
-    def compile(self, guide_type: str, guide: str | None):
-        """The compiled guide (the request parser checked it with check_guide; a guide that
-        parses and still does not compile is refused here, naming it)."""
+    @staticmethod
+    def _key(guide_type: str, guide: str | None) -> tuple[str, str]:
         if guide_type not in GUIDE_TYPES:
             raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, f"unknown guide type {guide_type!r}; one of {', '.join(GUIDE_TYPES)}")
-        key = (guide_type, "" if guide_type == GUIDE_JSON else guide or "")
+        return guide_type, "" if guide_type == GUIDE_JSON else guide or ""
+
+    def cached(self, guide_type: str, guide: str | None):
+        """The compiled guide if it is in the cache, else None."""
+        key = self._key(guide_type, guide)
         with self._lock:
-            self._ready()
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return compiled
-            try:
-                if guide_type == GUIDE_JSON:
-                    compiled = self._compiler.compile_builtin_json_grammar()
-                elif guide_type == GUIDE_JSON_SCHEMA:
-                    compiled = self._compiler.compile_json_schema(guide)
-                elif guide_type == GUIDE_REGEX:
-                    compiled = self._compiler.compile_regex(guide)
-                else:
-                    compiled = self._compiler.compile_grammar(guide)
-            except (ValueError, RuntimeError) as exc:
-                raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+            return compiled
+
+    def prepare(self, guide_type: str, guide: str | None) -> concurrent.futures.Future:
+        """A future of the compiled guide, compiled on the worker thread within the limit
+        (done at once when cached); its exception names the field when the guide is refused."""
+        compiled = self.cached(guide_type, guide)
+        if compiled is not None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(compiled)
+            return done
+        return self._worker.submit(guide_type, guide)
+
+    def compile(self, guide_type: str, guide: str | None):
+        """The compiled guide, compiled here if it is not cached (the scheduler prepares it
+        first; tests and tools call this directly)."""
+        return self.cached(guide_type, guide) or self._compile_uncached(guide_type, guide)
+
+    def _compile_uncached(self, guide_type: str, guide: str | None):
+        """Parse (the one parse of the guide's grammar) and compile, then cache."""
+        key = self._key(guide_type, guide)
+        self._ready_info()
+        grammar = parse_guide(guide_type, guide)
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except (ValueError, RuntimeError) as exc:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
+
+    def warm(self) -> None:
+        """Build the vocabulary table and start the probe now (a server at start-up), not
+        under the first guided request: both hold the GIL or a core for seconds."""
+        self._ready_info()
+        self._worker.warm()
+
+    @property
+    def probe_kills(self) -> int:
+        """Compiles stopped at the limit (each one's request refused)."""
+        return self._worker.kills
+
+    def close(self) -> None:
+        self._worker.close()
 
     def start(self, guide_type: str, guide: str | None, end_ids: Sequence[int]) -> "GuidedSequence":
         """A matcher at the grammar's start; end_ids are the tokens that end the sequence

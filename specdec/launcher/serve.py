@@ -34,6 +34,13 @@ def _build_parser(prog: str = "specdec serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--shm-default-byte-size", type=int, default=None, help="python backend initial shared-memory region per model instance"
     )
+    p.add_argument(
+        "--on-stub-death", choices=("restart", "exit"), default="restart",
+        help="when a model's Python stub dies (Triton then fails that model's every request while it reports ready): "
+             "restart tritonserver here, or exit 1 for the supervisor to restart (default: %(default)s)",
+    )
+    p.add_argument("--core-dir", type=Path, default=None,
+                   help="run tritonserver in this directory with core dumps on, so a crashed stub leaves a core for gdb")
     p.add_argument("extra", nargs="*", help="extra tritonserver arguments (after --)")
     return p
 
@@ -49,6 +56,41 @@ def _admin_key_source(server: TritonServer) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(server.admin_key or "")
     return f"the key in {path} (export {ADMIN_KEY_ENV}=$(cat {path}) for specdec-client)"
+
+
+def _start_until_ready(server: TritonServer, args, stop_event: threading.Event) -> Optional[int]:
+    """Start tritonserver and wait for it: None when ready, else the exit code to return."""
+    try:
+        server.start(
+            args.model_repository,
+            args.http_port,
+            args.grpc_port,
+            args.metrics_port,
+            log_verbose=args.log_verbose,
+            extra_args=args.extra,
+            address=args.address,
+            shm_default_byte_size=args.shm_default_byte_size,
+            core_dir=args.core_dir,
+        )
+    except TritonLaunchError as exc:
+        print(f"specdec serve: {exc}", file=sys.stderr)
+        return 2
+    print(f"specdec serve: starting tritonserver (pid {server.pid}); log: {server.log_path}", flush=True)
+    deadline = time.monotonic() + args.ready_timeout
+    while not stop_event.is_set():
+        try:
+            server.wait_ready(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            print("specdec serve: ready", flush=True)
+            return None
+        except ServerTimeoutError as exc:
+            if time.monotonic() >= deadline:
+                print(f"specdec serve: {exc}", file=sys.stderr)
+                return 1
+        except ServerExitedError as exc:
+            print(f"specdec serve: {exc}", file=sys.stderr)
+            return 1
+    print("specdec serve: interrupted before the server was ready; stopping", flush=True)
+    return 130
 
 
 def serve_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -72,38 +114,10 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
             previous[sig] = signal.signal(sig, on_signal)
     server = TritonServer(log_path=args.log_file)
     try:
-        try:
-            server.start(
-                args.model_repository,
-                args.http_port,
-                args.grpc_port,
-                args.metrics_port,
-                log_verbose=args.log_verbose,
-                extra_args=args.extra,
-                address=args.address,
-                shm_default_byte_size=args.shm_default_byte_size,
-            )
-        except TritonLaunchError as exc:
-            print(f"specdec serve: {exc}", file=sys.stderr)
-            return 2
-        print(f"specdec serve: starting tritonserver (pid {server.pid}); log: {server.log_path}", flush=True)
-        deadline = time.monotonic() + args.ready_timeout
-        while not stop_event.is_set():
-            try:
-                server.wait_ready(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                break
-            except ServerTimeoutError as exc:
-                if time.monotonic() >= deadline:
-                    print(f"specdec serve: {exc}", file=sys.stderr)
-                    return 1
-            except ServerExitedError as exc:
-                print(f"specdec serve: {exc}", file=sys.stderr)
-                return 1
-        if stop_event.is_set():
-            print("specdec serve: interrupted before the server was ready; stopping", flush=True)
-            return 130
+        code = _start_until_ready(server, args, stop_event)
+        if code is not None:
+            return code
         ep = server.endpoints
-        print("specdec serve: ready", flush=True)
         print(f"  HTTP    {ep.http_url}", flush=True)
         print(f"  gRPC    {ep.grpc}", flush=True)
         print(f"  metrics {ep.metrics_url}", flush=True)
@@ -116,6 +130,18 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            dead = server.dead_stubs()
+            if dead:
+                print(f"specdec serve: a Python stub died ({'; '.join(dead)}); log {server.log_path}:\n{server.log_tail()}",
+                      file=sys.stderr, flush=True)
+                # Readiness turns false now, not after a client notices; the server is broken, so no long drain.
+                server.stop(timeout=min(args.stop_timeout, 5.0))
+                if args.on_stub_death == "exit":
+                    return 1
+                print("specdec serve: restarting tritonserver", flush=True)
+                code = _start_until_ready(server, args, stop_event)
+                if code is not None:
+                    return code
         name = signal.Signals(received[0]).name if received else "signal"
         print(f"specdec serve: {name} received; stopping tritonserver", flush=True)
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from specdec.launcher.admin import ADMIN_KEY_ENV, restricted_api_args
 from specdec.triton_models.keys import INTERNAL_KEY_ENV
 
-from specdec.launcher.install import DEFAULT_MODEL_REPOSITORY, PYTHON_SHM_BYTES, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
+from specdec.launcher.install import BACKEND_STUB_NAME as STUB_MARKER, DEFAULT_MODEL_REPOSITORY, PYTHON_SHM_BYTES, ModelRepositoryNotFoundError, ServerExitedError, ServerTimeoutError, TritonInstall, TritonLaunchError, _MIN_SHM_FREE_BYTES, _SHM_REGION_PREFIX, default_cache_dir, find_triton_install, prepare_backend_dir, server_environment
 from specdec.launcher.processes import _alive, _proc_cmdline, _tail, descendants, group_members
 
 
@@ -70,6 +71,10 @@ def _stop_live_servers() -> None:  # atexit: never leave an orphaned server grou
 
 
 atexit.register(_stop_live_servers)
+
+
+def _enable_core_dumps() -> None:  # in the child, before exec: inherited by every stub
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
 class TritonServer:
@@ -158,12 +163,15 @@ class TritonServer:
         shm_default_byte_size: Optional[int] = None,
         shm_growth_byte_size: Optional[int] = None,
         allow_gpu_metrics: Optional[bool] = None,
+        core_dir: Optional[os.PathLike] = None,
     ) -> "TritonServer":
         """Launch tritonserver (does not wait; see :meth:`wait_ready`).
 
         ``env`` entries are added on top of :func:`server_environment`.  ``address`` binds
         HTTP, gRPC and metrics to one interface (default: tritonserver's ``0.0.0.0``).
-        ``extra_args`` are appended last and can override anything.
+        ``extra_args`` are appended last and can override anything. ``core_dir``: the server
+        and its Python stubs run there with core dumps on (the kernel's core_pattern permitting),
+        so a crash leaves a core for gdb.
         """
         with self._lock:
             if self.is_running():
@@ -219,7 +227,8 @@ class TritonServer:
             # The administrative APIs (repository control, logging, trace, shared memory,
             # statistics) answer only callers that send the admin key: from the caller's
             # environment when set there, else generated for this server (self.admin_key).
-            self.admin_key = child_env.get(ADMIN_KEY_ENV) or os.environ.get(ADMIN_KEY_ENV) or secrets.token_hex(32)
+            # (A restart after a stub death keeps the key the operator was given.)
+            self.admin_key = child_env.get(ADMIN_KEY_ENV) or os.environ.get(ADMIN_KEY_ENV) or self.admin_key or secrets.token_hex(32)
             child_env[ADMIN_KEY_ENV] = self.admin_key
             cmd += restricted_api_args(self.admin_key)
             cmd += [str(a) for a in extra_args]
@@ -242,6 +251,8 @@ class TritonServer:
             try:
                 self._proc = subprocess.Popen(
                     cmd,
+                    cwd=None if core_dir is None else str(core_dir),
+                    preexec_fn=None if core_dir is None else _enable_core_dumps,
                     stdin=subprocess.DEVNULL,
                     stdout=self._log_fh,
                     stderr=subprocess.STDOUT,
@@ -306,6 +317,14 @@ class TritonServer:
         if self._proc is not None:
             for pid in descendants(self._proc.pid):
                 self._known_children.setdefault(pid, _proc_cmdline(pid))
+
+    def dead_stubs(self) -> List[str]:
+        """The Python-backend stubs this server had when it became ready that are gone now
+        (their command lines). Triton keeps serving after a stub dies, failing every request
+        of that model ("Stub process ... is not healthy") while /v2/health/ready stays 200,
+        so the launcher watches for this and restarts the server."""
+        return [cmd for pid, cmd in self._known_children.items()
+                if STUB_MARKER in cmd and not (_alive(pid) and _proc_cmdline(pid) == cmd)]
 
     def survivors(self) -> List[int]:
         """Processes of this server (group members or remembered descendants) still alive."""

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 import specdec_wire as P
-from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
+from specdec.config import DEFAULT_MAX_GUIDE_BYTES, METHOD_NONE, SamplingParams, ServingConfig
 from specdec.errors import InvalidRequestError
 from specdec.engine.sequences import check_token_ids
 
@@ -50,6 +50,7 @@ class ServedOffer:
     max_num_draft_tokens: int
     max_tokens_limit: int
     apply_chat_template: bool = True
+    max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES
     fixed: bool = False
 
 
@@ -79,6 +80,7 @@ def served_offer(settings: ServingConfig) -> ServedOffer:
         methods={name: settings.default_draft_tokens(name) for name in settings.methods},
         default_method=settings.default_method, max_num_draft_tokens=settings.engine.max_num_draft_tokens,
         max_tokens_limit=settings.engine.max_tokens_limit, apply_chat_template=settings.apply_chat_template,
+        max_guide_bytes=settings.engine.max_guide_bytes,
     )
 
 
@@ -169,7 +171,7 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedReques
         guide_type=_scalar(inputs, P.GUIDED_DECODING_GUIDE_TYPE, "", str) or None,
         guide=_scalar(inputs, P.GUIDED_DECODING_GUIDE, "", str) or None,
         cache_salt=_scalar(inputs, P.CACHE_SALT, "", str) or None,
-    ).validate(offer.max_tokens_limit)
+    ).validate(offer.max_tokens_limit, offer.max_guide_bytes)
     method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
     parsed = ParsedRequest(
         prompt=prompt, prompt_ids=prompt_ids,

@@ -78,9 +78,11 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     model_dir = resolve_model_dir(settings.model_dir)
     target = load_target(model_dir, settings.engine)
     drafters = build_drafters(target.cfg, colocated_methods(settings), settings.engine, model_dir, embed=target.embed)
+    grammars = Grammars.for_tokenizer(lambda: load_tokenizer(model_dir), target.cfg.vocab_size, settings.engine.guide_compile_timeout_s)
+    grammars.warm()  # the vocabulary table and the compile probe, before any request waits on them
     # Drafters served apart may need hidden taps too (returned on request).
     return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)),
-                      methods=settings.methods, grammars=Grammars.for_tokenizer(lambda: load_tokenizer(model_dir), target.cfg.vocab_size))
+                      methods=settings.methods, grammars=grammars)
 
 
 def build_engine(

@@ -16,6 +16,7 @@ their rules: merged replies, keep-alive), before the forward that verifies their
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from specdec.engine.step import StepResult
 from specdec.engine.tree import DraftTree
 from specdec.serving.loop import LoopBackend, _SeparateDrafter
 from specdec.serving.spec_engine import SpecEngine, StepOutput
+from specdec.serving.state import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class BatchScheduler:
         self._sinks: dict[str, Sink] = {}
         self._apart: dict[str, _SeparateDrafter] = {}
         self._replies: dict[str, StepResult] = {}  # the last reply of a sequence drafted apart
+        # Guided requests whose grammar compiles on the guide worker: they join when it is done.
+        self._compiling: dict[str, tuple[RequestState, Sink, concurrent.futures.Future]] = {}
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -159,6 +163,7 @@ class BatchScheduler:
             self._wake.clear()
             try:
                 self._take_inbox()
+                self._join_compiled()
                 if self._sinks and not self._stopping:
                     await self._round()
                 if self.on_live is not None:
@@ -168,8 +173,12 @@ class BatchScheduler:
                 for request_id in list(self._sinks):
                     self._end(request_id, error=exc)
             await asyncio.sleep(0)  # let finished releases of drafters served apart go out
+        shutting_down = RuntimeError("the server is shutting down")
         for request_id in list(self._sinks):
-            self._end(request_id, error=RuntimeError("the server is shutting down"))
+            self._end(request_id, error=shutting_down)
+        for _, sink, _ in self._compiling.values():
+            sink.fail(shutting_down)
+        self._compiling.clear()
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -180,15 +189,40 @@ class BatchScheduler:
                 continue
             try:
                 req = self.engine.prepare_request(item.request_id, item.prompt_ids, item.params, item.method, item.num_draft_tokens)
-                self.engine.add_state(req)
+                compiling = self.engine.prepare_guide(req)
             except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
                 item.sink.fail(exc)
                 continue
-            self._sinks[req.request_id] = item.sink
-            if self.apart_backend is not None and req.speculative and req.method in self.apart_methods:
-                self._apart[req.request_id] = _SeparateDrafter(self.apart_backend(req.request_id), req, self.keepalive_s)
+            if compiling is not None and not compiling.done():
+                self._compiling[req.request_id] = (req, item.sink, compiling)
+                compiling.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._wake.set))
+                continue
+            self._join(req, item.sink, compiling)
+
+    def _join_compiled(self) -> None:
+        """Guided requests whose grammar is ready (or refused) join (or are answered)."""
+        for request_id in [rid for rid, (_, _, future) in self._compiling.items() if future.done()]:
+            req, sink, future = self._compiling.pop(request_id)
+            self._join(req, sink, future)
+
+    def _join(self, req: RequestState, sink: Sink, compiled: concurrent.futures.Future | None) -> None:
+        try:
+            if compiled is not None:
+                compiled.result()  # a refused guide raises here, naming the field
+            self.engine.add_state(req)
+        except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
+            sink.fail(exc)
+            return
+        self._sinks[req.request_id] = sink
+        if self.apart_backend is not None and req.speculative and req.method in self.apart_methods:
+            self._apart[req.request_id] = _SeparateDrafter(self.apart_backend(req.request_id), req, self.keepalive_s)
 
     def _cancel(self, request_id: str) -> None:
+        waiting = self._compiling.pop(request_id, None)
+        if waiting is not None:  # not joined yet: its compile goes on (cached for a repeat), unheard
+            req, sink, _ = waiting
+            sink.emit(self.engine.cancelled(req))
+            return
         if request_id in self.engine.sequences:
             out = self.engine.cancel(request_id)
             self._deliver(out)

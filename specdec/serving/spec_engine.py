@@ -12,6 +12,8 @@ num_draft_tokens == 0 is plain decoding through the same path: the matched basel
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 from dataclasses import dataclass
 from typing import Hashable, Iterator, Mapping, Sequence
 
@@ -75,7 +77,7 @@ class SpecEngine:
         self.tokenizer = tokenizer
         grammars = None
         if tokenizer is not None and target is not None:
-            grammars = Grammars.for_tokenizer(lambda: tokenizer, target.cfg.vocab_size)
+            grammars = Grammars.for_tokenizer(lambda: tokenizer, target.cfg.vocab_size, config.guide_compile_timeout_s)
         self.speculator = speculator or Speculator(target, config, drafters, apart_tap_layers, methods=methods,
                                                    grammars=grammars)
         self.eos_token_ids = eos_ids_of_config(self.speculator.target_pass.target.cfg, tokenizer)
@@ -129,7 +131,7 @@ class SpecEngine:
             raise InvalidRequestError(P.STOP_WORDS, "needs a tokenizer, and this engine was built without one")
         prompt_ids = [int(t) for t in prompt_ids]
         self.target_pass.check_prompt(prompt_ids)
-        params.validate(self.config.max_tokens_limit)
+        params.validate(self.config.max_tokens_limit, self.config.max_guide_bytes)
         tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
         params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
         method, num_draft_tokens = resolve_method(method, num_draft_tokens, self.offer)
@@ -154,9 +156,25 @@ class SpecEngine:
         req = self.sequences.get(request_id)
         if req is None:
             raise UnknownSequenceError("request_id", f"no running request {request_id!r}")
-        req.finish(FINISH_CANCELLED)
         self._release(req)
-        return StepOutput(request_id, [], "", True, FINISH_CANCELLED, req.stats)
+        return self.cancelled(req)
+
+    @staticmethod
+    def cancelled(req: RequestState) -> StepOutput:
+        """The last output of a request cancelled (joined or not)."""
+        req.finish(FINISH_CANCELLED)
+        return StepOutput(req.request_id, [], "", True, FINISH_CANCELLED, req.stats)
+
+    def prepare_guide(self, req: RequestState) -> concurrent.futures.Future | None:
+        """A guided request's grammar, compiled off the caller's thread (None: no guide).
+        The scheduler adds the request when the future is done, so nothing a client sends
+        compiles on the thread that steps every sequence."""
+        if not req.params.guided:
+            return None
+        grammars = self.speculator.target_pass.grammars
+        if grammars is None:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "this engine was built without a tokenizer for grammars")
+        return grammars.prepare(req.params.guide_type, req.params.guide)
 
     def has_work(self) -> bool:
         return bool(self.sequences)
