@@ -52,7 +52,7 @@ class CompileProbe:
 
     def __init__(self, tokenizer_info_json: str):
         fd, path = tempfile.mkstemp(prefix="specdec-tokinfo-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # a Triton stub's default encoding is ASCII
             f.write(tokenizer_info_json)
         self._info_path = path
         self._proc: subprocess.Popen | None = None
@@ -62,8 +62,8 @@ class CompileProbe:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [_python(), "-m", "specdec.engine.guide_compiler", self._info_path],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8", bufsize=1,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"},
             )
             self._expect_line(self._proc, timeout_s=120.0)  # "ready": xgrammar imported, table loaded
         return self._proc
@@ -165,7 +165,7 @@ def _probe_main(info_path: str) -> None:
 
     from specdec.engine.grammar import parse_guide
 
-    info = xgrammar.TokenizerInfo.deserialize_json(Path(info_path).read_text())
+    info = xgrammar.TokenizerInfo.deserialize_json(Path(info_path).read_text(encoding="utf-8"))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     print("ready", flush=True)
     for line in sys.stdin:
