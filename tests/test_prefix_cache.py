@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from hypothesis import given, settings, strategies as st
 import pytest
 
 import specdec_wire as P
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.engine.drafters.suffix import SuffixCorpora, frequency_tree, match_occurrences, suffix_tree
+from specdec.engine.drafters.suffix import SEPARATOR, SuffixCorpora, frequency_tree, match_occurrences, suffix_tree
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixIndex
 from specdec.engine.sequences import SequenceState
@@ -82,12 +83,36 @@ def test_suffix_corpus_is_bounded_and_scoped():
     corpora = SuffixCorpora(max_tokens=10, max_scopes=2)
     corpora.add("a", [1, 2, 3, 4, 5, 6])
     corpora.add("a", [7, 8, 9, 10, 11, 12])
-    assert corpora.get("a").lengths == [6]  # alone over the bound: its oldest document dropped
+    assert list(corpora.get("a").lengths) == [6]  # alone over the bound: its oldest document dropped
     corpora.add("b", [1])
     assert corpora.get("a") is None and corpora.scopes == 1  # over the bound: the least recently used scope dropped
     corpora.add("c", [2])
     corpora.add("d", [3])
     assert corpora.get("b") is None and corpora.scopes == 2 and corpora.tokens <= 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_tokens=st.integers(3, 120), salts=st.lists(st.sampled_from("abc"), min_size=1, max_size=40),
+       docs=st.lists(st.lists(st.integers(0, 30), max_size=70), min_size=40, max_size=40))
+def test_suffix_corpus_holds_the_newest_documents_within_its_bound(max_tokens, salts, docs):
+    """Issue 43: separators were not counted and the last scope was never trimmed, so the
+    corpus outgrew its bound; it also copied the whole scope per request. The bound counts
+    every entry, over every scope, and the scope is exactly its newest documents that fit."""
+    corpora, newest = SuffixCorpora(max_tokens, max_scopes=2), {}
+    for salt, ids in zip(salts, docs):
+        if salt not in corpora._scopes:  # new, or dropped as the least recently used
+            newest[salt] = []
+        corpora.add(salt, ids)
+        if ids:
+            kept = newest.setdefault(salt, [])
+            kept.append(ids[-(max_tokens - 2):])
+            while 1 + sum(len(d) + 1 for d in kept) > max_tokens:
+                kept.pop(0)
+        corpus = corpora._scopes.get(salt)  # (get() would reorder the scopes)
+        if corpus is not None:
+            assert corpus.tokens.tolist() == [SEPARATOR] + [t for d in newest[salt] for t in d + [SEPARATOR]]
+        assert corpora.tokens <= max_tokens and corpora.scopes <= 2
+        assert corpora.tokens == sum(len(c.tokens) for c in corpora._scopes.values())
 
 
 def test_frequency_tree_orders_by_how_often_a_continuation_followed():

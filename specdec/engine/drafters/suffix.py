@@ -22,7 +22,7 @@ count, and a lookup over a million tokens costs about a millisecond here.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 import numpy as np
@@ -38,28 +38,58 @@ MAX_OCCURRENCES = 64  # most recent occurrences whose continuations are counted
 
 
 class SuffixCorpus:
-    """One scope's earlier token sequences, oldest first, in one array with separators."""
+    """One scope's earlier token sequences, oldest first, in one array with separators,
+    holding at most max_tokens entries, separators included.
+
+    The array lives in a buffer with room behind it: adding a document writes after the last
+    one and dropping the oldest moves the start, so neither copies the scope (this runs on
+    the scheduler's thread for every finished request). The buffer is compacted or grown,
+    copying what is held, only when its end is reached with less than half of it held: at
+    most one copy of a token per token added."""
+
+    INITIAL_CAPACITY = 1024
 
     def __init__(self, max_tokens: int):
+        if max_tokens < 3:  # a separator, one token, a separator
+            raise ValueError(f"max_tokens must be >= 3, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.lengths: list[int] = []  # of its documents, oldest first
-        self.held = 0  # their sum
-        self.tokens = np.full(1, SEPARATOR, dtype=np.int32)
+        self.lengths: deque[int] = deque()  # of its documents, oldest first
+        self._buffer = np.full(min(self.INITIAL_CAPACITY, 2 * max_tokens), SEPARATOR, dtype=np.int32)
+        self._start, self._end = 0, 1  # tokens = buffer[start:end], which starts with a separator
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The documents, each followed by a separator, behind a leading one (a view)."""
+        return self._buffer[self._start : self._end]
+
+    @property
+    def held(self) -> int:
+        """Document tokens held (separators not counted)."""
+        return sum(self.lengths)
 
     def add(self, ids: Sequence[int]) -> None:
         if not ids:
             return
-        ids = list(ids)[-self.max_tokens :]
-        self.tokens = np.concatenate([self.tokens, np.asarray(ids, dtype=np.int32), np.int32([SEPARATOR])])
+        ids = np.asarray(list(ids)[-(self.max_tokens - 2) :], dtype=np.int32)  # room for its separators
+        need = len(ids) + 1
+        while self._end - self._start + need > self.max_tokens:  # the oldest documents make room
+            self._start += self.lengths.popleft() + 1
+        if self._end + need > len(self._buffer):
+            self._make_room(need)
+        self._buffer[self._end : self._end + len(ids)] = ids
+        self._buffer[self._end + len(ids)] = SEPARATOR
+        self._end += need
         self.lengths.append(len(ids))
-        self.held += len(ids)
-        drop = 0
-        while self.held > self.max_tokens:
-            oldest = self.lengths.pop(0)
-            self.held -= oldest
-            drop += oldest + 1
-        if drop:
-            self.tokens = self.tokens[drop:]
+
+    def _make_room(self, need: int) -> None:
+        held = self.tokens
+        size = len(held) + need
+        capacity = len(self._buffer)
+        if size > capacity // 2:  # grow (doubling, up to twice the bound)
+            capacity = min(max(2 * size, 2 * capacity), 2 * self.max_tokens)
+        buffer = np.full(capacity, SEPARATOR, dtype=np.int32)
+        buffer[: len(held)] = held
+        self._buffer, self._start, self._end = buffer, 0, len(held)
 
 
 class SuffixCorpora:
