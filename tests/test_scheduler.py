@@ -162,3 +162,32 @@ def test_a_drafter_served_apart_is_asked_once_per_round_for_all_its_sequences(ta
     assert calls_per_round and max(calls_per_round.values()) == 4  # all four asked in the same round
     assert any(o.step.draft_tokens for s in sinks.values() for o in s.outputs if o.verified)
     assert drafts.active == 0  # every drafter sequence released at its end
+
+
+def test_a_failing_round_ends_every_stream_in_it_with_the_error_and_frees_every_slot(target_dir):
+    """Issue 43: no test made a round fail. A round that raises ends every sequence in its
+    batch with that error (each sink hears it once), frees every slot, and the scheduler
+    serves the next request as if nothing happened."""
+    engine = engine_of(target_dir)
+    step, failures = engine.step, []
+
+    def failing_step(*args, **kwargs):
+        if engine.sequences and len(next(iter(engine.sequences.values())).output_ids) >= 3 and not failures:
+            failures.append(RuntimeError("a forward failed"))
+            raise failures[0]
+        return step(*args, **kwargs)
+
+    engine.step = failing_step
+    scheduler = BatchScheduler(engine)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    try:
+        sinks = run(scheduler, [(f"s{i}", p, params, "ngram", 4) for i, p in enumerate(prompts(3, seed=5))])
+        assert failures, "the round never failed"
+        for rid, sink in sinks.items():
+            assert sink.error is failures[0], rid
+            assert not sink.outputs or not sink.outputs[-1].finished, rid  # no end besides the error
+        assert not engine.sequences and engine.cache.num_free == engine.cache.max_slots
+        after = run(scheduler, [("after", prompts(1, seed=6)[0], SamplingParams(max_tokens=12, ignore_eos=True), "ngram", 4)])
+        assert after["after"].error is None and len(after["after"].ids) == 12
+    finally:
+        scheduler.close()
