@@ -110,31 +110,6 @@ def test_compiled_grammars_are_cached_and_bad_guides_named(engine):
     assert not engine.sequences
 
 
-class Collect:
-    """A scheduler sink: outputs and emit times, or the error."""
-
-    def __init__(self):
-        import threading
-        import time
-
-        self.clock, self.times, self.outputs, self.error, self.done = time.perf_counter, [], [], None, threading.Event()
-
-    def emit(self, out):
-        self.times.append(self.clock())
-        self.outputs.append(out)
-        if out.finished:
-            self.done.set()
-        return True
-
-    def fail(self, exc):
-        self.error = exc
-        self.done.set()
-
-    @property
-    def ids(self):
-        return [t for out in self.outputs for t in out.new_token_ids]
-
-
 def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
     """Issue 43: a client's guide compiled on the thread that steps every sequence froze
     every stream. Now it compiles on the guide worker, behind a probe process killed at
@@ -146,6 +121,7 @@ def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
     from specdec.engine.grammar import Grammars
     from specdec.serving.runtime import encode_prompt
     from specdec.serving.scheduler import BatchScheduler
+    from test_scheduler import ListSink as Collect
 
     plain = SamplingParams(max_tokens=40, ignore_eos=True)
     ids = encode_prompt(engine.tokenizer, "Tell me a story about a dragon.")
