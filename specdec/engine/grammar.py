@@ -98,6 +98,16 @@ def parse_guide(guide_type: str, guide: str | None):
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid {guide_type}: {_first_line(exc)}") from None
 
 
+def compile_guide(compiler, guide_type: str, guide: str | None):
+    """Parse and compile a guide with an xgrammar.GrammarCompiler (in process and in the
+    compile probe alike), or the refusal naming the field."""
+    grammar = parse_guide(guide_type, guide)
+    try:
+        return compiler.compile_grammar(grammar)
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip()
     # xgrammar's C++ errors start with "[time] file:line: "; the message is what helps.
@@ -182,17 +192,14 @@ class Grammars:
     def compile(self, guide_type: str, guide: str | None):
         """The compiled guide, compiled here if it is not cached (the scheduler prepares it
         first; tests and tools call this directly)."""
-        return self.cached(guide_type, guide) or self._compile_uncached(guide_type, guide)
+        compiled = self.cached(guide_type, guide)
+        return compiled if compiled is not None else self._compile_uncached(guide_type, guide)
 
     def _compile_uncached(self, guide_type: str, guide: str | None):
         """Parse (the one parse of the guide's grammar) and compile, then cache."""
         key = self._key(guide_type, guide)
         self._ready_info()
-        grammar = parse_guide(guide_type, guide)
-        try:
-            compiled = self._compiler.compile_grammar(grammar)
-        except (ValueError, RuntimeError) as exc:
-            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+        compiled = compile_guide(self._compiler, guide_type, guide)
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:

@@ -65,17 +65,19 @@ class CompileProbe:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8", bufsize=1,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"},
             )
-            self._expect_line(self._proc, timeout_s=120.0)  # "ready": xgrammar imported, table loaded
+            if not self._expect_line(self._proc, timeout_s=120.0):  # "ready": xgrammar imported, table loaded
+                self.kill()
+                raise RuntimeError("the guide-compile probe did not start")
         return self._proc
 
     @staticmethod
     def _expect_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
-        """The probe's next line, or None when it did not come within timeout_s."""
+        """The probe's next line; "" when it ended (crashed), None when no line came within timeout_s."""
         box: list[str] = []
         reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
-        return box[0] if box and box[0] else None
+        return box[0] if box else None
 
     def check(self, guide_type: str, guide: str | None, timeout_s: float) -> None:
         """Returns when the guide compiles within timeout_s; raises InvalidRequestError
@@ -85,8 +87,10 @@ class CompileProbe:
         proc.stdin.write(json.dumps({"type": guide_type, "guide": guide}) + "\n")
         proc.stdin.flush()
         line = self._expect_line(proc, timeout_s)
-        if line is None:
+        if not line:
             self.kill()
+            if line == "":
+                raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, "crashed the grammar compiler")
             self.kills += 1
             raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"did not compile within {timeout_s:g} s "
                                       "(engine.guide_compile_timeout_s); its compile was stopped")
@@ -163,7 +167,7 @@ def _probe_main(info_path: str) -> None:
     """The probe process: one JSON line in per guide, one out ({} or {"error": ...})."""
     import xgrammar
 
-    from specdec.engine.grammar import parse_guide
+    from specdec.engine.grammar import compile_guide
 
     info = xgrammar.TokenizerInfo.deserialize_json(Path(info_path).read_text(encoding="utf-8"))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -171,12 +175,10 @@ def _probe_main(info_path: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            compiler.compile_grammar(parse_guide(request["type"], request["guide"]))
+            compile_guide(compiler, request["type"], request["guide"])
             print("{}", flush=True)
-        except InvalidRequestError as exc:
+        except InvalidRequestError as exc:  # the message without its field: the caller names it again
             print(json.dumps({"error": str(exc).split(": ", 1)[-1]}), flush=True)
-        except (ValueError, RuntimeError) as exc:
-            print(json.dumps({"error": f"does not compile: {str(exc).strip().splitlines()[0][:300]}"}), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,6 @@ class SuffixCorpus:
         """The documents, each followed by a separator, behind a leading one (a view)."""
         return self._buffer[self._start : self._end]
 
-    @property
-    def held(self) -> int:
-        """Document tokens held (separators not counted)."""
-        return sum(self.lengths)
-
     def add(self, ids: Sequence[int]) -> None:
         if not ids:
             return
