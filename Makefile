@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -192,3 +192,9 @@ loadtest-prod: prepare
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Mutation score (issue 43): each mutant in tests/mutants.toml applied alone to a private copy of the working tree, the
+# make-test tests it names run there -> results/mutants.json. Fails below 95% killed, or when a mutant no longer applies
+# (~15 min on 2 cores)
+mutants: prepare
+	$(BIN)/python -m specdec.tools.mutants --jobs 2 --out results/mutants.json

@@ -1,0 +1,396 @@
+"""`make mutants`: does `make test` catch small semantic bugs in the engine and serving code?
+
+tests/mutants.toml lists the mutants: each is one edit of one source file (an `old` snippet
+that occurs exactly once, replaced by `new`) that models a bug a correct test suite must
+catch (acceptance, the residual, tree merges, KV compaction, the prefix index, taps reuse,
+grammar masks, the planner, stop handling, seeds, the scheduler's failure path), and names
+the `make test` tests that should catch it. This tool applies them one at a time and runs
+those tests (`-m "not slow"`, so a kill is a kill by `make test`), then writes
+results/mutants.json: per mutant its outcome and seconds, the totals and the score.
+
+Outcomes:
+  killed    its tests failed with the mutant in place;
+  timeout   they ran past the limit, where unmutated they passed within a quarter of it: the
+            mutant made them hang, so it counts as killed (recorded apart);
+  survived  they passed: a bug the suite does not see;
+  error     nothing was learnt: the `old` snippet no longer occurs exactly once (the code
+            moved on, the list must follow), the tests select nothing, or they fail
+            unmutated. Errors are not survivors and not in the score; any makes the run fail.
+
+Every run happens in a private copy of the working tree (tracked and untracked files that
+git does not ignore; the virtualenv is the caller's), never in the checkout itself: others
+may edit it meanwhile, and a mutant left behind by a killed run would corrupt their work.
+Each worker (--jobs) has its own copy and restores the file after every mutant. Bytecode
+is never written there, so a mutated module is never served from a stale cache.
+
+The tests' names are checked by tests/test_mutants.py in `make test`: the list parses and
+every `old` snippet applies exactly once.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_LIST = REPO_ROOT / "tests" / "mutants.toml"
+DEFAULT_OUT = Path("results") / "mutants.json"
+
+KILLED, TIMEOUT, SURVIVED, ERROR = "killed", "timeout", "survived", "error"
+# A mutant's tests may run this many times as long as they take unmutated (and at least
+# MIN_TIMEOUT_S) before the run counts as a hang the mutant caused.
+TIMEOUT_FACTOR = 4.0
+MIN_TIMEOUT_S = 60.0
+BASELINE_TIMEOUT_S = 900.0  # an unmutated selection that runs longer is not one to name for a mutant
+# pytest's exit codes (pytest.ExitCode): 1 tests failed, 2 interrupted (a collection error:
+# the mutant broke an import), 5 no tests collected.
+PYTEST_FAILED, PYTEST_COLLECTION_ERROR, PYTEST_NO_TESTS = 1, 2, 5
+PYTEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not slow")
+_FIELDS = {"id", "file", "old", "new", "description", "tests", "k"}
+_ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+class MutantListError(ValueError):
+    """The mutant list is malformed; the message names the mutant and the field."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # relative to the repository root
+    old: str  # occurs exactly once in `file`
+    new: str
+    description: str  # the bug it models, one line
+    tests: tuple[str, ...]  # test files or node ids that `make test` runs
+    k: str | None = None  # a pytest -k expression narrowing `tests`
+
+    def pytest_args(self) -> list[str]:
+        return [*self.tests, *(["-k", self.k] if self.k else [])]
+
+    def selection(self) -> tuple[str, ...]:
+        """Mutants with the same selection share one unmutated (baseline) run."""
+        return tuple(self.pytest_args())
+
+
+def load_mutants(path: Path = DEFAULT_LIST) -> list[Mutant]:
+    """Parse the list ([[mutant]] tables); unknown or missing fields are errors naming them."""
+    data = tomllib.loads(Path(path).read_text())
+    if set(data) != {"mutant"}:
+        raise MutantListError(f"{path}: expected only [[mutant]] tables, got {sorted(data)}")
+    mutants, seen = [], set()
+    for n, table in enumerate(data["mutant"]):
+        name = table.get("id", f"#{n}")
+        unknown = set(table) - _FIELDS
+        if unknown:
+            raise MutantListError(f"mutant {name}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_FIELDS)}")
+        for field in ("id", "file", "old", "description", "tests"):
+            if not table.get(field):
+                raise MutantListError(f"mutant {name}: field {field!r} is required and must not be empty")
+        if not isinstance(table.get("new"), str):  # "" deletes `old`
+            raise MutantListError(f"mutant {name}: field 'new' is required (a string; empty deletes 'old')")
+        if not _ID.match(table["id"]):
+            raise MutantListError(f"mutant {name}: field 'id' must be lower-case words joined by '-'")
+        if table["id"] in seen:
+            raise MutantListError(f"mutant {name}: field 'id' is used twice")
+        if table["old"] == table["new"]:
+            raise MutantListError(f"mutant {name}: field 'new' equals 'old' (no mutation)")
+        if "\n" in table["description"].strip():
+            raise MutantListError(f"mutant {name}: field 'description' must be one line")
+        seen.add(table["id"])
+        mutants.append(Mutant(table["id"], table["file"], table["old"], table["new"], table["description"].strip(),
+                              tuple(table["tests"]), table.get("k")))
+    return mutants
+
+
+def mutated(mutant: Mutant, source: str) -> str:
+    """The source with the mutant applied; MutantListError unless `old` occurs exactly once."""
+    count = source.count(mutant.old)
+    if count != 1:
+        raise MutantListError(f"mutant {mutant.id}: field 'old' occurs {count} times in {mutant.file}, not once")
+    return source.replace(mutant.old, mutant.new)
+
+
+# ---- running --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PytestRun:
+    returncode: int | None  # None: killed at the time limit
+    seconds: float
+    output_tail: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass(frozen=True)
+class Result:
+    id: str
+    file: str
+    description: str
+    tests: list[str]
+    outcome: str
+    seconds: float
+    detail: str
+
+
+def snapshot(repo: Path, dest: Path) -> None:
+    """Copy the working tree's tracked and untracked-but-not-ignored files to dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, dict.fromkeys(listed)):
+        src = repo / rel
+        if src.is_file():  # a tracked file someone deleted is simply absent
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+
+
+def child_env(copy: Path, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The copy's packages before the editable install's mapping to the checkout.
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), str(copy / "client"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["SPECDEC_TEST_THREADS"] = str(threads)
+    return env
+
+
+def check_imports_from(copy: Path, env: dict[str, str]) -> None:
+    """A mutant applied to the copy must be what the tests import, not the checkout's file."""
+    out = subprocess.run([sys.executable, "-c", "import specdec.engine.acceptance as m, specdec_wire as w; print(m.__file__); print(w.__file__)"],
+                         cwd=copy, env=env, check=True, capture_output=True, text=True).stdout.split()
+    outside = [f for f in out if not Path(f).resolve().is_relative_to(copy.resolve())]
+    if outside:
+        raise RuntimeError(f"the copy at {copy} imports {outside} from outside it; mutants would not be tested")
+
+
+_running: set[subprocess.Popen] = set()  # the pytest runs in flight, ended if this tool is stopped
+
+
+def run_pytest(copy: Path, args: Sequence[str], env: dict[str, str], timeout_s: float) -> PytestRun:
+    """pytest in its own session, so a run past the limit is ended with all its children."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *PYTEST_ARGS, *args], cwd=copy, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _running.add(proc)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = None
+    finally:
+        _running.discard(proc)
+    return PytestRun(code, round(time.monotonic() - t0, 1), output[-4000:])
+
+
+def stop_running() -> None:
+    """End the pytest runs this tool started (each in its own session, so Ctrl-C does not reach them)."""
+    for proc in list(_running):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def time_limit(baseline: PytestRun) -> float:
+    return max(MIN_TIMEOUT_S, TIMEOUT_FACTOR * baseline.seconds)
+
+
+_SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) \S+\.py")  # not a captured log line ("ERROR    name:...")
+
+
+def first_failure(output: str) -> str:
+    """pytest -q's summary line for the first failing test (or the last line)."""
+    for line in output.splitlines():
+        if _SUMMARY_LINE.match(line):
+            return line[:300]
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def classify(baseline: PytestRun, run: PytestRun, limit: float) -> tuple[str, str]:
+    """(outcome, detail) of a mutant's run, given the same tests' unmutated run."""
+    if run.timed_out:
+        return TIMEOUT, f"ran past {limit:.0f}s; unmutated they pass in {baseline.seconds:.0f}s"
+    if run.returncode == 0:
+        return SURVIVED, "its tests passed"
+    if run.returncode in (PYTEST_FAILED, PYTEST_COLLECTION_ERROR):
+        return KILLED, first_failure(run.output_tail)
+    if run.returncode == PYTEST_NO_TESTS:
+        return ERROR, "its tests select nothing"
+    return ERROR, f"pytest exited {run.returncode}: {first_failure(run.output_tail)}"
+
+
+def baseline_error(baseline: PytestRun) -> str | None:
+    if baseline.returncode == 0:
+        return None
+    if baseline.returncode == PYTEST_NO_TESTS:
+        return "its tests select nothing"
+    if baseline.timed_out:
+        return "its tests did not finish unmutated"
+    return f"its tests fail unmutated: {first_failure(baseline.output_tail)}"
+
+
+class Workers:
+    """One private copy of the working tree per job; a task borrows one."""
+
+    def __init__(self, repo: Path, jobs: int, root: Path):
+        self.free: queue.Queue[Path] = queue.Queue()
+        self.threads = max(1, (os.cpu_count() or 1) // jobs)
+        for n in range(jobs):
+            copy = root / f"worker{n}"
+            snapshot(repo, copy)
+            self.free.put(copy)
+        self.first = self.free.get()
+        check_imports_from(self.first, child_env(self.first, self.threads))
+        self.free.put(self.first)
+
+    def not_applying(self, mutants: Sequence[Mutant]) -> dict[str, str]:
+        """Mutants whose `old` snippet does not occur exactly once (by id: why), checked
+        before anything runs."""
+        problems = {}
+        for mutant in mutants:
+            path = self.first / mutant.file
+            try:
+                mutated(mutant, path.read_text())
+            except FileNotFoundError:
+                problems[mutant.id] = f"no file {mutant.file}"
+            except MutantListError as exc:
+                problems[mutant.id] = str(exc)
+        return problems
+
+    def baseline(self, args: Sequence[str]) -> PytestRun:
+        copy = self.free.get()
+        try:
+            return run_pytest(copy, args, child_env(copy, self.threads), BASELINE_TIMEOUT_S)
+        finally:
+            self.free.put(copy)
+
+    def mutant(self, mutant: Mutant, baseline: PytestRun) -> Result:
+        problem = baseline_error(baseline)
+        if problem is not None:
+            return result_of(mutant, ERROR, problem)
+        copy = self.free.get()
+        path = copy / mutant.file
+        try:
+            original = path.read_text()
+            path.write_text(mutated(mutant, original))
+            try:
+                limit = time_limit(baseline)
+                run = run_pytest(copy, mutant.pytest_args(), child_env(copy, self.threads), limit)
+            finally:
+                path.write_text(original)
+        finally:
+            self.free.put(copy)
+        return result_of(mutant, *classify(baseline, run, limit), seconds=run.seconds)
+
+
+def result_of(mutant: Mutant, outcome: str, detail: str, seconds: float = 0.0) -> Result:
+    return Result(mutant.id, mutant.file, mutant.description, mutant.pytest_args(), outcome, seconds, detail)
+
+
+def run_all(mutants: Sequence[Mutant], jobs: int, repo: Path = REPO_ROOT) -> tuple[list[Result], dict]:
+    """Every mutant's result (in list order) and the unmutated runs by selection."""
+    def report(r: Result) -> Result:
+        print(f"{r.outcome:8s} {r.seconds:6.1f}s {r.id}: {r.detail}", flush=True)
+        return r
+
+    with tempfile.TemporaryDirectory(prefix="specdec-mutants-") as tmp:
+        workers = Workers(repo, jobs, Path(tmp))
+        broken = workers.not_applying(mutants)
+        runnable = [m for m in mutants if m.id not in broken]
+        selections = list(dict.fromkeys(m.selection() for m in runnable))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            try:
+                baselines = dict(zip(selections, pool.map(workers.baseline, selections)))
+                for selection, run in baselines.items():
+                    print(f"unmutated {run.seconds:6.1f}s rc={run.returncode} {' '.join(selection)}", flush=True)
+                futures = {m.id: pool.submit(workers.mutant, m, baselines[m.selection()]) for m in runnable}
+                results = [report(result_of(m, ERROR, broken[m.id]) if m.id in broken else futures[m.id].result())
+                           for m in mutants]
+            except BaseException:  # Ctrl-C included: nothing new starts, the runs in flight end now
+                pool.shutdown(wait=False, cancel_futures=True)
+                stop_running()
+                raise
+    return results, baselines
+
+
+# ---- report ---------------------------------------------------------------------------------
+def summary(results: Sequence[Result]) -> dict:
+    totals = {o: sum(r.outcome == o for r in results) for o in (KILLED, TIMEOUT, SURVIVED, ERROR)}
+    scored = totals[KILLED] + totals[TIMEOUT] + totals[SURVIVED]
+    score = (totals[KILLED] + totals[TIMEOUT]) / scored if scored else 0.0
+    return {"mutants": len(results), **totals, "score": round(score, 4),
+            "survivors": [r.id for r in results if r.outcome == SURVIVED],
+            "errors": [r.id for r in results if r.outcome == ERROR]}
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout
+
+
+def write_report(out: Path, command: str, results: Sequence[Result], baselines: dict, seconds: float, jobs: int) -> dict:
+    """The copies were made from the working tree: the commit and what differed from it."""
+    report = {
+        "command": command,
+        "commit": git(REPO_ROOT, "rev-parse", "HEAD").strip(),
+        "uncommitted": [line[3:] for line in git(REPO_ROOT, "status", "--porcelain", "--untracked-files=all").splitlines()],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "pytest": f"python -m pytest {' '.join(PYTEST_ARGS)} <tests>",
+        "jobs": jobs,
+        "seconds": round(seconds, 1),
+        "totals": summary(results),
+        "mutants": [asdict(r) for r in results],
+        "unmutated": [{"tests": list(s), "returncode": run.returncode, "seconds": run.seconds} for s, run in baselines.items()],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.tools.mutants", description=__doc__.split("\n\n")[0])
+    p.add_argument("--list", type=Path, default=DEFAULT_LIST, help="the mutant list (TOML)")
+    p.add_argument("--only", action="append", metavar="ID", help="run only this mutant (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
+    p.add_argument("--out", type=Path, help=f"the report (default {DEFAULT_OUT}; none with --only unless given)")
+    p.add_argument("--min-score", type=float, default=0.95, help="exit 1 below this score (default 0.95)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    mutants = load_mutants(args.list)
+    if args.only:
+        unknown = set(args.only) - {m.id for m in mutants}
+        if unknown:
+            p.error(f"--only: no mutant {sorted(unknown)} in {args.list}")
+        mutants = [m for m in mutants if m.id in args.only]
+    t0 = time.monotonic()
+    results, baselines = run_all(mutants, args.jobs)
+    seconds = time.monotonic() - t0
+    out = args.out if args.out is not None or args.only else DEFAULT_OUT
+    command = "python -m specdec.tools.mutants " + " ".join(argv if argv is not None else sys.argv[1:])
+    totals = write_report(out, command.strip(), results, baselines, seconds, args.jobs)["totals"] if out else summary(results)
+    print(f"score {totals['score']:.1%}: {totals[KILLED]} killed, {totals[TIMEOUT]} by timeout, "
+          f"{totals[SURVIVED]} survived {totals['survivors']}, {totals[ERROR]} errors {totals['errors']} "
+          f"in {seconds / 60:.1f} min" + (f" -> {out}" if out else ""))
+    return 0 if not totals[ERROR] and totals["score"] >= args.min_score else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
