@@ -1,0 +1,78 @@
+"""A verifier that dies mid-stream must not leave its streams hanging (issue 43, section 5).
+
+Triton does not end a decoupled BLS call whose callee's stub died: the loop would wait for the
+verifier's next round forever. So a stream quiet for PROBE_AFTER_S sends the verifier a STOP
+with correlation id 0 (no sequence has it): a live verifier answers it, a dead one's error ends
+the stream. Here the verifier's stub is killed under a running stream, on a server of its own
+(only `ensemble` and `verifier` loaded, one method, so it starts quickly): the client hears an
+error within a bound, and the loop gives its slot back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import specdec_wire as W
+from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+from specdec_client import GenerateRequest, SpecDecClient, server_metrics
+
+from test_stub_death import stub_of
+
+# From the kill: the quiet time before the probe (loop_model.PROBE_AFTER_S, 5 s; the module
+# imports Triton's stub utilities, so it is not imported here), a poll (0.25 s) and the
+# probe's own answer, with slack for 2 busy cores.
+ENDS_WITHIN_S = 30.0
+
+
+@pytest.fixture()
+def small_server(tmp_path, smol_dir):
+    settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
+    settings["engine"].update(max_seq_len=512, max_tokens_limit=512)
+    settings["methods"] = {"ngram": settings["methods"]["ngram"]}  # drafts in the verifier: no drafter model
+    settings["default_method"] = "ngram"
+    (tmp_path / "specdec.json").write_text(json.dumps(settings))
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(log_path=tmp_path / "triton.log")
+    server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                 env={"SPECDEC_SETTINGS": str(tmp_path / "specdec.json")}, model_control_mode="explicit",
+                 load_models=("ensemble", "verifier"))
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.server
+def test_a_stream_whose_verifier_died_ends_with_an_error(small_server):
+    outcome: dict = {}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        try:
+            with SpecDecClient(small_server.endpoints.grpc, protocol="grpc", timeout_s=120) as client:
+                for _ in client.stream(GenerateRequest("Tell me a long story.", max_tokens=500, ignore_eos=True)):
+                    first_chunk.set()
+            outcome["finished"] = True
+        except Exception as exc:  # noqa: BLE001 - the expected ending
+            outcome["error"] = exc
+        finally:
+            outcome["at"] = time.monotonic()
+            first_chunk.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert first_chunk.wait(120) and not outcome, outcome
+    os.kill(stub_of(small_server.pid, "verifier"), signal.SIGKILL)
+    killed = time.monotonic()
+    streamer.join(ENDS_WITHIN_S + 5)
+    assert not streamer.is_alive(), f"the stream still runs {ENDS_WITHIN_S + 5:g} s after its verifier died"
+    assert "error" in outcome, outcome  # ended by the error, not run to max_tokens
+    assert outcome["at"] - killed <= ENDS_WITHIN_S, outcome["at"] - killed
+    samples = server_metrics.scrape(small_server.endpoints.metrics_url)
+    assert server_metrics.total(samples, W.SLOT_OCCUPANCY, model="ensemble") == 0  # the loop gave its slot back
