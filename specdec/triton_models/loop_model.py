@@ -14,6 +14,7 @@ Served under two names (each model.py re-exports this class):
 """
 import asyncio
 import concurrent.futures
+import contextlib
 import secrets
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
 from specdec.serving.runtime import encode_prompt, load_tokenizer
 from specdec.serving.state import RequestState
+from specdec.triton_models.bls import RetiredIterators, decoupled_responses
 from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
 
@@ -41,6 +43,7 @@ VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS, C.RO
 LOG_PROB_OUTPUTS = {name for name, *_ in P.LOG_PROB_OUTPUTS}
 POLL_S = 0.25  # how often a generation waiting for the verifier checks whether its client left
 PROBE_AFTER_S = 5.0  # a stream this long without a response asks whether the verifier is alive
+RETIRED = RetiredIterators()  # this stub process's finished verifier streams, until a fence (bls.py)
 
 
 def send(sender, response, flags) -> bool:
@@ -76,19 +79,9 @@ class VerifierStream:
 
     @staticmethod
     async def _responses(request, while_waiting: Callable[[], Awaitable[None]] | None = None):
-        """The responses of a decoupled BLS call, each awaited off the event loop (the
-        iterator blocks until the verifier sends); while_waiting runs every POLL_S meanwhile."""
-        loop = asyncio.get_running_loop()
-        iterator = iter(await request.async_exec(decoupled=True))
-        while True:
-            pending = loop.run_in_executor(None, next, iterator, None)
-            while while_waiting is not None and not pending.done():
-                await asyncio.wait({pending}, timeout=POLL_S)
-                if not pending.done():
-                    await while_waiting()
-            response = await pending
-            if response is None:
-                return
+        """The responses of a decoupled BLS call (specdec.triton_models.bls: each awaited off
+        the event loop, the iterator retired safely); while_waiting runs every POLL_S meanwhile."""
+        async for response in decoupled_responses(request, RETIRED, POLL_S, while_waiting):
             if response.has_error():
                 raise SpecDecError(response.error().message())
             yield response
@@ -104,7 +97,9 @@ class VerifierStream:
 
         async def stop_if_cancelled():  # a client gone mid-generation stops it before the next forward
             nonlocal stopping, quiet_since
-            if not stopping and is_cancelled():
+            # The one place this request's is_cancelled() is asked, one call at a time: each
+            # answer is also the fence that lets finished BLS iterators go (bls.py).
+            if not stopping and await RETIRED.fence(is_cancelled):
                 stopping = True
                 await self.stop()
             if time.monotonic() - quiet_since > PROBE_AFTER_S:
@@ -114,18 +109,28 @@ class VerifierStream:
                 await self.stop(correlation_id=0)
 
         last = time.perf_counter()
-        async for response in self._responses(self._request(inputs, self.outputs), stop_if_cancelled):
-            out = {name: t.as_numpy()[0] for name in self.outputs if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
-            if C.STEP_STATS not in out:  # an empty final response
-                continue
-            now = time.perf_counter()
-            quiet_since = time.monotonic()
-            for update in self._updates(out, now - last):
-                yield update
-            last = now
-            if update.finished:
-                return
-            await stop_if_cancelled()
+        final: list[LoopUpdate] = []
+        async with contextlib.aclosing(self._responses(self._request(inputs, self.outputs), stop_if_cancelled)) as responses:
+            async for response in responses:
+                out = {name: t.as_numpy()[0] for name in self.outputs if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None}
+                if C.STEP_STATS not in out:  # an empty final response
+                    continue
+                now = time.perf_counter()
+                quiet_since = time.monotonic()
+                rounds = self._updates(out, now - last)
+                last = now
+                if rounds[-1].finished:  # read on to the stream's end, so its iterator is retired
+                    final = rounds
+                    continue
+                for update in rounds:
+                    yield update
+                await stop_if_cancelled()
+        if final:
+            # Before the client hears its end (after that the server may release the request,
+            # and is_cancelled() would ask about freed memory): the fence for this stream.
+            await RETIRED.fence(is_cancelled)
+        for update in final:
+            yield update
 
     def _updates(self, out, seconds) -> list[LoopUpdate]:
         """One update per round the response carries (one when streamed)."""
