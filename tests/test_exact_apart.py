@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from exact import MAX_SEQ_LEN, MAX_TOKENS, PROMPT, Outcomes, Request, Verified, emitted_tokens, exact_outcomes, toy, worst_deviation  # noqa: F401
+from exact import (MAX_SEQ_LEN, MAX_TOKENS, Outcomes, Request, Verified, emitted_tokens, exact_outcomes, toy,  # noqa: F401
+                   worst_deviation)
 from specdec.config import SERVED_SETTINGS, ServingConfig
 from specdec.engine.step import Speculator
 from specdec.serving.spec_engine import SpecEngine

@@ -1,17 +1,22 @@
 """Losslessness computed exactly (tests/exact.py) for a batch of two sequences with the
 prefix cache on, one of them a prefix hit.
 
-Sequence A starts alone; B joins in the next step, with a prompt that shares A's first six
-tokens, while A verifies its first tree: B's prefill (its last token) and A's tree go in one
-forward, and B's prompt starts from A's KV and hidden taps, copied from A's live slot (the
-prefix cache's hit on a slot in use; taps held beside the KV, since both methods draft from
-the target's hidden states). Then both verify in the same forwards, two steps each. The
-enumeration covers both sequences' randomness jointly: each one's output must be the
-target's after its own prompt, and the two must be independent (no draw of one may move the
-other's).
+Sequence A starts alone and verifies its first tree; B joins in the step after, while A
+verifies its second, with a prompt that is A's followed by three tokens A may have emitted:
+B's prompt starts from A's KV and hidden taps, copied from A's live slot (the prefix cache's
+hit on a slot in use; taps held beside the KV because both methods draft from the target's
+hidden states). How far the hit reaches depends on what A emitted: A's prompt alone, or also
+A's first token and its first accepted draft, whose KV (moved to the accepted path) and taps
+A's verification committed. Then both verify in the same forwards. The
+enumeration covers both sequences' randomness jointly: each output must be the target's
+after its own prompt, and the two must be independent (no draw of one may move the other's).
 
-The methods are EAGLE-3 ones, whose drafters read the taps: a sampled chain (A) and the
-adaptive EAGLE-2 top-k tree (B, planned beside a batch mate that is not)."""
+What this proves of the reused state: the KV (a wrong column moves B's target distribution).
+The taps only steer B's drafts, so a wrong tap would cost acceptance, not losslessness; their
+equality with a full prefill is tests/test_prefix_eviction.py's.
+
+The methods are EAGLE-3 ones: a sampled chain (A) and the adaptive EAGLE-2 top-k tree (B,
+planned beside a batch mate that is not)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +24,9 @@ import dataclasses
 from exact import PROMPT, Request, flat_cost, make_engine, request_outcomes, toy, worst_deviation  # noqa: F401 - toy is a fixture
 from test_exact_lossless import TOLERANCE, TOP_K
 
-PROMPT_B = PROMPT[:6] + (2,)  # the first six tokens are A's: a hit on A's live slot
 A = Request("eagle3", TOP_K, 2)
-B = Request("eagle3-tree-adaptive", dataclasses.replace(TOP_K, temperature=0.8), 3, prompt=PROMPT_B, join=1)
+# A's prompt, then tokens A emits in some runs (top-k 2 after this prompt: 0 or 3 first)
+B = Request("eagle3-tree-adaptive", dataclasses.replace(TOP_K, temperature=0.8), 3, prompt=PROMPT + (0, 0, 3), join=2)
 
 
 def test_a_batch_of_two_with_a_prefix_hit_is_the_targets(toy):
@@ -31,7 +36,8 @@ def test_a_batch_of_two_with_a_prefix_hit_is_the_targets(toy):
         worst, where = worst_deviation(toy, outcomes.marginal(i), req.params, req.prompt)
         assert worst < TOLERANCE, f"sequence {i}: P(next | {where}) deviates by {worst:.2e} from the target's"
         assert outcomes.partially_accepted_then_drafted(i), f"sequence {i}: no second tree after a rejection"
-    assert {s[0].cached_tokens for s in outcomes.steps(1)} == {6}, "B did not start from A's cached prefix"
+    # the hit: A's prompt (7), with A's first token (8), and its first accepted draft (9)
+    assert {s[0].cached_tokens for s in outcomes.steps(1)} == {7, 8, 9}
     assert {s[0].cached_tokens for s in outcomes.steps(0)} == {0}
     a, b = outcomes.marginal(0), outcomes.marginal(1)
     assert len(outcomes.joint) == len(a) * len(b), "some pairs of outputs never occur together"

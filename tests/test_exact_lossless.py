@@ -41,8 +41,8 @@ import torch
 import specdec.engine.acceptance as acceptance
 import specdec.engine.drafters.service as draft_service
 import specdec.engine.planner as planner
-from exact import (END, MAX_TOKENS, VOCAB, Outcomes, Request, exact_outcomes, flat_cost, make_engine, one_request,
-                   request_outcomes, staircase_cost, toy, worst_deviation)  # noqa: F401 - toy is a fixture
+from exact import (END, MAX_TOKENS, VOCAB, Outcomes, Request, exact_outcomes, flat_cost, make_engine, request_outcomes,
+                   staircase_cost, toy, worst_deviation)  # noqa: F401 - toy is a fixture
 from specdec.config import SamplingParams
 from specdec.engine.planner import VerifyCost
 from specdec.engine.tree import ROOT, DraftTree

@@ -17,7 +17,7 @@ import pytest
 
 from exact import PROMPT, flat_cost, one_request, toy, worst_deviation  # noqa: F401 - toy is a fixture
 from specdec.config import SamplingParams
-from test_exact_lossless import PARAMS, RULES, TOLERANCE, TOP_K, TOP_K_3, TOP_P
+from test_exact_lossless import RULES, TOLERANCE, TOP_K_3, TOP_P
 
 # the rules and top-k together: a sampled tree under the rules, two ways per draw
 RULES_TOP_K = dataclasses.replace(RULES, top_k=2)
