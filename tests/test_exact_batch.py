@@ -24,9 +24,9 @@ import dataclasses
 from exact import PROMPT, Request, flat_cost, make_engine, request_outcomes, toy, worst_deviation  # noqa: F401 - toy is a fixture
 from test_exact_lossless import TOLERANCE, TOP_K
 
-A = Request("eagle3", TOP_K, 2)
+A = Request("eagle3", dataclasses.replace(TOP_K, seed=1), 2)
 # A's prompt, then tokens A emits in some runs (top-k 2 after this prompt: 0 or 3 first)
-B = Request("eagle3-tree-adaptive", dataclasses.replace(TOP_K, temperature=0.8), 3, prompt=PROMPT + (0, 0, 3), join=2)
+B = Request("eagle3-tree-adaptive", dataclasses.replace(TOP_K, temperature=0.8, seed=2), 3, prompt=PROMPT + (0, 0, 3), join=2)
 
 
 def test_a_batch_of_two_with_a_prefix_hit_is_the_targets(toy):

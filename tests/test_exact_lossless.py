@@ -50,8 +50,9 @@ from specdec.serving.runtime import served_methods
 
 TOLERANCE = 1e-5
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
-# top-k 2 of 4: a draw branches two ways, so sampled drafting goes deeper in the same runs
-TOP_K = dataclasses.replace(PARAMS, top_k=2)
+# top-k 2 of 4: a draw branches two ways, so sampled drafting goes deeper in the same runs;
+# seeded, so the drafter's random stream and the verifier's are both the seed's (they must differ)
+TOP_K = dataclasses.replace(PARAMS, top_k=2, seed=7)
 TOP_K_3 = dataclasses.replace(PARAMS, top_k=3)
 TOP_P = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
 # TensorRT-LLM's logits rules on every tree node: penalties, min_length on the end id (0),
