@@ -3,6 +3,7 @@ EAGLE-2 tree on a hand-checked example, and statistical losslessness of tree sam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,13 +62,18 @@ def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab
     return sd
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle")
+def save_tiny_target_and_head(root: Path):
+    """A tiny target, and a random EAGLE-3 head for it saved in the published layout:
+    (target, the head's directory, its weights)."""
     target = load_transformer(save_tiny_hf(root / "target", initializer_range=0.3, seed=3))
     sd = random_published_checkpoint(root / "head")
     save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "head" / "model.safetensors"))
     return target, root / "head", sd
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_target_and_head(tmp_path_factory.mktemp("eagle"))
 
 
 def test_published_layout_loads_and_round_trips(tiny, tmp_path):

@@ -15,20 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.eagle3 import Eagle3Drafter
 from specdec.engine.drafters.ngram import NgramDrafter
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.models.eagle3_head import load_eagle3
-from specdec.engine.models.loading import load_transformer
 from specdec.engine.sampling import logits_to_probs, make_generator
 from specdec.serving.detok import IncrementalDetokenizer
 from specdec.serving.spec_engine import SpecEngine
 
-from conftest import save_tiny_hf
-from test_eagle3 import random_published_checkpoint
+from test_eagle3 import save_tiny_target_and_head
 from test_speculative import reference_probs
 
 PROMPT = [5, 9, 14, 5, 9, 22, 31, 5, 9, 14, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # more than a block (16)
@@ -39,11 +36,8 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny target and a random EAGLE-3 head for it (a drafter that reads the target's taps)."""
-    root = tmp_path_factory.mktemp("gaps")
-    target = load_transformer(save_tiny_hf(root / "target", initializer_range=0.3, seed=3))
-    weights = random_published_checkpoint(root / "head")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "head" / "model.safetensors"))
-    return target, load_eagle3(root / "head", target.embed, target.cfg)
+    target, head_dir, _ = save_tiny_target_and_head(tmp_path_factory.mktemp("gaps"))
+    return target, load_eagle3(head_dir, target.embed, target.cfg)
 
 
 def engine_of(tiny, prefix_caching: bool = True, max_batch: int = 4) -> SpecEngine:

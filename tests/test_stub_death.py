@@ -57,6 +57,30 @@ def stub_of(server_pid: int, model: str) -> int:
     raise AssertionError(f"no stub of {model}")
 
 
+def start_long_stream(address: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A long stream on a thread of its own, returned once its first chunk arrived. outcome
+    gets "finished" or "error", and "at" (time.monotonic()) when the stream ended."""
+    outcome: dict = {}
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        try:
+            with SpecDecClient(address, protocol="grpc", timeout_s=120) as client:
+                for _ in client.stream(GenerateRequest("Tell me a long story.", max_tokens=max_tokens, ignore_eos=True)):
+                    first_chunk.set()
+            outcome["finished"] = True
+        except Exception as exc:  # noqa: BLE001 - the expected ending
+            outcome["error"] = exc
+        finally:
+            outcome["at"] = time.monotonic()
+            first_chunk.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert first_chunk.wait(120) and not outcome, outcome
+    return streamer, outcome
+
+
 @pytest.mark.server
 def test_a_killed_stub_turns_readiness_false_and_the_server_comes_back(tmp_path, smol_dir):
     settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
@@ -73,23 +97,7 @@ def test_a_killed_stub_turns_readiness_false_and_the_server_comes_back(tmp_path,
         server_pid = int(next(line for line in lines if "(pid " in line).split("(pid ")[1].split(")")[0])
         assert ready(http)
 
-        outcome: dict = {}
-        first_chunk = threading.Event()
-
-        def stream() -> None:
-            try:
-                with SpecDecClient(f"127.0.0.1:{grpc}", protocol="grpc", timeout_s=120) as client:
-                    for _ in client.stream(GenerateRequest("Tell me a long story.", max_tokens=400, ignore_eos=True)):
-                        first_chunk.set()
-                outcome["finished"] = True
-            except Exception as exc:  # noqa: BLE001 - the expected ending
-                outcome["error"] = exc
-            finally:
-                first_chunk.set()
-
-        streamer = threading.Thread(target=stream)
-        streamer.start()
-        assert first_chunk.wait(120) and not outcome, outcome
+        streamer, outcome = start_long_stream(f"127.0.0.1:{grpc}", max_tokens=400)
         os.kill(stub_of(server_pid, "ensemble"), signal.SIGKILL)
         killed = time.monotonic()
         while ready(http) and time.monotonic() - killed < NOT_READY_WITHIN_S:

@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 import specdec_wire as W
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
-from specdec_client import GenerateRequest, SpecDecClient, server_metrics
+from specdec_client import server_metrics
 
-from test_stub_death import stub_of
+from test_stub_death import start_long_stream, stub_of
 
 # From the kill: the quiet time before the probe (loop_model.PROBE_AFTER_S, 5 s; the module
 # imports Triton's stub utilities, so it is not imported here), a poll (0.25 s) and the
@@ -50,24 +49,7 @@ def small_server(tmp_path, smol_dir):
 
 @pytest.mark.server
 def test_a_stream_whose_verifier_died_ends_with_an_error(small_server):
-    outcome: dict = {}
-    first_chunk = threading.Event()
-
-    def stream() -> None:
-        try:
-            with SpecDecClient(small_server.endpoints.grpc, protocol="grpc", timeout_s=120) as client:
-                for _ in client.stream(GenerateRequest("Tell me a long story.", max_tokens=500, ignore_eos=True)):
-                    first_chunk.set()
-            outcome["finished"] = True
-        except Exception as exc:  # noqa: BLE001 - the expected ending
-            outcome["error"] = exc
-        finally:
-            outcome["at"] = time.monotonic()
-            first_chunk.set()
-
-    streamer = threading.Thread(target=stream, daemon=True)
-    streamer.start()
-    assert first_chunk.wait(120) and not outcome, outcome
+    streamer, outcome = start_long_stream(small_server.endpoints.grpc, max_tokens=500)
     os.kill(stub_of(small_server.pid, "verifier"), signal.SIGKILL)
     killed = time.monotonic()
     streamer.join(ENDS_WITHIN_S + 5)

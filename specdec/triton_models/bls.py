@@ -119,4 +119,3 @@ async def decoupled_responses(request, retired: RetiredIterators, poll_s: float,
             retired.keep(iterator)
         else:
             retired.drain(iterator, running)
-        del iterator
