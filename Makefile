@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -198,3 +198,10 @@ clean:
 # (~15 min on 2 cores)
 mutants: prepare
 	$(BIN)/python -m specdec.tools.mutants --jobs 2 --out results/mutants.json
+
+# The served fuzzer (issue 43) for FUZZ_SECONDS: fresh waves of hostile requests to ensemble, ensemble_unary,
+# speculative_loop and the OpenAI front end beside a greedy control stream; no crash, no leaked slot, every
+# request answered (make test runs a short fixed pass of the same test)
+FUZZ_SECONDS ?= 1800
+fuzz: prepare
+	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/test_fuzz_served.py -k through_the_server

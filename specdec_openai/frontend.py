@@ -90,13 +90,38 @@ class Job:
     cache_salt: str | None = None  # vLLM's prefix-cache isolation
 
 
-def _number(body: Mapping[str, Any], name: str, default, kind=float):
+# What an integer's Triton tensor holds (INT32; the seed's UINT64): Triton's JSON parser wraps a
+# wider value silently (max_tokens 2**32 + 4 arrived as 4), so the front end refuses it.
+INT32_RANGE = (-2**31, 2**31 - 1)
+UINT64_RANGE = (0, 2**64 - 1)
+
+
+def _number(body: Mapping[str, Any], name: str, default, kind=float, bounds: tuple[int, int] = INT32_RANGE):
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)
+                                                                          and not value.is_integer()):
         raise OpenAIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
-    return kind(value)
+    try:
+        value = kind(value)
+    except OverflowError:  # an integer past a float's range
+        raise OpenAIError(400, f"{name} is out of range", name) from None
+    if kind is int and not bounds[0] <= value <= bounds[1]:
+        raise OpenAIError(400, f"{name} must be an integer in [{bounds[0]}, {bounds[1]}], got {value}", name)
+    return value
+
+
+def _check_utf8(body: Mapping[str, Any]) -> None:
+    """JSON may carry lone surrogates (\\ud800), which no UTF-8 tokenizer or tensor takes: refused
+    naming the parameter (the tokenizer raised a TypeError, a 500)."""
+    for name, value in body.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise OpenAIError(400, f"{name} is not valid UTF-8 (it holds a lone surrogate)", name) from None
+        except RecursionError:
+            raise OpenAIError(400, f"{name} is nested too deeply", name) from None
 
 
 def response_format(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
@@ -124,6 +149,7 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     """Validate an OpenAI request body; every refusal names its parameter."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    _check_utf8(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "model is required", "model")
@@ -152,7 +178,7 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
         k = 0
     seed = body.get("seed")
     if seed is not None:
-        seed = _number(body, "seed", None, int)
+        seed = _number(body, "seed", None, int, UINT64_RANGE)
     guide_type, guide = response_format(body)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -314,8 +340,8 @@ def create_app(frontend: Frontend):
     async def handle(request: Request, chat: bool):
         try:
             body = await request.json()
-        except json.JSONDecodeError as exc:
-            raise OpenAIError(400, f"the request body is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser's stack
+            raise OpenAIError(400, f"the request body is not JSON: {exc}") from None
         job = parse_job(body, frontend.served, frontend.tokenizer, chat)
         if not await frontend.ready():
             raise OpenAIError(503, "the Triton server is not ready", kind="service_unavailable")

@@ -103,9 +103,40 @@ def compile_guide(compiler, guide_type: str, guide: str | None):
     compile probe alike), or the refusal naming the field."""
     grammar = parse_guide(guide_type, guide)
     try:
-        return compiler.compile_grammar(grammar)
+        compiled = compiler.compile_grammar(grammar)
     except (ValueError, RuntimeError) as exc:
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"does not compile: {_first_line(exc)}") from None
+    if _starts_at_dead_end(compiled):
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, UNPRODUCIBLE)
+    return compiled
+
+
+# A guide that needs a character no token of the vocabulary spells (SmolLM2's has none for
+# most ASCII control characters; its tokenizer maps them to <|endoftext|>) reaches a state
+# where the grammar allows no token at all: a dead end. Plain constrained decoding would emit
+# the tokens that led there and then fail, so that is what a sequence does here: refused at
+# compile when it starts at one; otherwise its dead-end row is found among the masks the step
+# computes anyway (GuidedSequence.masks), the bonus token that would come from it is not
+# emitted, and the sequence ends alone with this error (the round and the others go on).
+UNPRODUCIBLE = "needs text that no token of the model's vocabulary can produce (e.g. a control character)"
+
+
+def _starts_at_dead_end(compiled) -> bool:
+    matcher = _xgrammar().GrammarMatcher(compiled)
+    bitmask = _xgrammar().allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return not matcher.is_terminated() and not bool(bitmask.any())
+
+
+def open_dead_ends(bitmask: Tensor) -> Tensor:
+    """[rows] bool: the rows of a GuidedSequence.masks bitmask that allow no token (a row past
+    the grammar's end allows every token, so it is never one), which are then opened to every
+    token (in place) so that the forward's arithmetic stays finite: the caller emits nothing
+    drawn from them. Only a leaf's row or the root's can be one: no child survives pruning."""
+    dead = ~bitmask.any(dim=-1)
+    if bool(dead.any()):
+        bitmask[dead] = _ALL_ALLOWED
+    return dead
 
 
 def _first_line(exc: Exception) -> str:

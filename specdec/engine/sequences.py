@@ -33,13 +33,13 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
 
 
 
-def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int | None = None) -> None:
-    """A tokenized prompt must fit the context (leaving room for one token) and the vocabulary."""
+def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int | None = None, name: str = P.TEXT_INPUT) -> None:
+    """A tokenized prompt must fit the context (leaving room for one token) and the vocabulary.
+    name: the input the prompt came in (text_input, tokenized; or input_ids as sent)."""
     if not prompt_ids:
-        raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
+        raise InvalidRequestError(name, "the prompt is empty")
     if len(prompt_ids) >= max_seq_len:
-        raise InvalidRequestError(
-            P.TEXT_INPUT, f"the prompt has {len(prompt_ids)} tokens; the context holds {max_seq_len} (max_seq_len)")
+        raise InvalidRequestError(name, f"the prompt has {len(prompt_ids)} tokens; the context holds {max_seq_len} (max_seq_len)")
     if vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):
         raise InvalidRequestError(P.INPUT_IDS, f"token ids must be in [0, {vocab_size})")
 

@@ -71,6 +71,7 @@ class StepResult:
     num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
     forced_accepted: int = 0  # of `accepted`, the tokens the request's grammar forced (not the drafter's)
     cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
+    dead_end: bool = False  # the request's grammar allows no next token: end it (grammar.UNPRODUCIBLE)
 
 
 @dataclass
@@ -234,7 +235,7 @@ class Speculator(KeyedSequences[_Sequence]):
         self._draft_next(first_items, first_results, first=True)
         results = []
         for item, seq, tree, out in zip(decoding, seqs, trees, outs):
-            emitted, accepted = out.result.emitted, len(out.result.accepted_nodes)
+            emitted, accepted = out.emitted, len(out.result.accepted_nodes)
             seq.generated += len(emitted)
             if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
@@ -243,7 +244,7 @@ class Speculator(KeyedSequences[_Sequence]):
             result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
                 hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
-                forced_accepted=sum(1 for node in out.result.accepted_nodes if node < tree.forced),
+                forced_accepted=sum(1 for node in out.result.accepted_nodes if node < tree.forced), dead_end=out.dead_end,
             )
             by_id[item.seq_id] = result
             results.append(result)

@@ -23,7 +23,7 @@ from specdec.engine.sampling import logits_to_probs, make_generator, sample
 from specdec.engine.sequences import KeyedSequences
 from specdec.engine.tree import DraftTree
 from specdec.engine.acceptance import VerifyResult, verify_greedy, verify_sampled
-from specdec.engine.grammar import Grammars, GuidedSequence, masked_draft_probs
+from specdec.engine.grammar import Grammars, GuidedSequence, masked_draft_probs, open_dead_ends
 from specdec.engine.prefix_cache import PrefixCacheCounters
 
 
@@ -76,7 +76,14 @@ class PrefillOutput:
 class VerifyOutput:
     result: VerifyResult
     hidden: Tensor | None  # [1 + accepted, taps * H]: root + accepted path, when asked for
-    log_probs: list[float] | None = None  # of result.emitted, with return_log_probs
+    log_probs: list[float] | None = None  # of emitted, with return_log_probs
+    # The accepted path ends where the request's grammar allows no token (grammar.UNPRODUCIBLE):
+    # the bonus token is not emitted, and the sequence must end with that error.
+    dead_end: bool = False
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.result.accepted_tokens if self.dead_end else self.result.emitted
 
 
 class TargetPass(KeyedSequences[_TargetSequence]):
@@ -217,6 +224,9 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         trees = [tree for _, tree in items]
         # each guided tree's grammar masks, and its draft distributions masked the same way
         bitmasks = [None if seq.guide is None else seq.guide.masks(tree) for seq, tree in zip(seqs, trees)]
+        # rows where the grammar allows nothing: a leaf (its children were pruned) or the root;
+        # all allowed for the forward's arithmetic, and nothing is emitted from them below
+        dead_rows = [None if bits is None else open_dead_ends(bits) for bits in bitmasks]
         trees = [tree if bits is None else masked_draft_probs(tree, bits) for tree, bits in zip(trees, bitmasks)]
         # rows (sequence, tokens, depths, mask): the chunks (causal chains), then [root] + tree
         rows = [(seq, chunk, None, None) for _, seq, chunk in chunks]
@@ -261,12 +271,15 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             kept = [0] + [node + 1 for node in result.accepted_nodes]
             start = self.cache.lengths[seq.slot]
             self.cache.commit(seq.slot, kept, [seq.root_token] + [tree.tokens[node] for node in result.accepted_nodes])
-            seq.emitted(result.emitted)
+            verified = VerifyOutput(result, None, dead_end=dead_rows[i] is not None and bool(dead_rows[i][kept[-1]]))
+            if verified.emitted:
+                seq.emitted(verified.emitted)
             seq.last_used = now
-            hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
-            self._keep_taps(seq.slot, start, hidden)
-            log_probs = token_log_probs(logits, seq.params, kept, result.emitted) if seq.params.return_log_probs else None
-            results.append(VerifyOutput(result, hidden, log_probs))
+            verified.hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
+            self._keep_taps(seq.slot, start, verified.hidden)
+            if seq.params.return_log_probs:
+                verified.log_probs = token_log_probs(logits, seq.params, kept[: len(verified.emitted)], verified.emitted)
+            results.append(verified)
         return done, results
 
     def _first_token(self, seq: _TargetSequence, last_logits: Tensor) -> PrefillOutput:

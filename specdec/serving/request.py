@@ -3,6 +3,7 @@ the request parser (one for every entry point) below."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -11,7 +12,7 @@ import numpy as np
 import specdec_wire as P
 from specdec.config import DEFAULT_MAX_GUIDE_BYTES, METHOD_NONE, SamplingParams, ServingConfig
 from specdec.errors import InvalidRequestError
-from specdec.engine.sequences import check_token_ids
+from specdec.engine.sequences import check_prompt_ids, check_token_ids
 
 
 def resolve_token_rules(
@@ -52,6 +53,9 @@ class ServedOffer:
     apply_chat_template: bool = True
     max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES
     fixed: bool = False
+    # The context: a prompt of token ids is checked against it when parsed, naming input_ids
+    # (a text prompt once tokenized); None: checked later only.
+    max_seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def served_offer(settings: ServingConfig) -> ServedOffer:
         methods={name: settings.default_draft_tokens(name) for name in settings.methods},
         default_method=settings.default_method, max_num_draft_tokens=settings.engine.max_num_draft_tokens,
         max_tokens_limit=settings.engine.max_tokens_limit, apply_chat_template=settings.apply_chat_template,
-        max_guide_bytes=settings.engine.max_guide_bytes,
+        max_guide_bytes=settings.engine.max_guide_bytes, max_seq_len=settings.engine.max_seq_len,
     )
 
 
@@ -135,12 +139,16 @@ def resolve_method(method: str | None, num_draft_tokens: int | None, offer: Serv
     return method, k
 
 
-def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | None, tuple[int, ...] | None, bool]:
-    """(text_input, input_ids, apply_chat_template): text, or token ids from preprocessing."""
+def parse_prompt(inputs: Mapping[str, Any], chat_default: bool,
+                 max_seq_len: int | None = None) -> tuple[str | None, tuple[int, ...] | None, bool]:
+    """(text_input, input_ids, apply_chat_template): text, or token ids from preprocessing
+    (checked here, naming input_ids: an empty or too long list is the sender's)."""
     prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
     ids = inputs.get(P.INPUT_IDS)
     prompt_ids = None if prompt is not None or ids is None else tuple(int(t) for t in np.asarray(ids).reshape(-1))
-    if not (prompt or "").strip() and not prompt_ids:
+    if prompt_ids is not None:  # the sender's token ids: empty or too long, refused by their name
+        check_prompt_ids(prompt_ids, max_seq_len or math.inf, name=P.INPUT_IDS)
+    elif not (prompt or "").strip():
         raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
     return prompt, prompt_ids, _scalar(inputs, P.APPLY_CHAT_TEMPLATE, chat_default, bool)
 
@@ -148,7 +156,7 @@ def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | N
 def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedRequest:
     """The ensemble's inputs (name -> array, absent = None) -> a validated request; a bad
     field raises InvalidRequestError naming it."""
-    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template)
+    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template, offer.max_seq_len)
     max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
     if max_tokens is None:
         raise InvalidRequestError(P.MAX_TOKENS, "is required")

@@ -268,7 +268,9 @@ class BatchScheduler:
         except Exception:  # noqa: BLE001 - a sink that raises is a listener gone
             log.exception("a sink failed; its sequence is dropped")
             listening = False
-        if out.finished:
+        if out.error is not None:  # released by the engine already
+            self._end(out.request_id, error=out.error)
+        elif out.finished:
             self._forget(out.request_id)
         elif not listening:
             self._end(out.request_id)

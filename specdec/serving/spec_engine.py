@@ -27,7 +27,7 @@ from specdec.serving.stats import SpecStats
 from specdec.serving.request import ServedOffer, resolve_method, resolve_token_rules
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
-from specdec.engine.grammar import Grammars
+from specdec.engine.grammar import UNPRODUCIBLE, Grammars
 from specdec.engine.step import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
@@ -45,6 +45,9 @@ class StepOutput:
     step: StepResult | None = None
     verified: bool = False  # False for the prompt's first token
     log_probs: list[float] | None = None  # of new_token_ids, with return_log_probs
+    # The request ends with this error after new_token_ids (its grammar allows no next token,
+    # grammar.UNPRODUCIBLE); it is released already.
+    error: InvalidRequestError | None = None
 
 
 def eos_ids_of_config(target_cfg: ModelConfig, tokenizer) -> frozenset[int]:
@@ -217,10 +220,12 @@ class SpecEngine:
         if not verified:  # the prompt's first token
             req.stats.cached_prompt_tokens = res.cached_tokens
         kept, text = req.accept(res.emitted, res.log_probs)
-        if req.finished:
+        error = InvalidRequestError(P.GUIDED_DECODING_GUIDE, UNPRODUCIBLE) if res.dead_end and not req.finished else None
+        if req.finished or error is not None:
             self._release(req)
         log_probs = None if res.log_probs is None else res.log_probs[: len(kept)]
-        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats, res, verified, log_probs)
+        return StepOutput(req.request_id, kept, text, req.finished, req.finish_reason, req.stats, res, verified, log_probs,
+                          error)
 
     def _release(self, req: RequestState) -> None:
         self.sequences.pop(req.request_id, None)
@@ -244,6 +249,8 @@ class SpecEngine:
                 for out in self.step():
                     if out.request_id == request_id:
                         yield out
+                        if out.error is not None:
+                            raise out.error
                         if out.finished:
                             return
         finally:
