@@ -450,3 +450,21 @@ def test_a_guide_the_vocabulary_cannot_spell_ends_alone():
         assert not engine.sequences and engine.cache.num_free == engine.cache.max_slots
     finally:
         scheduler.close()
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_loop"])
+@pytest.mark.parametrize("method, temperature", [("none", 0.0), ("eagle3", 0.0), ("medusa-tree", 1.0)])
+def test_an_error_after_streamed_tokens_reaches_the_client(triton_server, model, method, temperature):
+    """The guide's dead end comes after two streamed tokens. The verifier's error response
+    after other responses was lost by the bundled python_backend (the loop waited forever, the
+    client until its timeout); it now rides in a normal final round (FINISH_ERROR_PREFIX)."""
+    req = GenerateRequest("Say something.", max_tokens=16, temperature=temperature, seed=5 if temperature else None,
+                          method=None if method == "none" else method, num_draft_tokens=0 if method == "none" else None,
+                          guide_type="regex", guide="ab\x16")
+    texts = []
+    with SpecDecClient(triton_server.endpoints.grpc, model=model, timeout_s=60) as client:
+        with pytest.raises(Exception) as err:
+            for chunk in client.stream(req):
+                texts.append(chunk.text)
+    assert "".join(texts) == "ab"
+    assert W.GUIDED_DECODING_GUIDE in str(err.value) and "Deadline" not in str(err.value)

@@ -239,7 +239,8 @@ class Speculator(KeyedSequences[_Sequence]):
             seq.generated += len(emitted)
             if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
-            if item.seq_id in self.drafts:  # every step, drafting or not: the drafter sees every token once
+            if item.seq_id in self.drafts and not out.dead_end:  # every step, drafting or not: the drafter sees every token once
+                # (a dead end's sequence ends now: its taps hold one row more than its tokens)
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
             result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
@@ -269,7 +270,7 @@ class Speculator(KeyedSequences[_Sequence]):
         for n, (item, result) in enumerate(zip(items, results)):
             seq = self._seqs[item.seq_id]
             result.num_draft_tokens = budget = self._decide_budget(seq)
-            if budget > 0 and item.seq_id in self.drafts:
+            if budget > 0 and item.seq_id in self.drafts and not getattr(result, "dead_end", False):
                 wanted.append((n, item.seq_id, budget))
         wanted = self._worth_drafting(wanted)
         if not wanted:

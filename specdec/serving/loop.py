@@ -39,6 +39,7 @@ class LoopUpdate:
     verify_seconds: float = 0.0
     step_seconds: float = 0.0  # wall time of the step as the loop saw it (calls included)
     log_probs: list[float] | None = None  # of token_ids, when the request asked for them
+    error: str | None = None  # the sequence ended with this error after token_ids (the verifier's message)
 
 
 def _kept(log_probs: list[float] | None, tokens: list[int]) -> list[float] | None:

@@ -42,6 +42,12 @@ STOP = "stop"
 # lost response: rounds of a tiny model a millisecond apart once left a request hanging.
 ROUNDS = "rounds"
 ROUND_TOKENS = "round_tokens"
+# A sequence that ends with an error after its stream has carried rounds (a round that failed,
+# a guide that reached a dead end) ends with a normal final response whose FINISH_REASON is
+# this prefix and the error's message; the loop raises it. The bundled python_backend (late
+# 2024) loses an error response sent on a decoupled stream after other responses: the caller's
+# iterator never sees it, and the client waited forever.
+FINISH_ERROR_PREFIX = "error: "
 # The verifier's numbers for one round of one sequence, one FP32 row per round.
 # verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
 # batch_sequences: sequences that shared the round's target forward; forced_accepted: of

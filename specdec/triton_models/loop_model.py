@@ -119,6 +119,11 @@ class VerifierStream:
                 quiet_since = time.monotonic()
                 rounds = self._updates(out, now - last)
                 last = now
+                if rounds and rounds[-1].error is not None:  # its tokens first, then the error (C.FINISH_ERROR_PREFIX)
+                    for update in rounds:
+                        if update.token_ids or update.text:
+                            yield update
+                    raise SpecDecError(rounds[-1].error)
                 if rounds[-1].finished:  # read on to the stream's end, so its iterator is retired
                     final = rounds
                     continue
@@ -158,12 +163,16 @@ class VerifierStream:
                 req.stats.record_step(depth, drafted, accepted, len(tokens), int(stats["forced_accepted"]))
             elif tokens:  # the prompt's first token
                 req.stats.cached_prompt_tokens = int(stats["cached_tokens"])
-            finished = last and bool(reason)
+            error = reason[len(C.FINISH_ERROR_PREFIX):] if last and reason.startswith(C.FINISH_ERROR_PREFIX) else None
+            finished = last and bool(reason) and error is None
             if finished:
                 req.finish(reason)
             updates.append(LoopUpdate(tokens, text if last else "", finished, reason if finished else None, verified, depth,
                                       drafted, accepted, stats["draft_seconds"], stats["verify_seconds"],
-                                      seconds / len(rows), log_probs))
+                                      seconds / len(rows), log_probs, error))
+        if not rows and reason.startswith(C.FINISH_ERROR_PREFIX):  # an end with no round in it
+            updates.append(LoopUpdate([], "", False, None, False, 0, 0, 0, 0.0, 0.0, 0.0, None,
+                                      reason[len(C.FINISH_ERROR_PREFIX):]))
         return updates
 
     async def stop(self, correlation_id: int | None = None) -> None:

@@ -46,6 +46,8 @@ class SenderSink:
         self.sender, self.log_probs, self.rounds = sender, log_probs, rounds
         self.batch_sequences = batch_sequences  # of the round being delivered
         self._held: list[tuple[StepOutput, list[float]]] = []  # rounds not sent yet (rounds=False)
+        self._sent = False  # a response went out: an error must then ride in a normal one (C.FINISH_ERROR_PREFIX)
+        self._closed = False
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
@@ -56,14 +58,16 @@ class SenderSink:
             stats[8] = step.forced_accepted
             stats[9] = step.cached_tokens
         self._held.append((out, stats))
-        if not (self.rounds or out.finished):
+        final = out.finished or out.error is not None
+        if not (self.rounds or final):
             return True
         held, self._held = self._held, []
         ids = [t for o, _ in held for t in o.new_token_ids]
+        reason = out.finish_reason or "" if out.error is None else C.FINISH_ERROR_PREFIX + str(out.error)
         outputs = [
             batched(P.OUTPUT_IDS, np.asarray(ids, dtype=np.int32)),
             text_tensor(P.TEXT_OUTPUT, "".join(o.text_delta for o, _ in held)),
-            text_tensor(P.FINISH_REASON, out.finish_reason or ""),
+            text_tensor(P.FINISH_REASON, reason),
             batched(C.STEP_STATS, np.float32([row for _, row in held])),
             batched(C.ROUND_TOKENS, np.int32([len(o.new_token_ids) for o, _ in held])),
         ]
@@ -71,14 +75,28 @@ class SenderSink:
             log_probs = [p for o, _ in held for p in (o.log_probs or [0.0] * len(o.new_token_ids))]
             outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs)))
         try:
-            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if out.finished else 0)
+            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if final else 0)
+            self._sent, self._closed = True, final
             return True
         except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
             return False
 
     def fail(self, exc: BaseException) -> None:
+        """The sequence ends with exc: an error response, or after rounds went out a final
+        round that carries it (C.FINISH_ERROR_PREFIX); nothing when emit already ended it so."""
+        if self._closed:
+            return
         try:
-            self.sender.send(error_response(exc), flags=FINAL)
+            if self._sent:
+                self.sender.send(pb_utils.InferenceResponse([
+                    batched(P.OUTPUT_IDS, np.zeros(0, dtype=np.int32)), text_tensor(P.TEXT_OUTPUT, ""),
+                    text_tensor(P.FINISH_REASON, C.FINISH_ERROR_PREFIX + str(exc)),
+                    batched(C.STEP_STATS, np.zeros((0, len(C.STEP_STATS_FIELDS)), dtype=np.float32)),
+                    batched(C.ROUND_TOKENS, np.zeros(0, dtype=np.int32)),
+                ]), flags=FINAL)
+            else:
+                self.sender.send(error_response(exc), flags=FINAL)
+            self._closed = True
         except Exception:  # noqa: BLE001 - nobody to tell
             pass
 
