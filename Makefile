@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants fuzz clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants fuzz bench-hostile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -170,7 +170,12 @@ soak: prepare
 soak-conversations: prepare
 	$(BIN)/python -m loadtest.soak --only-conversations --conversations 1000 --users 16 --out results/soak
 
-# Back-to-back bench-serving-shaped rounds (c=1 per method, concurrent streams, cancels) counting server deaths (issue 22)
+# A plain stream's longest gap between chunks while hostile guides arrive (issue 43) -> results/hostile_guide.json (~2 min)
+bench-hostile: prepare
+	$(BIN)/python -m loadtest.hostile_guide --out results/hostile_guide.json
+
+# Back-to-back rounds of random requests (every method, c=1..16, stops, guides, both models, cancels) counting
+# server and stub deaths (issues 22 and 43)
 stress: prepare
 	$(BIN)/python -m loadtest.stress --rounds 20 --out results/stress/after
 

@@ -142,6 +142,10 @@ class ModelConfig:
         return (1, n // 2 - 1, n - 4)
 
 
+# stop_words and bad_words: the most strings, and the longest, a request may carry (a client
+# must not buy unbounded tokenizing and matching with one request)
+MAX_WORD_RULES = 64
+MAX_WORD_RULE_CHARS = 512
 MAX_CACHE_SALT_CHARS = 256
 DEFAULT_MAX_GUIDE_BYTES = 64 * 1024  # EngineConfig.max_guide_bytes
 
@@ -210,10 +214,12 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequestError("random_seed", f"must be in [0, 2**64), got {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop_words", "stop strings must be non-empty")
-        if any(not s for s in self.bad_words):
-            raise InvalidRequestError("bad_words", "bad words must be non-empty")
+        for field, words in (("stop_words", self.stop), ("bad_words", self.bad_words)):
+            if any(not s for s in words):
+                raise InvalidRequestError(field, "must be non-empty strings")
+            # each is tokenized, and stop strings are matched against every step's text
+            if len(words) > MAX_WORD_RULES or any(len(s) > MAX_WORD_RULE_CHARS for s in words):
+                raise InvalidRequestError(field, f"at most {MAX_WORD_RULES} strings of at most {MAX_WORD_RULE_CHARS} characters")
         if isinstance(self.min_length, bool) or not isinstance(self.min_length, int) or self.min_length < 0:
             raise InvalidRequestError("min_length", f"must be an integer >= 0, got {self.min_length!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):

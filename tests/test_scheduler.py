@@ -134,6 +134,24 @@ def test_a_bad_request_or_a_gone_listener_touches_nobody_else(target_dir):
     assert not engine.sequences and engine.cache.num_free == engine.cache.max_slots
 
 
+def test_a_request_is_validated_on_the_submitters_thread(target_dir):
+    """Prompt checks and the stop and bad words' tokenizing cost what the client chose: they
+    are done (and refused) inside submit(), before the scheduler's thread sees the request;
+    too many words are refused by name."""
+    from specdec.config import MAX_WORD_RULE_CHARS, MAX_WORD_RULES
+
+    scheduler = BatchScheduler(engine_of(target_dir))
+    try:
+        for field, params in (("stop_words", SamplingParams(max_tokens=4, stop=tuple(f"w{i}" for i in range(MAX_WORD_RULES + 1)))),
+                              ("bad_words", SamplingParams(max_tokens=4, bad_words=("x" * (MAX_WORD_RULE_CHARS + 1),))),
+                              ("max_tokens", SamplingParams(max_tokens=0))):
+            sink = ListSink()
+            scheduler.submit(field, prompts(1, seed=1)[0], params, "none", 0, sink)
+            assert sink.done.is_set() and isinstance(sink.error, InvalidRequestError) and sink.error.field == field
+    finally:
+        scheduler.close()
+
+
 def test_a_drafter_served_apart_is_asked_once_per_round_for_all_its_sequences(target_dir):
     apart = {"ngram-apart": SpeculativeConfig(method="ngram", max_draft_len=4, prompt_lookup_min=1, prompt_lookup_max=3,
                                               colocated=False)}

@@ -63,11 +63,7 @@ class RoundInfo:
 
 @dataclass(frozen=True)
 class _Submit:
-    request_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    method: str
-    num_draft_tokens: int | None
+    req: RequestState  # validated, its words tokenized, on the submitter's thread
     sink: Sink
 
 
@@ -136,8 +132,16 @@ class BatchScheduler:
     # ---- from any thread -----------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, method: str,
                num_draft_tokens: int | None, sink: Sink) -> None:
-        """The request joins the next round; a bad field is answered through sink.fail."""
-        self._post(_Submit(request_id, prompt_ids, params, method, num_draft_tokens, sink))
+        """The request joins the next round; a bad field is answered through sink.fail.
+        Validated here, on the caller's thread: the prompt checks and the stop and bad words'
+        tokenizing cost what the client chose, so they stay off the thread that steps every
+        sequence (as guides do)."""
+        try:
+            req = self.engine.prepare_request(request_id, prompt_ids, params, method, num_draft_tokens)
+        except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
+            sink.fail(exc)
+            return
+        self._post(_Submit(req, sink))
 
     def cancel(self, request_id: str) -> None:
         """The sequence ends before the next forward (its sink hears finish reason
@@ -187,8 +191,8 @@ class BatchScheduler:
             if isinstance(item, str):
                 self._cancel(item)
                 continue
+            req = item.req
             try:
-                req = self.engine.prepare_request(item.request_id, item.prompt_ids, item.params, item.method, item.num_draft_tokens)
                 compiling = self.engine.prepare_guide(req)
             except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
                 item.sink.fail(exc)
