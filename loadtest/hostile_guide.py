@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specdec_client import GenerateRequest, SpecDecClient
 
-CONTROL = GenerateRequest("Write a long story about a lighthouse keeper and the sea.", max_tokens=160, temperature=0.0,
+CONTROL = GenerateRequest("Write a long story about a lighthouse keeper and the sea.", max_tokens=1000, temperature=0.0,
                           ignore_eos=True, method=None, num_draft_tokens=0)
 
 
@@ -30,6 +30,7 @@ def hostile_guides() -> dict[str, tuple[str, str]]:
     while len(json.dumps(nested)) < 27_000:  # each level doubles it: 27 to 54 KB, 11 levels deep
         nested = {"type": "object", "properties": {"a": nested, "b": {"type": "array", "items": nested}}, "required": ["a"]}
     return {
+        "no_guide": (None, None),  # what any request joining costs the control (its prefill)
         "wide_schema_400_fields": ("json_schema", json.dumps(wide)),
         "nested_schema": ("json_schema", json.dumps(nested)),
         "slow_regex": ("regex", "[a-z]{0,4000}(x|y){0,3000}"),
@@ -37,12 +38,14 @@ def hostile_guides() -> dict[str, tuple[str, str]]:
     }
 
 
-def control_gaps(url: str, results: list[float]) -> None:
+def control_gaps(url: str, results: list[float], arrivals: list[float] | None = None) -> None:
     with SpecDecClient(url) as client:
         last = None
         for chunk in client.stream(CONTROL):
             if last is not None:
                 results.append(chunk.time - last)
+                if arrivals is not None:
+                    arrivals.append(chunk.time)
             last = chunk.time
 
 
@@ -57,13 +60,16 @@ def run(url: str) -> dict:
     control_gaps(url, alone)
     report = {"control_alone": summary(alone), "hostile": {}}
     gaps: list[float] = []
-    control = threading.Thread(target=control_gaps, args=(url, gaps))
+    arrivals: list[float] = []
+    origin = time.perf_counter()
+    control = threading.Thread(target=control_gaps, args=(url, gaps, arrivals))
     control.start()
     time.sleep(1.0)  # the control is decoding
     with SpecDecClient(url) as client:
         for name, (guide_type, guide) in hostile_guides().items():
             if not control.is_alive():
                 break
+            time.sleep(0.5)  # apart, so each gap can be told to its request
             t0 = time.perf_counter()
             try:
                 text = client.generate(GenerateRequest("Fill in the form.", max_tokens=24, guide_type=guide_type, guide=guide,
@@ -71,10 +77,15 @@ def run(url: str) -> dict:
                 outcome = {"served": True, "tokens_text_chars": len(text)}
             except Exception as exc:  # noqa: BLE001 - a refusal is an outcome
                 outcome = {"served": False, "error": str(exc)[-200:]}
-            outcome.update(seconds=round(time.perf_counter() - t0, 2), guide_bytes=len(guide.encode()))
+            outcome.update(seconds=round(time.perf_counter() - t0, 2), guide_bytes=len((guide or "").encode()),
+                           sent_at_s=round(t0 - origin, 3))
             report["hostile"][name] = outcome
     control.join()
     report["control_with_hostile_guides"] = summary(gaps)
+    # the longest gaps, each with when its chunk arrived (the hostile requests' sent_at_s clock)
+    report["control_with_hostile_guides"]["longest_gaps"] = [
+        {"gap_ms": round(1000 * gaps[i], 1), "arrived_at_s": round(arrivals[i] - origin, 3)}
+        for i in sorted(range(len(gaps)), key=lambda i: -gaps[i])[:6]]
     return report
 
 
