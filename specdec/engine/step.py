@@ -270,7 +270,7 @@ class Speculator(KeyedSequences[_Sequence]):
         for n, (item, result) in enumerate(zip(items, results)):
             seq = self._seqs[item.seq_id]
             result.num_draft_tokens = budget = self._decide_budget(seq)
-            if budget > 0 and item.seq_id in self.drafts and not getattr(result, "dead_end", False):
+            if budget > 0 and item.seq_id in self.drafts and not result.dead_end:
                 wanted.append((n, item.seq_id, budget))
         wanted = self._worth_drafting(wanted)
         if not wanted:

@@ -145,6 +145,7 @@ class VerifierStream:
         ids = out[P.OUTPUT_IDS].reshape(-1).tolist()
         reason, text = (bytes(out[name].reshape(-1)[0]).decode("utf-8") for name in (P.FINISH_REASON, P.TEXT_OUTPUT))
         all_log_probs = out[P.OUTPUT_LOG_PROBS].reshape(-1).tolist() if P.OUTPUT_LOG_PROBS in out else None
+        error = reason[len(C.FINISH_ERROR_PREFIX):] if reason.startswith(C.FINISH_ERROR_PREFIX) else None
         updates, start = [], 0
         for n, (row, count) in enumerate(zip(rows, counts)):
             last = n == len(rows) - 1
@@ -163,16 +164,14 @@ class VerifierStream:
                 req.stats.record_step(depth, drafted, accepted, len(tokens), int(stats["forced_accepted"]))
             elif tokens:  # the prompt's first token
                 req.stats.cached_prompt_tokens = int(stats["cached_tokens"])
-            error = reason[len(C.FINISH_ERROR_PREFIX):] if last and reason.startswith(C.FINISH_ERROR_PREFIX) else None
             finished = last and bool(reason) and error is None
             if finished:
                 req.finish(reason)
             updates.append(LoopUpdate(tokens, text if last else "", finished, reason if finished else None, verified, depth,
                                       drafted, accepted, stats["draft_seconds"], stats["verify_seconds"],
-                                      seconds / len(rows), log_probs, error))
-        if not rows and reason.startswith(C.FINISH_ERROR_PREFIX):  # an end with no round in it
-            updates.append(LoopUpdate([], "", False, None, False, 0, 0, 0, 0.0, 0.0, 0.0, None,
-                                      reason[len(C.FINISH_ERROR_PREFIX):]))
+                                      seconds / len(rows), log_probs, error if last else None))
+        if not rows and error is not None:  # an end with no round in it
+            updates.append(LoopUpdate([], "", False, None, error=error))
         return updates
 
     async def stop(self, correlation_id: int | None = None) -> None:

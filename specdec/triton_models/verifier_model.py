@@ -62,24 +62,28 @@ class SenderSink:
         if not (self.rounds or final):
             return True
         held, self._held = self._held, []
-        ids = [t for o, _ in held for t in o.new_token_ids]
         reason = out.finish_reason or "" if out.error is None else C.FINISH_ERROR_PREFIX + str(out.error)
+        try:
+            self.sender.send(self._response(held, reason), flags=FINAL if final else 0)
+            self._sent, self._closed = True, final
+            return True
+        except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
+            return False
+
+    def _response(self, held: list[tuple[StepOutput, list[float]]], reason: str) -> "pb_utils.InferenceResponse":
+        """One response carrying the held rounds (none: an end alone) and the finish reason."""
+        ids = [t for o, _ in held for t in o.new_token_ids]
         outputs = [
             batched(P.OUTPUT_IDS, np.asarray(ids, dtype=np.int32)),
             text_tensor(P.TEXT_OUTPUT, "".join(o.text_delta for o, _ in held)),
             text_tensor(P.FINISH_REASON, reason),
-            batched(C.STEP_STATS, np.float32([row for _, row in held])),
+            batched(C.STEP_STATS, np.float32([row for _, row in held]).reshape(-1, len(C.STEP_STATS_FIELDS))),
             batched(C.ROUND_TOKENS, np.int32([len(o.new_token_ids) for o, _ in held])),
         ]
         if self.log_probs:
             log_probs = [p for o, _ in held for p in (o.log_probs or [0.0] * len(o.new_token_ids))]
             outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs)))
-        try:
-            self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if final else 0)
-            self._sent, self._closed = True, final
-            return True
-        except Exception:  # noqa: BLE001 - a closed stream: the caller is gone
-            return False
+        return pb_utils.InferenceResponse(outputs)
 
     def fail(self, exc: BaseException) -> None:
         """The sequence ends with exc: an error response, or after rounds went out a final
@@ -88,12 +92,7 @@ class SenderSink:
             return
         try:
             if self._sent:
-                self.sender.send(pb_utils.InferenceResponse([
-                    batched(P.OUTPUT_IDS, np.zeros(0, dtype=np.int32)), text_tensor(P.TEXT_OUTPUT, ""),
-                    text_tensor(P.FINISH_REASON, C.FINISH_ERROR_PREFIX + str(exc)),
-                    batched(C.STEP_STATS, np.zeros((0, len(C.STEP_STATS_FIELDS)), dtype=np.float32)),
-                    batched(C.ROUND_TOKENS, np.zeros(0, dtype=np.int32)),
-                ]), flags=FINAL)
+                self.sender.send(self._response([], C.FINISH_ERROR_PREFIX + str(exc)), flags=FINAL)
             else:
                 self.sender.send(error_response(exc), flags=FINAL)
             self._closed = True
