@@ -155,6 +155,63 @@ def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
         target_pass.grammars, engine.config = saved, saved_config
 
 
+def test_the_forward_gives_a_compiling_guide_a_core_and_takes_it_back(engine):
+    """While a guide compiles, the forward runs on one thread fewer (its OpenMP threads
+    stacked on one core beside a compile stalled a stream for 1.2 s); the count is per
+    thread under OpenMP, so it is read on the thread that runs the forwards."""
+    import threading
+    import types
+
+    import torch
+
+    target_pass = engine.speculator.target_pass
+    saved = target_pass.grammars
+    fake = types.SimpleNamespace(compiling=False)
+    seen: list[int] = []
+
+    def forward_thread():
+        torch.set_num_threads(2)
+        engine._threads, engine._narrowed = None, False
+        for compiling in (False, True, True, False):
+            fake.compiling = compiling
+            engine.fit_threads_to_compiles()
+            seen.append(torch.get_num_threads())
+
+    target_pass.grammars = fake
+    try:
+        worker = threading.Thread(target=forward_thread)
+        worker.start()
+        worker.join(30)
+    finally:
+        target_pass.grammars = saved
+        engine._threads, engine._narrowed = None, False
+    assert seen == [2, 1, 1, 2]
+
+    # The worker says it is busy from the moment a guide is taken until its result is out.
+    import time
+
+    from specdec.engine.guide_compiler import GuideCompiler
+
+    gate = threading.Event()
+    worker = GuideCompiler(lambda guide_type, guide: gate.wait(30) and "compiled", lambda: "", timeout_s=None)
+    try:
+        assert not worker.busy
+        future = worker.submit("regex", "a+")
+        deadline = time.monotonic() + 10
+        while not worker.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.busy and not future.done()
+        gate.set()
+        assert future.result(30) == "compiled"
+        deadline = time.monotonic() + 10
+        while worker.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not worker.busy
+    finally:
+        gate.set()
+        worker.close()
+
+
 # ---- through the real Triton server -------------------------------------------------------
 @pytest.mark.server
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

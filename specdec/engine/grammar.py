@@ -244,6 +244,11 @@ class Grammars:
         self._worker.warm()
 
     @property
+    def compiling(self) -> bool:
+        """A guide is compiling now, on a core of its own (the forward gives it one)."""
+        return self._worker.busy
+
+    @property
     def probe_kills(self) -> int:
         """Compiles stopped at the limit (each one's request refused)."""
         return self._worker.kills

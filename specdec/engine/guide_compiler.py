@@ -126,7 +126,14 @@ class CompileProbe:
 class GuideCompiler:
     """One worker thread that turns (guide_type, guide) into a compiled grammar: the probe
     (when a limit is set), then `compile_in_process`. Futures carry the result or the
-    refusal; at most one guide compiles at a time, so guides take at most one core."""
+    refusal; at most one guide compiles at a time, so guides take at most one core.
+
+    The worker runs at normal priority and only the in-process compile (xgrammar, the GIL
+    released) runs on a thread at nice 19. A nice-19 thread that holds the GIL is a priority
+    inversion: when the scheduler's thread comes back from a forward op and waits for the
+    GIL, the holder gets a core only when the forward's threads leave one, so the wait runs to
+    scheduler quanta (the probe's 50 ms polls on a nice-19 worker left 125-210 ms gaps in a
+    plain stream, make bench-hostile). The worker's own Python work is a few polls."""
 
     def __init__(self, compile_in_process: Callable[[str, str | None], object],
                  tokenizer_info_json: Callable[[], str], timeout_s: float | None):
@@ -134,9 +141,16 @@ class GuideCompiler:
         self._info_json = tokenizer_info_json
         self.timeout_s = timeout_s
         self._probe: CompileProbe | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-guides",
-                                                           initializer=yield_the_cores)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-guides")
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-guide-compile",
+                                                                   initializer=yield_the_cores)
         self._refused: OrderedDict[tuple[str, str], InvalidRequestError] = OrderedDict()
+        self._working = threading.Event()  # a guide is being probed or compiled now
+
+    @property
+    def busy(self) -> bool:
+        """A guide is compiling now (in the probe or in process): it holds a core."""
+        return self._working.is_set()
 
     def warm(self) -> None:
         """Start the probe process now."""
@@ -157,16 +171,19 @@ class GuideCompiler:
         refused = self._refused.get(key)
         if refused is not None:
             raise refused
+        self._working.set()
         try:
             probe = self._probe_started()
             if probe is not None:
                 probe.check(guide_type, guide, self.timeout_s)
-            return self._compile(guide_type, guide)
+            return self._compile_pool.submit(self._compile, guide_type, guide).result()
         except InvalidRequestError as exc:
             self._refused[key] = exc
             if len(self._refused) > REFUSED_CACHE_SIZE:
                 self._refused.popitem(last=False)
             raise
+        finally:
+            self._working.clear()
 
     @property
     def kills(self) -> int:
@@ -174,11 +191,12 @@ class GuideCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         if self._probe is not None:
             self._probe.close()
 
 
-# The lowest CPU priority for compiles, the probe's and the worker thread's. The forward's
+# The lowest CPU priority for compiles, the probe's and the in-process compile thread's. The forward's
 # threads (torch's, one per core) meet at a barrier after every op, so a compile that holds a
 # core at equal priority holds back the whole forward by scheduler quanta: on 2 cores a plain
 # stream's longest gap between chunks went from 1.6x to 9-11x its median while hostile guides

@@ -237,6 +237,7 @@ class BatchScheduler:
         t1 = time.perf_counter()
         want_hidden = frozenset(rid for rid, req in self.engine.sequences.items() if req.method in self.hidden_methods)
         live = len(self.engine.sequences)
+        self.engine.fit_threads_to_compiles()
         prefilling = sum(1 for req in self.engine.sequences.values() if not req.output_ids)
         outputs = self.engine.step(trees, want_hidden)  # a failure ends the batch (_main)
         if self.on_round is not None:
