@@ -392,6 +392,10 @@ def _parse_schedule(raw: Any) -> dict[int, int]:
     return out
 
 
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "gguf")  # EngineConfig.weight_format
+QUANTIZED_WEIGHT_FORMATS = ("int8", "gguf")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes that preallocate buffers (KV cache slots) and bound requests."""
@@ -401,6 +405,12 @@ class EngineConfig:
     max_tokens_limit: int | None = None  # default: min(1024, max_seq_len)
     max_num_draft_tokens: int = 16  # bound on num_draft_tokens per request and tree budget
     dtype: str = "float32"
+    # The target's weights (issue 44; specdec/engine/models/quantized.py): None = dense in
+    # `dtype`; "float32" / "bfloat16" dense in that type; "int8" one int8 scale per output row
+    # of the float weights; "gguf" the GGUF file's own quantization as stored (Q4_1, Q8_0),
+    # multiplied by PyTorch's CPU weight-only kernels. The quantized formats run on CPU with
+    # float32 activations.
+    weight_format: str | None = None
     # EAGLE-3 head linears: a draft pass streams its ~9M weights per token, so bfloat16
     # halves the bytes (the target's output, hence losslessness, does not depend on it).
     draft_dtype: str = "bfloat16"
@@ -432,6 +442,10 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.draft_dtype not in ("float32", "bfloat16"):
             raise ConfigError("draft_dtype", f"must be float32 or bfloat16, got {self.draft_dtype!r}")
+        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError("weight_format", f"must be one of {', '.join(WEIGHT_FORMATS)} or null (dense in dtype), got {self.weight_format!r}")
+        if self.weight_format in QUANTIZED_WEIGHT_FORMATS and (self.device != "cpu" or self.dtype != "float32"):
+            raise ConfigError("weight_format", f"{self.weight_format} runs on CPU with float32 activations (device cpu, dtype float32)")
         if self.max_tokens_limit is None:
             object.__setattr__(self, "max_tokens_limit", min(1024, self.max_seq_len))
         if not 1 <= self.max_tokens_limit <= self.max_seq_len:
@@ -518,3 +532,10 @@ class ServingConfig:
 
     def default_draft_tokens(self, method: str) -> int:
         return 0 if method == METHOD_NONE else int(self.methods[method].max_total_draft_tokens)
+
+
+def target_weight_dtype(config: "EngineConfig") -> str:
+    """The dtype the target's dense weights load in: the weight format's when it names one,
+    else engine.dtype (the quantized formats start from float32 weights)."""
+    fmt = config.weight_format
+    return fmt if fmt in ("float32", "bfloat16") else config.dtype

@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch
 
-from specdec.config import METHOD_NGRAM, SERVED_SETTINGS, EngineConfig, ModelConfig, ServingConfig, SpeculativeConfig, resolve_model_dir
+from specdec.config import METHOD_NGRAM, SERVED_SETTINGS, EngineConfig, ModelConfig, ServingConfig, SpeculativeConfig, resolve_model_dir, target_weight_dtype
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.registry import BuildContext, kind_of
 from specdec.engine.drafters.service import union_of_layers
@@ -19,6 +19,7 @@ from specdec.errors import ConfigError
 from specdec.engine.models.llama import Transformer
 from specdec.config import default_model_dir
 from specdec.engine.models.loading import load_embedding, load_transformer
+from specdec.engine.models.quantized import quantize
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def tap_layers_for(target_cfg: ModelConfig, speculative: Mapping[str, Speculativ
 def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    return load_transformer(Path(model_dir or default_model_dir()), dtype=config.dtype, device=config.device)
+    model_dir = Path(model_dir or default_model_dir())
+    model = load_transformer(model_dir, dtype=target_weight_dtype(config), device=config.device)
+    return quantize(model, config.weight_format, model_dir)
 
 
 def colocated_methods(settings: ServingConfig, colocated: bool = True) -> dict[str, SpeculativeConfig]:
