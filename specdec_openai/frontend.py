@@ -161,8 +161,12 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
         if not (value is None or value == neutral or (neutral is None and not value)):
             raise OpenAIError(400, f"{name} is not supported (only {neutral!r})", name)
     prompt = render_messages(body.get("messages"), tokenizer) if chat else _prompt_text(body.get("prompt"))
-    max_tokens = _number(body, "max_completion_tokens", None, int) if body.get("max_completion_tokens") is not None \
-        else _number(body, "max_tokens", DEFAULT_MAX_TOKENS, int)
+    # max_completion_tokens wins over the legacy max_tokens, but both are checked: a bad value is
+    # refused, not dropped. The server checks the one used against its limit.
+    counts = (1, INT32_RANGE[1])
+    legacy_max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS, int, counts)
+    max_tokens = _number(body, "max_completion_tokens", None, int, counts) if body.get("max_completion_tokens") is not None \
+        else legacy_max_tokens
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):

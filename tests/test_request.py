@@ -174,6 +174,9 @@ def test_openai_bodies_are_validated_naming_the_parameter():
         ({**chat, "logprobs": True}, 400, "logprobs"),
         ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**chat, "max_tokens": 1.5}, 400, "max_tokens"),
+        ({**chat, "max_completion_tokens": 5, "max_tokens": [8]}, 400, "max_tokens"),  # not dropped for the other (make fuzz)
+        ({**chat, "max_completion_tokens": 5, "max_tokens": 0}, 400, "max_tokens"),
+        ({**chat, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
         ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
         (dict(model="m", prompt=["a", "b"]), 400, "prompt"),
     ]:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import specdec.engine.target as target_module
-from specdec.config import METHOD_NONE, EngineConfig, SamplingParams
+from specdec.config import METHOD_NONE, WEIGHT_FORMATS, EngineConfig, SamplingParams
 from specdec.serving.runtime import build_engine, encode_prompt, served_methods
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec_client.envinfo import provenance
@@ -88,8 +88,10 @@ def quantiles(values: list[float] | np.ndarray) -> dict[str, float | None]:
             "p50": float(np.quantile(v, 0.5)), "max": float(v.max())}
 
 
-def study(dtype: str, methods: list[str], num_prompts: int, max_tokens: int, seed: int, log=print) -> dict:
-    engine = build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=1024, dtype=dtype, enable_prefix_caching=False))
+def study(dtype: str, methods: list[str], num_prompts: int, max_tokens: int, seed: int, log=print,
+          weight_format: str | None = None) -> dict:
+    engine = build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=1024, dtype=dtype, weight_format=weight_format,
+                                              enable_prefix_caching=False))
     tok = engine.tokenizer
     prompts = [encode_prompt(tok, t) for t in sharegpt_prompts(num_prompts, seed=seed, tokenizer=tok, min_tokens=8, max_tokens=256)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -120,7 +122,7 @@ def study(dtype: str, methods: list[str], num_prompts: int, max_tokens: int, see
                                            "distance": float(dist[first_diff])})
         if (p + 1) % 10 == 0 or p + 1 == len(prompts):
             summary = ", ".join(f"{m} {r['identical']}/{r['of']}" for m, r in per_method.items())
-            log(f"[{dtype}] {p + 1}/{len(prompts)} prompts, {time.monotonic() - t0:.0f} s: identical {summary}")
+            log(f"[{weight_format or dtype}] {p + 1}/{len(prompts)} prompts, {time.monotonic() - t0:.0f} s: identical {summary}")
     margin_all = np.concatenate(all_margins)
     out_methods = {}
     for method, rec in per_method.items():
@@ -128,7 +130,7 @@ def study(dtype: str, methods: list[str], num_prompts: int, max_tokens: int, see
         out_methods[method] = {**rec, "distance": quantiles(distances),
                                "mean_acceptance_length": rec["emitted"] / rec["steps"] if rec["steps"] else None}  # max_tokens cuts the last
     return {
-        "dtype": dtype, "prompts": len(prompts), "max_tokens": max_tokens, "seed": seed,
+        "dtype": dtype, "weight_format": weight_format or dtype, "prompts": len(prompts), "max_tokens": max_tokens, "seed": seed,
         "baseline": {"rows": int(margin_all.size), "margin": quantiles(margin_all),
                      "rows_with_margin_below": {str(t): int((margin_all < t).sum()) for t in MARGIN_THRESHOLDS}},
         "methods": out_methods,
@@ -138,6 +140,8 @@ def study(dtype: str, methods: list[str], num_prompts: int, max_tokens: int, see
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specdec greedy-margin", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--weight-format", default=None, choices=list(WEIGHT_FORMATS),
+                    help="the target's weights (engine.weight_format; default: dense in --dtype)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--methods", default="all", help="comma-separated methods of model_repository/specdec.json, or all")
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     methods = list(served_methods()) if args.methods == "all" else args.methods.split(",")
     result = {**provenance(), "command": "specdec greedy-margin " + " ".join(argv or []),
-              **study(args.dtype, methods, args.prompts, args.max_tokens, args.seed)}
+              **study(args.dtype, methods, args.prompts, args.max_tokens, args.seed, weight_format=args.weight_format)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
