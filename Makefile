@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-structured bench-v5 mutants fuzz bench-hostile clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -93,6 +93,11 @@ greedy-margin: prepare
 		--out results/identity/float32.json
 	$(BIN)/specdec greedy-margin --dtype bfloat16 --prompts 100 --max-tokens 32 \
 		--methods eagle3,eagle3-hybrid,medusa-tree,ngram,draft_model --out results/identity/bfloat16.json
+
+# The target's plain decode per weight format (float32, bfloat16, int8, gguf: the GGUF's own Q4_1/Q8_0), c=1 and c=16,
+# against each format's weight-streaming floor (issue 44; ~5 min)
+bench-formats: prepare
+	$(BIN)/specdec bench-formats --out results/quantized/formats.json
 
 # Structured output: every mode under the task's grammar beside the constrained baseline, c=1 (~25 min)
 bench-structured: prepare

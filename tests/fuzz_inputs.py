@@ -405,11 +405,14 @@ def openai_case(draw, lim: Limits) -> OpenAICase:
             body[param] = value
     if body.get("max_completion_tokens") is not None:
         body["max_completion_tokens"] = min(body["max_completion_tokens"], 12)
-    bad = []
-    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2]))):
-        param = draw(st.sampled_from((prompt_param, *OPENAI_PARAMS)))
+    made_bad = {}  # each parameter made bad once (a second draw would undo the first)
+    for param in draw(st.lists(st.sampled_from((prompt_param, *OPENAI_PARAMS)), max_size=draw(st.sampled_from([0, 1, 1, 1, 2])),
+                               unique=True)):
         value, verdict = draw(openai_values(param, lim, chat))
         body[param] = value
+        made_bad[param] = (value, verdict)
+    bad = []
+    for param, (value, verdict) in made_bad.items():  # judged on the final body
         must_fail = verdict == INVALID
         if param == "max_tokens" and body.get("max_completion_tokens") is not None and _int_in(value, 1, 2**31 - 1):
             must_fail = False  # a count past the server's limit, but max_completion_tokens is the one used
