@@ -93,6 +93,8 @@ def token_log_probs(logits: Tensor, params: SamplingParams, rows: Sequence[int],
     """log p(token) for each (row, token): the processed logits at the request's temperature
     (1 for greedy), before top-k / top-p truncation (a truncated set would give -inf to
     tokens another setting would keep)."""
+    if not tokens:  # a round that emits nothing (a guide's dead end); an empty index would be float
+        return []
     scale = params.temperature if not params.greedy else 1.0
     picked = torch.log_softmax(logits[list(rows)].float() / scale, dim=-1)
-    return picked[torch.arange(len(rows)), torch.as_tensor(list(tokens))].tolist()
+    return picked[torch.arange(len(rows)), torch.as_tensor(list(tokens), dtype=torch.long)].tolist()

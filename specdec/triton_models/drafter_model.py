@@ -77,6 +77,9 @@ class TritonPythonModel:
         self.metrics.set(P.ACTIVE_SEQUENCES, self.drafts.active, model="drafter")
         return [r if r is not None else pb_utils.InferenceResponse([]) for r in responses]
 
+    def finalize(self):
+        self.metrics.close()
+
     def _start(self, seq_id, request):
         ids = array(request, P.INPUT_IDS)
         if ids is None or ids.size < 2:

@@ -213,6 +213,9 @@ class TritonPythonModel:
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
         return None
 
+    def finalize(self):
+        self.metrics.close()
+
     def _parse(self, request):
         """The one request parser (specdec.serving.request), then the prompt's tokens."""
         req = parse_request(inputs_of(request, self.inputs), self.offer)

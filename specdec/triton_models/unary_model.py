@@ -53,3 +53,4 @@ class TritonPythonModel(loop_model.TritonPythonModel):
                 pb_utils.Logger.log_warn(f"{P.ENSEMBLE_UNARY}: {exc}")
         self._event_loop.call_soon_threadsafe(self._event_loop.stop)
         self._thread.join(timeout=10)
+        super().finalize()

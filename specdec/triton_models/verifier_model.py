@@ -199,4 +199,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.close()
-        self.metrics.flush()
+        self.metrics.close()
