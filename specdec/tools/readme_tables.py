@@ -266,6 +266,17 @@ def greedy_margin() -> Table:
     return Table(table(header, rows), paths)
 
 
+def weight_formats() -> Table:
+    path = "results/quantized/formats.json"
+    data = read(path)
+    rows = [[name, f"{r['streamed_bytes'] / 1e6:,.0f}", f"{r['floor_tok_s']:,.0f}", f"{r['c1_per_user_tok_s']:.1f}",
+             f"{r['c1_of_floor']:.2f}", f"{r['c16_aggregate_tok_s']:,.1f}", f"{r['forward_ms']['b1_k1']:.1f}",
+             f"{r['forward_ms']['b16_k1']:.1f}"] for name, r in data["formats"].items()]
+    header = ["weights", "MB read per step", "streaming floor (tok/s)", "c=1 tok/s", "of floor", "c=16 aggregate tok/s",
+              "forward, 1 row (ms)", "forward, 16 rows (ms)"]
+    return Table(table(header, rows), [path])
+
+
 TABLES: dict[str, Callable[[], Table]] = {
     "structured": structured,
     "conversations": conversations,
@@ -276,6 +287,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "heads": heads,
     "v5": v5,
     "greedy-margin": greedy_margin,
+    "weight-formats": weight_formats,
 }
 
 
