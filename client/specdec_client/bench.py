@@ -12,6 +12,7 @@ recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -23,6 +24,7 @@ import specdec_wire as P
 from specdec_client import server_metrics
 from specdec_client.client import AsyncSpecDecClient, GenerateRequest
 from specdec_client.datasets import Prompt, structured_valid
+from specdec_client.endpoints import AsyncEndpointClient, Endpoint
 from specdec_client.errors import SpecDecClientError
 from specdec_client.metrics import Slo, Trace
 
@@ -45,10 +47,14 @@ class Mode:
     # False: every request gets a salt of its own, so it reuses no cached prefix (the
     # "without the cache" side of a prefix-caching comparison, on the same server).
     prefix_cache: bool = True
+    # Across deployments (--baseline / --candidate): the deployment this mode is sent to,
+    # and which side it is. None: the --url server, whose baseline is plain decoding.
+    endpoint: Endpoint | None = None
+    baseline: bool | None = None
 
     @property
     def is_baseline(self) -> bool:
-        return self.num_draft_tokens == 0
+        return self.num_draft_tokens == 0 if self.baseline is None else self.baseline
 
     @property
     def metrics_method(self) -> str:
@@ -69,7 +75,7 @@ def parse_modes(methods: Sequence[str], prefix_cache: str = "on") -> list[Mode]:
     modes = _parse_modes(methods)
     if prefix_cache == "on":
         return modes
-    uncached = [Mode(m.name + NO_CACHE, m.method, m.num_draft_tokens, prefix_cache=False) for m in modes]
+    uncached = [replace(m, name=m.name + NO_CACHE, prefix_cache=False) for m in modes]
     return uncached if prefix_cache == "off" else [x for pair in zip(modes, uncached) for x in pair]
 
 
@@ -90,6 +96,21 @@ def _parse_modes(methods: Sequence[str]) -> list[Mode]:
             raise BenchConfigError(f"--methods: {item!r} is listed twice")
         modes.append(mode)
     return modes
+
+
+def endpoint_modes(baseline: Endpoint, candidate: Endpoint, prefix_cache: str = "on") -> list[Mode]:
+    """Two deployments side by side: the baseline's mode first, then the candidate's."""
+    names = (baseline.label or BASELINE, candidate.label or "candidate")
+    if names[0] == names[1]:
+        raise BenchConfigError(f"--baseline and --candidate share the name {names[0]!r}; give one a name=LABEL")
+    modes = [Mode(name, ep.method, ep.num_draft_tokens, endpoint=ep, baseline=is_base)
+             for name, ep, is_base in zip(names, (baseline, candidate), (True, False))]
+    if prefix_cache not in PREFIX_CACHE_CHOICES:
+        raise BenchConfigError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_CHOICES)}, got {prefix_cache!r}")
+    if prefix_cache == "on":
+        return modes
+    uncached = [replace(m, name=m.name + NO_CACHE, prefix_cache=False) for m in modes]
+    return uncached if prefix_cache == "off" else [x for pair in zip(modes, uncached) for x in pair]
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,14 @@ class BenchConfig:
     # Conversations (Prompt.turns) are rendered by the target's chat template here, client
     # side, the model's own answers included: messages -> prompt text. Not recorded.
     render_chat: Any = field(default=None, compare=False, repr=False)
+    # Across deployments every prompt is rendered here too (one user message), and sent as
+    # raw text: each side then tokenizes the same text, whatever template it would apply.
+    render_prompts: bool = False
+    # Output tokens of a side that does not count them (a stock ensemble): its text counted
+    # by the target's tokenizer. Not recorded.
+    count_tokens: Any = field(default=None, compare=False, repr=False)
+    # Both sides serve the same model: greedy outputs are compared (lossless in summary.json).
+    compare_outputs: bool = True
 
     def __post_init__(self):
         if not self.modes or not self.modes[0].is_baseline:
@@ -179,9 +208,9 @@ class BenchConfig:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(replace(self, render_chat=None))
-        del out["render_chat"]
-        out["modes"] = [asdict(m) for m in self.modes]
+        out = asdict(replace(self, render_chat=None, count_tokens=None))
+        del out["render_chat"], out["count_tokens"]
+        out["modes"] = [{**asdict(m), "endpoint": None if m.endpoint is None else m.endpoint.describe()} for m in self.modes]
         out["loads"] = [{**asdict(load), "label": load.label} for load in self.loads]
         out["stop"] = list(self.stop)
         return out
@@ -327,7 +356,8 @@ async def run_prompt(client: AsyncSpecDecClient, config: BenchConfig, plan: Bloc
     """One record per request: a plain prompt's one, or a conversation's turns in order
     (each sends the history with the answers so far; a failed turn ends the conversation)."""
     if not prompt.turns:
-        return [await one_request(client, config, plan, index, prompt, cache_salt(run_id, plan))]
+        text = config.render_chat([{"role": "user", "content": prompt.text}]) if config.render_prompts and config.render_chat else None
+        return [await one_request(client, config, plan, index, prompt, cache_salt(run_id, plan), text)]
     if config.render_chat is None:
         raise BenchConfigError("conversations need the target's chat template (its tokenizer could not be loaded)")
     history: list[dict[str, str]] = []
@@ -355,11 +385,17 @@ async def one_request(client: AsyncSpecDecClient, config: BenchConfig, plan: Blo
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
-    from_server = "output_tokens" in perf
+    from_server = P.OUTPUT_TOKENS in perf
+    if from_server:
+        output_tokens = int(perf[P.OUTPUT_TOKENS])
+    elif config.count_tokens is not None and error is None:
+        output_tokens = config.count_tokens("".join(texts))
+    else:
+        output_tokens = len(chunks)
     return RequestRecord(
         mode=plan.mode.name, concurrency=plan.load.concurrency, request_rate=plan.load.request_rate,
         repeat=plan.repeat, block=plan.block, prompt_index=index, send=send, chunks=chunks, end=end,
-        output_tokens=int(perf["output_tokens"]) if from_server else len(chunks),
+        output_tokens=output_tokens,
         verification_steps=int(perf.get("verification_steps", 0)),
         accepted=int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)), drafted=int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)),
         output_tokens_from_server=from_server, text="".join(texts), error=error,
@@ -409,34 +445,47 @@ async def _scrape(url: str | None):
 WARMUP_MAX_TOKENS = 16
 
 
-async def warm_up(client: AsyncSpecDecClient, config: BenchConfig, prompts: Sequence[Prompt]) -> None:
+async def warm_up(clients: dict, config: BenchConfig, prompts: Sequence[Prompt]) -> None:
     """A few short requests per mode (first-request costs, caches); not recorded."""
     for mode in config.modes:
         for i in range(config.warmup):
             prompt = prompts[i % len(prompts)]
             short = Prompt(prompt.text, min(WARMUP_MAX_TOKENS, prompt.max_tokens or config.max_tokens))
-            await client.generate(config.request(mode, short, cache_salt=f"warm-up:{uuid.uuid4().hex}"))
+            await clients[mode.endpoint].generate(config.request(mode, short, cache_salt=f"warm-up:{uuid.uuid4().hex}"))
+
+
+async def open_clients(stack: contextlib.AsyncExitStack, config: BenchConfig) -> dict:
+    """One client per deployment the modes name (None: the --url server), opened once."""
+    clients = {}
+    for endpoint in dict.fromkeys(m.endpoint for m in config.modes):
+        client = (AsyncSpecDecClient(config.url, config.protocol, config.model, config.timeout_s) if endpoint is None
+                  else AsyncEndpointClient(endpoint, config.timeout_s))
+        clients[endpoint] = await stack.enter_async_context(client)
+    return clients
 
 
 async def run_bench(config: BenchConfig, prompts: Sequence[Prompt], on_request: Callable[[], None] = lambda: None,
                     on_block: Callable[[BlockPlan], None] = lambda plan: None) -> BenchResult:
     if not prompts:
         raise BenchConfigError("no prompts")
-    async with AsyncSpecDecClient(config.url, config.protocol, config.model, config.timeout_s) as client:
-        await warm_up(client, config, prompts)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await open_clients(stack, config)
+        await warm_up(clients, config, prompts)
         result = BenchResult(config, time.perf_counter(), time.time())
         rng = random.Random(config.arrival_seed)
         run_id = uuid.uuid4().hex[:12]
         for plan in schedule(config, len(prompts)):
             on_block(plan)
-            before = await _scrape_or_none(result, config.metrics_url)
+            client = clients[plan.mode.endpoint]
+            metrics_url = config.metrics_url if plan.mode.endpoint is None else plan.mode.endpoint.metrics_url
+            before = await _scrape_or_none(result, metrics_url)
             start = time.perf_counter()
             if plan.load.request_rate is None:
                 records = await closed_loop(client, config, plan, prompts, on_request, run_id)
             else:
                 records = await open_loop(client, config, plan, prompts, on_request, rng, run_id)
             end = time.perf_counter()
-            after = await _scrape_or_none(result, config.metrics_url)
+            after = await _scrape_or_none(result, metrics_url)
             delta = server_metrics.delta(before, after) if before is not None and after is not None else None
             result.blocks.append(BlockResult(plan, start, end, sorted(records, key=lambda r: r.send), delta))
     return result

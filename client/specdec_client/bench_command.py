@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specdec_client import datasets as D
-from specdec_client.bench import BenchConfig, BenchConfigError, BenchResult, LoadPoint, parse_modes, run_bench, schedule
+from specdec_client.bench import (BenchConfig, BenchConfigError, BenchResult, LoadPoint, endpoint_modes, parse_modes, run_bench,
+                                  schedule)
 from specdec_client.command_args import add_connection_arguments, add_sampling_arguments
 from specdec_client.client import SpecDecClient
+from specdec_client.endpoints import Endpoint, parse_endpoint
 from specdec_client.envinfo import environment
 from specdec_client.errors import SpecDecClientError
 from specdec_client.local_server import local_server, settings_in_use
@@ -35,6 +37,13 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _endpoint(text: str) -> Endpoint:
+    try:
+        return parse_endpoint(text)
+    except SpecDecClientError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +70,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p, temperature=0.0)
     p.add_argument("--methods", help="comma-separated speculative modes, e.g. 'ngram,ngram-tree:6' (':k' = draft "
                                      "tokens); the baseline is always run (default: every method in the server's specdec.json)")
+    g = p.add_argument_group("two deployments side by side (instead of --methods on one server)")
+    g.add_argument("--baseline", type=_endpoint, metavar="ENDPOINT",
+                   help="the reference deployment: grpc://HOST:PORT[/MODEL], triton+http://HOST:PORT[/MODEL] or "
+                        "openai+http://HOST:PORT/v1, with ?method=, draft=, stock=1, model=, metrics=, name= "
+                        "(specdec_client/endpoints.py)")
+    g.add_argument("--candidate", type=_endpoint, metavar="ENDPOINT", help="the deployment judged against --baseline")
+    g.add_argument("--prompt-text", choices=("chat", "raw"), default="chat",
+                   help="with --baseline/--candidate: chat = each prompt rendered here by the target's chat template "
+                        "(--tokenizer) and sent as raw text to both, so both tokenize the same text; raw = as written")
+    g.add_argument("--same-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="both deployments serve the same model: check greedy identity (default on)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --max-tokens tokens per request (default on)")
     p.add_argument("--concurrency", type=_ints, help=f"closed-loop concurrencies (default {DEFAULT_CONCURRENCY} "
@@ -119,14 +139,37 @@ def default_methods(settings_path: Path) -> list[str]:
         raise BenchConfigError(f"--methods not given and the methods of {settings_path} could not be read: {exc}") from exc
 
 
-def load_config(args, target: Target) -> BenchConfig:
-    methods = args.methods.split(",") if args.methods else default_methods(target.settings_path)
+def comparing_deployments(args) -> bool:
+    given = (args.baseline is not None, args.candidate is not None)
+    if any(given) and not all(given):
+        raise BenchConfigError("give both --baseline and --candidate")
+    if all(given) and (args.methods or args.start_server):
+        raise BenchConfigError("--baseline/--candidate compare two deployments; --methods and --start-server are for one server")
+    return all(given)
+
+
+def load_config(args, target: Target | None) -> BenchConfig:
+    """target None: two deployments (--baseline / --candidate) instead of one server's modes."""
+    if target is None:
+        modes = endpoint_modes(args.baseline, args.candidate, args.prefix_cache)
+        url, protocol, metrics_url = args.baseline.spec, args.baseline.kind, None
+        counter = D.load_token_counter(args.tokenizer)
+        render = D.chat_renderer(args.tokenizer) if args.prompt_text == "chat" or args.dataset == "sharegpt-multiturn" else None
+        if render is None and args.prompt_text == "chat":
+            raise BenchConfigError("--prompt-text chat needs the target's tokenizer (--tokenizer DIR); or give --prompt-text raw")
+        extra = dict(render_chat=render, render_prompts=args.prompt_text == "chat", count_tokens=counter.count,
+                     compare_outputs=args.same_model)
+    else:
+        methods = args.methods.split(",") if args.methods else default_methods(target.settings_path)
+        modes = parse_modes(methods, args.prefix_cache)
+        url, protocol, metrics_url = target.url, args.protocol, target.metrics_url
+        extra = dict(render_chat=D.chat_renderer(args.tokenizer) if args.dataset == "sharegpt-multiturn" else None)
     concurrency = args.concurrency if args.concurrency is not None else ([] if args.request_rate else _ints(DEFAULT_CONCURRENCY))
     loads = [LoadPoint(concurrency=c) for c in concurrency] + [LoadPoint(request_rate=r) for r in args.request_rate]
     return BenchConfig(
-        url=target.url, protocol=args.protocol, model=args.model, metrics_url=target.metrics_url,
-        modes=tuple(parse_modes(methods, args.prefix_cache)), loads=tuple(loads), prefix_cache=args.prefix_cache,
-        render_chat=D.chat_renderer(args.tokenizer) if args.dataset == "sharegpt-multiturn" else None, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        url=url, protocol=protocol, model=args.model, metrics_url=metrics_url,
+        modes=tuple(modes), loads=tuple(loads), prefix_cache=args.prefix_cache, **extra,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
         repeats=args.repeats, block_size=args.block_size, prompts_per_concurrency=args.prompts_per_concurrency,
         warmup=args.warmup, timeout_s=args.timeout,
@@ -143,6 +186,22 @@ def load_prompts(args) -> D.PromptSet:
 def server_metadata(config: BenchConfig) -> dict[str, Any]:
     with SpecDecClient(config.url, config.protocol, timeout_s=30) as client:
         return client.server_metadata()
+
+
+def deployments_metadata(config: BenchConfig) -> dict[str, Any]:
+    """Each side's description, and its Triton server's metadata where it has one."""
+    out = {}
+    for mode in config.modes:
+        ep = mode.endpoint
+        entry = ep.describe()
+        if ep.is_triton:
+            try:
+                with SpecDecClient(ep.address, "grpc" if ep.kind == "grpc" else "http", timeout_s=30) as client:
+                    entry["server"] = client.server_metadata()
+            except SpecDecClientError as exc:
+                entry["server_error"] = str(exc)
+        out[mode.name] = entry
+    return {"deployments": out}
 
 
 # ---- run ---------------------------------------------------------------------------------
@@ -173,12 +232,12 @@ def write_outputs(result: BenchResult, env: dict[str, Any], dataset: dict[str, A
 
 
 def print_verdicts(summary: dict[str, Any], out: Path) -> None:
-    from specdec_client.report import verdict_line
+    from specdec_client.report import comparing_deployments, verdict_line
 
     for load in dict.fromkeys(r["load"] for r in summary["runs"]):
-        print(verdict_line(load, [s for s in summary["speedup"] if s["load"] == load]))
+        print(verdict_line(load, [s for s in summary["speedup"] if s["load"] == load], comparing_deployments(summary)))
     lossless = summary["lossless"]
-    if lossless.get("greedy"):
+    if lossless.get("greedy") and lossless["compared"]:
         print(f"lossless: {lossless['identical']}/{lossless['compared']} speculative outputs identical to the baseline")
     print(f"wrote {out}/summary.json, requests.jsonl, report.md and plots")
 
@@ -186,10 +245,15 @@ def print_verdicts(summary: dict[str, Any], out: Path) -> None:
 def cmd_bench(args) -> int:
     try:
         prompts = load_prompts(args)
-        with target_server(args) as target:
-            config = load_config(args, target)
-            env = environment(server_metadata(config), target.settings_path)
+        if comparing_deployments(args):
+            config = load_config(args, None)
+            env = environment(deployments_metadata(config), None)
             result = run_with_progress(config, prompts.prompts, show=not args.no_progress)
+        else:
+            with target_server(args) as target:
+                config = load_config(args, target)
+                env = environment(server_metadata(config), target.settings_path)
+                result = run_with_progress(config, prompts.prompts, show=not args.no_progress)
     except SpecDecClientError as exc:  # bad option, data set, server or launch
         print(f"specdec-client bench: {exc}", file=sys.stderr)
         return 2

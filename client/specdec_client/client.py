@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -199,10 +199,14 @@ def _grpc_error(exc: Exception) -> Exception:
 class SpecDecClient:
     """Synchronous client. url: host:port of gRPC (default 8001) or HTTP (8000)."""
 
-    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0):
+    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0,
+                 shape_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+        """shape_fields: rewrites each request's inputs before they are sent (a stock
+        TensorRT-LLM ensemble takes only its own; specdec_client.endpoints.stock_fields)."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        self._shape_fields = shape_fields
         self._grpc = None
 
     # ---- health -----------------------------------------------------------------------
@@ -380,10 +384,14 @@ class AsyncSpecDecClient:
     without `async with`, each request opens and closes its own connection.
     """
 
-    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0):
+    def __init__(self, url: str = "localhost:8001", protocol: str = "grpc", model: str = "ensemble", timeout_s: float | None = 600.0,
+                 shape_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+        """shape_fields: rewrites each request's inputs before they are sent (a stock
+        TensorRT-LLM ensemble takes only its own; specdec_client.endpoints.stock_fields)."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.url, self.protocol, self.model, self.timeout_s = url, protocol, model, timeout_s
+        self._shape_fields = shape_fields
         self._session = None  # shared aiohttp session (inside `async with`)
         self._aio = None  # shared tritonclient.grpc.aio client (inside `async with`)
 
@@ -411,6 +419,10 @@ class AsyncSpecDecClient:
             await self._session.close()
             self._session = None
 
+    def _fields(self, request: GenerateRequest, stream: bool) -> dict[str, Any]:
+        fields = request.fields(stream)
+        return fields if self._shape_fields is None else self._shape_fields(fields)
+
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         gen = self._grpc_stream(request, True) if self.protocol == "grpc" else self._sse(request)
         async for chunk in gen:
@@ -427,7 +439,7 @@ class AsyncSpecDecClient:
 
         owned = self._aio is None
         client = aioclient.InferenceServerClient(self.url) if owned else self._aio
-        fields = request.fields(stream)
+        fields = self._fields(request, stream)
 
         async def requests():
             yield {"model_name": self.model, "inputs": grpc_inputs(grpcclient, fields), "enable_empty_final_response": True}
@@ -465,7 +477,7 @@ class AsyncSpecDecClient:
         session = aiohttp.ClientSession(timeout=timeout) if owned else self._session
         try:
             # Leaving the response context early closes the connection: the server cancels.
-            async with session.post(f"http://{self.url}/v2/models/{self.model}/generate_stream", json=request.fields(True)) as resp:
+            async with session.post(f"http://{self.url}/v2/models/{self.model}/generate_stream", json=self._fields(request, True)) as resp:
                 if resp.status != 200:
                     raise ServerError(_http_error_text(await resp.read()))
                 async for raw in resp.content:

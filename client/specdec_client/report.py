@@ -28,8 +28,15 @@ def environment_lines(summary: dict[str, Any]) -> list[str]:
     ds = env["dataset"]
     gpus = ", ".join(host["gpu_models"]) or "none"
     spec = sc.get("speculative", {})
+    if "deployments" in server:  # two deployments side by side
+        where = [f"- {name}: `{d['endpoint']}` ({d['kind']}, model `{d.get('model') or 'the server default'}`"
+                 + (f", {d['server'].get('name', '?')} {d['server'].get('version', '?')}" if d.get("server") else "") + ")"
+                 for name, d in server["deployments"].items()]
+    else:
+        where = [f"- server: {server.get('name', '?')} {server.get('version', '?')} at `{cfg['url']}` ({cfg['protocol']}, model `{cfg['model']}`)"]
     return [
-        f"- date: {env['date']}; server: {server.get('name', '?')} {server.get('version', '?')} at `{cfg['url']}` ({cfg['protocol']}, model `{cfg['model']}`)",
+        f"- date: {env['date']}",
+        *where,
         f"- host: {host['cpu_model']} x {host['cpu_count']} CPUs ({host.get('cpus_usable')} usable); GPUs: {gpus}",
         f"- server config `{sc.get('path')}`: precision {sc.get('precision')}, max_batch_size {sc.get('max_batch_size')}, "
         f"threads {sc.get('threads')}, default method {spec.get('default_method')}",
@@ -65,15 +72,24 @@ def speedup_row(s: dict[str, Any]) -> str:
             f"| {_x(s['e2e_p50_ratio'])} | {_x(s['verdict_gain'])} ({spread}) | {s['verdict']} |")
 
 
-def verdict_line(load: str, speedups: Sequence[dict[str, Any]]) -> str:
-    """One sentence: does speculation pay at this load, by how much, on which metric."""
+def comparing_deployments(summary: dict[str, Any]) -> bool:
+    """Two deployments side by side (--baseline / --candidate), not one server's modes."""
+    return any(m.get("endpoint") for m in summary["config"]["modes"])
+
+
+def verdict_line(load: str, speedups: Sequence[dict[str, Any]], deployments: bool = False) -> str:
+    """One sentence: does speculation (or the candidate deployment) pay at this load, by how
+    much, on which metric."""
     scored = [s for s in speedups if s["verdict_gain"] is not None]
     if not scored:
         return f"- **{load}**: no comparison (missing baseline or failed runs)."
     best = max(scored, key=lambda s: s["verdict_gain"])
     metric = METRIC_WORDS[best["verdict_metric"]]
     change = f"{best['verdict_gain']:.2f}x {metric}"
-    if best["verdict"] == M.PAYS:
+    if deployments:
+        judged = {M.PAYS: "beats the baseline", M.COSTS: "loses to the baseline"}.get(best["verdict"], "is within noise of the baseline")
+        head = f"`{best['mode']}` {judged}: {change}"
+    elif best["verdict"] == M.PAYS:
         head = f"speculation pays: best mode `{best['mode']}` gives {change}"
     elif best["verdict"] == M.COSTS:
         head = f"speculation costs: even the best mode `{best['mode']}` gives {change}"
@@ -159,7 +175,7 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
     for s in summary["speedup"]:
         speed_by_load[s["load"]].append(s)
     lines += ["## Verdict", ""]
-    lines += [verdict_line(load, speed_by_load.get(load, [])) for load in by_load]
+    lines += [verdict_line(load, speed_by_load.get(load, []), comparing_deployments(summary)) for load in by_load]
     lines += ["", "Ratios are speculative / baseline at the same load, same prompts and settings. "
               "Throughput ratios > 1 and latency ratios < 1 favour speculation. ITL (= TPOT) is per token: "
               "(E2E - TTFT) / (output tokens - 1) per request. Inter-chunk latency is the gap between streamed "
@@ -175,7 +191,9 @@ def render_markdown(summary: dict[str, Any], plots: Sequence[str]) -> str:
                       "|" + "---|" * 9, *map(speedup_row, speed_by_load[load]), ""]
     loss = summary["lossless"]
     lines += ["## Lossless check", ""]
-    if loss.get("greedy"):
+    if loss.get("greedy") and not loss["compared"] and comparing_deployments(summary):
+        lines.append("The two deployments serve different models (--no-same-model): outputs not compared.")
+    elif loss.get("greedy"):
         lines.append(f"Greedy decoding: {loss['identical']} of {loss['compared']} speculative outputs are identical "
                      "to the baseline output for the same prompt.")
         lines += [f"- {m['mode']}: {m['identical']} / {m['compared']}" for m in loss.get("by_mode", [])]

@@ -153,8 +153,8 @@ def speedup_entries(runs: list[Run]) -> list[dict[str, Any]]:
 def lossless(result: BenchResult) -> dict[str, Any]:
     """Greedy runs: each speculative output vs the baseline output of the same prompt,
     load point and repeat (both successful)."""
-    if not result.config.greedy:
-        return {"greedy": False, "compared": 0, "identical": 0, "by_mode": []}
+    if not result.config.greedy or not result.config.compare_outputs:  # sampled, or two different models
+        return {"greedy": result.config.greedy, "compared": 0, "identical": 0, "by_mode": []}
     base = {(r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn): r.text
             for r in result.records if r.mode == result.config.modes[0].name and r.error is None}
     counts: dict[str, list[int]] = {m.name: [0, 0] for m in result.config.modes[1:]}
