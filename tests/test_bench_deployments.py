@@ -74,10 +74,12 @@ def test_an_openai_endpoint_streams_completions_with_usage():
 def test_two_deployments_need_distinct_names():
     a = parse_endpoint("grpc://h:1?name=x")
     with pytest.raises(BenchConfigError, match="name"):
-        endpoint_modes(a, parse_endpoint("grpc://h:2?name=x"))
-    modes = endpoint_modes(parse_endpoint("grpc://h:1"), parse_endpoint("openai+http://h:2/v1"), "both")
+        endpoint_modes(a, [parse_endpoint("grpc://h:2?name=x")])
+    modes = endpoint_modes(parse_endpoint("grpc://h:1"), [parse_endpoint("openai+http://h:2/v1")], "both")
     assert [(m.name, m.is_baseline) for m in modes] == [("baseline", True), ("baseline/no-cache", True),
                                                         ("candidate", False), ("candidate/no-cache", False)]
+    several = endpoint_modes(parse_endpoint("grpc://h:1"), [parse_endpoint("grpc://h:2"), parse_endpoint("grpc://h:3")])
+    assert [m.name for m in several] == ["baseline", "candidate1", "candidate2"]
 
 
 def _bench(tmp_path, *args):

@@ -98,15 +98,17 @@ def _parse_modes(methods: Sequence[str]) -> list[Mode]:
     return modes
 
 
-def endpoint_modes(baseline: Endpoint, candidate: Endpoint, prefix_cache: str = "on") -> list[Mode]:
-    """Two deployments side by side: the baseline's mode first, then the candidate's."""
-    names = (baseline.label or BASELINE, candidate.label or "candidate")
-    if names[0] == names[1]:
-        raise BenchConfigError(f"--baseline and --candidate share the name {names[0]!r}; give one a name=LABEL")
-    modes = [Mode(name, ep.method, ep.num_draft_tokens, endpoint=ep, baseline=is_base)
-             for name, ep, is_base in zip(names, (baseline, candidate), (True, False))]
+def endpoint_modes(baseline: Endpoint, candidates: Sequence[Endpoint], prefix_cache: str = "on") -> list[Mode]:
+    """Deployments side by side: the baseline's mode first, then each candidate's."""
+    names = [baseline.label or BASELINE] + [ep.label or ("candidate" if len(candidates) == 1 else f"candidate{i + 1}")
+                                            for i, ep in enumerate(candidates)]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise BenchConfigError(f"--baseline and --candidate share the name {repeated[0]!r}; give each a name=LABEL")
     if prefix_cache not in PREFIX_CACHE_CHOICES:
         raise BenchConfigError(f"--prefix-cache must be one of {', '.join(PREFIX_CACHE_CHOICES)}, got {prefix_cache!r}")
+    modes = [Mode(name, ep.method, ep.num_draft_tokens, endpoint=ep, baseline=i == 0)
+             for i, (name, ep) in enumerate(zip(names, [baseline, *candidates]))]
     if prefix_cache == "on":
         return modes
     uncached = [replace(m, name=m.name + NO_CACHE, prefix_cache=False) for m in modes]

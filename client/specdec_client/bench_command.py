@@ -75,7 +75,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="the reference deployment: grpc://HOST:PORT[/MODEL], triton+http://HOST:PORT[/MODEL] or "
                         "openai+http://HOST:PORT/v1, with ?method=, draft=, stock=1, model=, metrics=, name= "
                         "(specdec_client/endpoints.py)")
-    g.add_argument("--candidate", type=_endpoint, metavar="ENDPOINT", help="the deployment judged against --baseline")
+    g.add_argument("--candidate", type=_endpoint, metavar="ENDPOINT", action="append",
+                   help="a deployment judged against --baseline (repeatable: each one is a mode of the same blocks)")
     g.add_argument("--prompt-text", choices=("chat", "raw"), default="chat",
                    help="with --baseline/--candidate: chat = each prompt rendered here by the target's chat template "
                         "(--tokenizer) and sent as raw text to both, so both tokenize the same text; raw = as written")
