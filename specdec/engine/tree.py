@@ -183,7 +183,7 @@ class DraftTree:
             tokens.append(tok)  # shared: the rejection step, a leaf
             parents.append(at)
             rows.append(i)
-        probs = torch.zeros(len(tokens), V, dtype=self.draft_probs.dtype)
+        probs = self.draft_probs.new_zeros(len(tokens), V)
         for n, (tok, row) in enumerate(zip(tokens, rows)):
             if row is None:
                 probs[n, tok] = 1.0

@@ -107,7 +107,8 @@ class DraftModelDrafter(SlotCacheDrafter):
         todo = [s for s in states if s.pending]
         groups = [[s for s in todo if len(s.pending) <= SHARED_CATCH_UP]] + [[s] for s in todo if len(s.pending) > SHARED_CATCH_UP]
         for group in filter(None, groups):
-            batch = build_batch([s.slot for s in group], [self.cache.lengths[s.slot] for s in group], [s.pending for s in group])
+            batch = build_batch([s.slot for s in group], [self.cache.lengths[s.slot] for s in group], [s.pending for s in group],
+                                device=self.cache.k.device)
             logits = self.model(batch, self.cache, last_only=True).logits[:, 0]
             for b, s in enumerate(group):
                 self.cache.commit(s.slot, range(len(s.pending)), s.pending)
@@ -116,7 +117,8 @@ class DraftModelDrafter(SlotCacheDrafter):
     def _pass(self, states: list[_DraftState], tokens: list[list[int]], offsets: list[int], depths: list[list[int]],
               masks: list[Tensor]) -> Tensor:
         """One draft pass over uncommitted nodes; their logits [B, N, Vd]."""
-        batch = draft_pass_batch([self.cache.lengths[s.slot] for s in states], [s.slot for s in states], tokens, offsets, depths, masks)
+        batch = draft_pass_batch([self.cache.lengths[s.slot] for s in states], [s.slot for s in states], tokens, offsets, depths, masks,
+                                 self.cache.k.device)
         return self.model(batch, self.cache).logits
 
     def _to_target(self, draft_id: int) -> int:

@@ -138,7 +138,8 @@ class Eagle3Drafter(SlotCacheDrafter):
         todo = [s for s in states if s.pending_tokens]
         if not todo:
             return
-        batch = build_batch([s.slot for s in todo], [self.cache.lengths[s.slot] for s in todo], [s.pending_tokens for s in todo])
+        batch = build_batch([s.slot for s in todo], [self.cache.lengths[s.slot] for s in todo], [s.pending_tokens for s in todo],
+                            device=self.cache.k.device)
         last_hidden, last_logits = self.head.absorb([torch.cat(s.pending_hidden) for s in todo], batch, self.cache)
         for b, s in enumerate(todo):
             self.cache.commit(s.slot, range(len(s.pending_tokens)))
@@ -148,7 +149,8 @@ class Eagle3Drafter(SlotCacheDrafter):
     def _step(self, states: list[_HeadState], hidden: Tensor, tokens: list[list[int]], offsets: list[int],
               depths: list[list[int]], masks: list[Tensor]) -> tuple[Tensor, Tensor]:
         """One head pass over uncommitted draft nodes (tree_search.draft_pass_batch)."""
-        batch = draft_pass_batch([self.cache.lengths[s.slot] for s in states], [s.slot for s in states], tokens, offsets, depths, masks)
+        batch = draft_pass_batch([self.cache.lengths[s.slot] for s in states], [s.slot for s in states], tokens, offsets, depths, masks,
+                                 self.cache.k.device)
         return self.head(hidden, batch, self.cache)
 
     def _chains(self, seqs, states, budgets, keep_drafting: KeepDrafting | None = None) -> list[DraftTree]:
@@ -201,7 +203,7 @@ class Eagle3Drafter(SlotCacheDrafter):
 
         def expand(rows: list[Expansion]) -> Tensor:
             N = max(len(r.nodes) for r in rows)
-            hidden = torch.zeros(len(rows), N, parent_hidden.shape[-1])
+            hidden = parent_hidden.new_zeros(len(rows), N, parent_hidden.shape[-1])
             for b, r in enumerate(rows):
                 for j, parent in enumerate(r.parents):
                     hidden[b, j] = parent_hidden[b] if parent == ROOT else hidden_of[b][parent]
@@ -241,7 +243,7 @@ def head_dir(spec: SpeculativeConfig) -> Path:
 
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> Eagle3Drafter:
-    head = load_eagle3(head_dir(spec), ctx.embedding(), ctx.target_cfg)
+    head = load_eagle3(head_dir(spec), ctx.embedding(), ctx.target_cfg).to(ctx.engine.device)
     head = cast_linears(head, getattr(torch, ctx.engine.draft_dtype))
     return Eagle3Drafter(head, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len,
                          ctx.suffix_corpora(spec) if spec.hybrid_suffix else None)

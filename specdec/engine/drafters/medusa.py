@@ -80,7 +80,7 @@ class MedusaDrafter(Drafter):
         logp = draft_log_probs(logits)  # [K, B, Vd]
 
         def expand(rows: list[Expansion]) -> Tensor:  # every node at one level gets the next head's guess
-            out = torch.empty(len(rows), max(len(r.nodes) for r in rows), logp.shape[-1])
+            out = logp.new_empty(len(rows), max(len(r.nodes) for r in rows), logp.shape[-1])
             for b, r in enumerate(rows):
                 out[b] = logp[r.level + 1, b]
             return out
@@ -98,7 +98,8 @@ def heads_dir(spec: SpeculativeConfig) -> Path:
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> MedusaDrafter:
     # Weight-only bf16 for the heads' linears, as for the EAGLE-3 head (engine.draft_dtype): drafts only.
-    return MedusaDrafter(cast_linears(load_medusa(heads_dir(spec), ctx.target_cfg), getattr(torch, ctx.engine.draft_dtype)), spec)
+    heads = load_medusa(heads_dir(spec), ctx.target_cfg).to(ctx.engine.device)
+    return MedusaDrafter(cast_linears(heads, getattr(torch, ctx.engine.draft_dtype)), spec)
 
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:

@@ -185,7 +185,7 @@ def rerank(cands: list[Candidate], budget: int) -> DraftTree:
 
 
 def draft_pass_batch(prefix_lens: Sequence[int], slots: Sequence[int], tokens: list[list[int]], offsets: list[int],
-                     depths: list[list[int]], masks: list[Tensor]) -> ForwardBatch:
+                     depths: list[list[int]], masks: list[Tensor], device: torch.device | str = "cpu") -> ForwardBatch:
     """One draft pass over uncommitted draft nodes of a slot cache. Node j of row b is
     written at cache column prefix + offsets[b] + j, at RoPE position prefix + depth, and
     attends to the committed prefix plus the columns masks[b][j] marks among the drafted
@@ -207,5 +207,6 @@ def draft_pass_batch(prefix_lens: Sequence[int], slots: Sequence[int], tokens: l
         allow[b, n:, p + o + n : p + o + N] = torch.eye(N - n, dtype=torch.bool)  # padding: itself
     slots = list(slots)
     contiguous = all(x == slots[0] + i for i, x in enumerate(slots))
-    return ForwardBatch(tok, pos, torch.tensor(slots), write, allow[:, None], [len(t) for t in tokens],
-                        slots[0] if contiguous else None)
+    # Assembled on the CPU, moved to the drafter's cache device in one go.
+    tok, pos, slot_ids, write, allow = (t.to(device) for t in (tok, pos, torch.tensor(slots), write, allow))
+    return ForwardBatch(tok, pos, slot_ids, write, allow[:, None], [len(t) for t in tokens], slots[0] if contiguous else None)

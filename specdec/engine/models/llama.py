@@ -382,7 +382,7 @@ def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack
         mask = _additive(batch.attn_mask[:, :, :1, : split.root_context], dtype)
         rest = batch.attn_mask.index_select(0, split.rows)[:, :, 1 : split.width + 1, : packing.context].clone()
         padding = torch.arange(split.width, device=rest.device)[None, :] >= (
-            torch.tensor(batch.num_new, device=rest.device).index_select(0, split.rows.cpu()) - 1)[:, None]  # [R, M]
+            torch.tensor(batch.num_new, device=rest.device).index_select(0, split.rows) - 1)[:, None]  # [R, M]
         rest[:, 0, :, 0] |= padding  # a padding row keeps column 0 (no empty softmax row)
         return Step(batch, cos, sin, mask, p0, packing, _additive(rest, dtype))
     else:
