@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,12 @@ tmp/llamacpp/build/bin/llama-bench:
 bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
 	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
 
+# llama.cpp beside our server on the same GGUF (issue 44), one A/B run per load point through specdec-client bench:
+# llama-server plain (the baseline), with its n-gram speculation and with our draft model (converted by llama.cpp's
+# own converter), against our baseline, eagle3-hybrid and suffix, at c=1 and c=16 (-np 16) -> results/peers/ (~25 min)
+bench-peers: prepare tmp/llamacpp/build/bin/llama-bench
+	$(BIN)/specdec bench-peers --out results/peers
+
 # In-flight batching at load: Triton vs the in-process engine, closed loop, same prompts (c=16 and 1, ~30 min)
 bench-load: prepare
 	$(BIN)/specdec bench-load --concurrency 16,1 --prompts-at-1 12 --out results/bench/load/in_flight.json
@@ -60,19 +66,19 @@ bench-load: prepare
 # The rest of the load picture (~35 min): closed loop at c=4..32 greedy and T=0.7 per method, a Poisson rate sweep
 # under an SLO (goodput, sustained rate), and Locust's production scenario beside the baseline.
 bench-load-sweep: prepare
-	results/bench/load/sweep.sh
+	specdec/tools/experiments/load/sweep.sh
 
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json
 
 # Conversations (turn by turn, prefix cache on and off side by side) and repeated tasks (suffix decoding), through
 # Triton at c=1 (issue 36; ~15 and ~20 min on 2 cores). bench-suffix compares Arctic Inference's suffix decoding in the
-# same run once results/bench/suffix/build_arctic.sh has built it (needs the package index).
+# same run once specdec/tools/experiments/suffix/build_arctic.sh has built it (needs the package index).
 bench-conversations: prepare
-	results/bench/conversations/run.sh
+	specdec/tools/experiments/conversations/run.sh
 
 bench-suffix: prepare
-	results/bench/suffix/run.sh
+	specdec/tools/experiments/suffix/run.sh
 
 # Every source the README's tables cite, then the tables themselves (specdec readme-tables renders them from results/).
 # results-quick (~1 hour on 2 cores): the c=1 tables. results: those and the long sweeps (~5 hours: bench-load,

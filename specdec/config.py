@@ -18,6 +18,7 @@ from specdec.errors import ConfigError, InvalidRequestError
 # RMSNorm, RoPE, GQA, SwiGLU; qwen2 adds a bias on q/k/v.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
+import specdec_wire as P
 from specdec_wire import METHOD_NONE  # the baseline: one name, defined by the wire contract
 METHOD_NGRAM = "ngram"
 METHOD_EAGLE3 = "eagle3"
@@ -147,6 +148,43 @@ class ModelConfig:
 MAX_WORD_RULES = 64
 MAX_WORD_RULE_CHARS = 512
 MAX_CACHE_SALT_CHARS = 256
+
+# TensorRT-LLM's guide types (docs/source/features/guided-decoding.md there): "json" is any
+# JSON object (the guide is ignored), the others compile the guide text.
+GUIDE_JSON = "json"
+GUIDE_JSON_SCHEMA = "json_schema"
+GUIDE_REGEX = "regex"
+GUIDE_EBNF = "ebnf_grammar"
+GUIDE_TYPES = (GUIDE_JSON, GUIDE_JSON_SCHEMA, GUIDE_REGEX, GUIDE_EBNF)
+
+
+def check_guide(guide_type: str | None, guide: str | None, max_bytes: int | None = None) -> None:
+    """Refuse a bad guide at the request, naming the field. Cheap, whatever the client sends:
+    the type, presence, size and (a JSON schema) JSON syntax; the grammar itself is parsed
+    once, by the compile off the scheduler's thread (Grammars.compile). None / "" for both =
+    no guide."""
+    if not guide_type:
+        if guide:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is required with guided_decoding_guide")
+        return
+    if guide_type not in GUIDE_TYPES:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, f"unknown guide type {guide_type!r}; one of {', '.join(GUIDE_TYPES)}")
+    if guide_type == GUIDE_JSON:
+        return
+    if not guide:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is required for guide type {guide_type!r}")
+    size = len(guide.encode("utf-8"))
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is {size} bytes; the limit is {max_bytes} (engine.max_guide_bytes)")
+    if guide_type == GUIDE_JSON_SCHEMA:
+        try:
+            json.loads(guide)
+        except ValueError as exc:
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid json_schema: {exc}") from None
+        except RecursionError:  # nested deeper than the json module's stack
+            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, "is not a valid json_schema: nested too deeply") from None
+
+
 DEFAULT_MAX_GUIDE_BYTES = 64 * 1024  # EngineConfig.max_guide_bytes
 
 
@@ -225,8 +263,6 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
             raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.guide_type or self.guide:
-            from specdec.engine.grammar import check_guide
-
             check_guide(self.guide_type, self.guide, max_guide_bytes)
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")

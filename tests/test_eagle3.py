@@ -518,7 +518,7 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     greedy output equals plain decoding."""
     from specdec.engine.drafters.service import DraftService
     from specdec.serving.inprocess import InProcessBackend
-    from specdec.serving.loop import merge_replies
+    from specdec.serving.drafter_apart import merge_replies
     from specdec.engine.step import Speculator, StepResult
 
     target, head_dir, _ = tiny

@@ -2,7 +2,7 @@
 ships (model_repository/specdec.json: `draft_model`, `colocated: false`).
 
 The shipped path, in process: the verifier's BatchScheduler (specdec/serving/scheduler.py)
-asks the drafter through serving/loop.py's _SeparateDrafter and the BLS calls of
+asks the drafter through serving/drafter_apart.py's DrafterApart and the BLS calls of
 specdec/triton_models/drafter_calls.py (START with the prompt and first token, then what
 the verifier committed, the budget it decided); the `drafter` model
 (specdec/triton_models/drafter_model.py, initialized from a settings file as Triton does)

@@ -10,7 +10,7 @@ from specdec.config import METHOD_NONE, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.engine.sequences import check_prompt_ids, draft_budget
 from specdec.serving.request import ServedOffer, parse_request, resolve_method, resolve_token_rules
-from specdec.triton_models.contract import decode_sampling, encode_sampling
+from specdec.triton_models.contract import decode_generation, decode_sampling, encode_generation, encode_sampling
 
 OFFER = ServedOffer({"eagle3": 5, "ngram": 4}, "eagle3", max_num_draft_tokens=16, max_tokens_limit=512)
 
@@ -102,13 +102,10 @@ def test_logits_rules_travel_to_the_verifier_only():
     params = SamplingParams(max_tokens=9, min_length=4, end_ids=(2, 7), bad_word_ids=((5,), (8, 9, 10)),
                             repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75, return_log_probs=True)
     assert set(encode_sampling(params)) == {P.MAX_TOKENS, P.TEMPERATURE, P.TOP_K, P.TOP_P}  # the drafter's
-    back = decode_sampling(encode_sampling(params, rules=True).get)
-    assert back == params
-    plain = encode_sampling(SamplingParams(max_tokens=4), rules=True)  # nothing extra when no rule is set
-    assert set(plain) == {P.MAX_TOKENS, P.TEMPERATURE, P.TOP_K, P.TOP_P}
+    assert decode_generation(encode_generation(params)) == params  # the verifier's: the whole record
     with pytest.raises(InvalidRequestError) as err:
-        decode_sampling({C.BAD_WORDS_IDS: np.int32([5, 6])}.get)  # no closing separator
-    assert err.value.field == C.BAD_WORDS_IDS
+        decode_generation(np.array([b"{not json"], dtype=np.object_))
+    assert err.value.field == C.GENERATION
 
 
 def test_token_rules_resolve_end_ids_and_bad_words():
@@ -186,3 +183,14 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert triton_error("in speculative_loop: random_seed: must be in [0, 2**64)").param == "seed"
     assert triton_error("speculative_method: unknown method 'x'; known: none, max_tokens: ...").param == "speculative_method"
     assert triton_error("server busy: every sequence slot is taken").status == 503
+
+
+def test_round_stats_travel_as_one_row_in_field_order():
+    from specdec.triton_models.contract import STEP_STATS_FIELDS, RoundStats
+
+    stats = RoundStats(verified=True, accepted=3, draft_depth=4, draft_tokens=6, verify_seconds=0.25, draft_seconds=0.125,
+                       num_draft_tokens=5, batch_sequences=2, forced_accepted=1, cached_tokens=7)
+    row = np.float32(stats.to_row())  # as the wire carries it
+    assert row.shape == (len(STEP_STATS_FIELDS),) and row[STEP_STATS_FIELDS.index("cached_tokens")] == 7
+    back = RoundStats.from_row(row.tolist())
+    assert back == stats and isinstance(back.accepted, int) and back.verified is True

@@ -20,7 +20,7 @@ import pytest
 
 import specdec_wire as P
 from specdec.config import SamplingParams
-from specdec.engine.grammar import check_guide
+from specdec.config import check_guide
 from specdec.errors import InvalidRequestError
 from specdec_client import GenerateRequest, ServerError
 

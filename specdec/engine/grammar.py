@@ -26,7 +26,6 @@ its tokens come back unbanned, so a request always has a way to finish.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import threading
 from collections import OrderedDict
 from typing import Callable, Sequence
@@ -35,17 +34,10 @@ import torch
 from torch import Tensor
 
 import specdec_wire as P
+from specdec.config import GUIDE_JSON, GUIDE_JSON_SCHEMA, GUIDE_REGEX, GUIDE_TYPES
 from specdec.errors import InvalidRequestError
 from specdec.engine.guide_compiler import GuideCompiler
 from specdec.engine.tree import ROOT, DraftTree, IID_SAMPLED
-
-# TensorRT-LLM's guide types (docs/source/features/guided-decoding.md there): "json" is any
-# JSON object (the guide is ignored), the others compile the guide text.
-GUIDE_JSON = "json"
-GUIDE_JSON_SCHEMA = "json_schema"
-GUIDE_REGEX = "regex"
-GUIDE_EBNF = "ebnf_grammar"
-GUIDE_TYPES = (GUIDE_JSON, GUIDE_JSON_SCHEMA, GUIDE_REGEX, GUIDE_EBNF)
 
 _ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 
@@ -54,33 +46,6 @@ def _xgrammar():
     import xgrammar  # imported on first use: a server without guided requests never loads it
 
     return xgrammar
-
-
-def check_guide(guide_type: str | None, guide: str | None, max_bytes: int | None = None) -> None:
-    """Refuse a bad guide at the request, naming the field. Cheap, whatever the client sends:
-    the type, presence, size and (a JSON schema) JSON syntax; the grammar itself is parsed
-    once, by the compile off the scheduler's thread (Grammars.compile). None / "" for both =
-    no guide."""
-    if not guide_type:
-        if guide:
-            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is required with guided_decoding_guide")
-        return
-    if guide_type not in GUIDE_TYPES:
-        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, f"unknown guide type {guide_type!r}; one of {', '.join(GUIDE_TYPES)}")
-    if guide_type == GUIDE_JSON:
-        return
-    if not guide:
-        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is required for guide type {guide_type!r}")
-    size = len(guide.encode("utf-8"))
-    if max_bytes is not None and size > max_bytes:
-        raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is {size} bytes; the limit is {max_bytes} (engine.max_guide_bytes)")
-    if guide_type == GUIDE_JSON_SCHEMA:
-        try:
-            json.loads(guide)
-        except ValueError as exc:
-            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, f"is not a valid json_schema: {exc}") from None
-        except RecursionError:  # nested deeper than the json module's stack
-            raise InvalidRequestError(P.GUIDED_DECODING_GUIDE, "is not a valid json_schema: nested too deeply") from None
 
 
 def parse_guide(guide_type: str, guide: str | None):

@@ -312,10 +312,3 @@ class Speculator(KeyedSequences[_Sequence]):
         if seq_id in self.drafts:
             self.drafts.release(seq_id)
 
-    def release_idle(self, max_idle_s: float) -> list[Hashable]:
-        """Free sequences nobody has touched for max_idle_s (a client that vanished): the
-        verifier records every touch."""
-        stale = self.target_pass.idle(max_idle_s)
-        for seq_id in stale:
-            self.release(seq_id)
-        return stale

@@ -2,8 +2,8 @@
 
 `specdec.serving.inprocess.InProcessBackend` implements the hooks over a Speculator (tests,
 and the in-process CLI). The Triton path no longer runs this loop per request: the verifier's
-scheduler (specdec/serving/scheduler.py) batches every sequence, and uses _SeparateDrafter
-below for drafters served apart. The loop owns the request-level
+scheduler (specdec/serving/scheduler.py) batches every sequence, and uses DrafterApart
+(specdec/serving/drafter_apart.py) for drafters served apart. The loop owns the request-level
 rules (stop conditions, text, stats) through RequestState, and always releases what it
 started, whatever happens (finish, error, cancellation). The draft budget is not the loop's:
 the verifier decides it every step (specdec.engine.step) and says it in its reply, which
@@ -16,10 +16,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
-import torch
 from torch import Tensor
 
 from specdec.config import SamplingParams
+from specdec.serving.drafter_apart import DrafterApart
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.step import StepResult
 from specdec.engine.tree import DraftTree
@@ -44,18 +44,6 @@ class LoopUpdate:
 
 def _kept(log_probs: list[float] | None, tokens: list[int]) -> list[float] | None:
     return None if log_probs is None else log_probs[: len(tokens)]
-
-
-def merge_replies(replies: Sequence[StepResult]) -> StepResult:
-    """Consecutive verifier replies as one: the drafter only needs the committed tokens in
-    order and the hidden taps of their positions."""
-    if len(replies) == 1:
-        return replies[0]
-    hidden = [r.hidden for r in replies if r.hidden is not None]
-    return StepResult(
-        [t for r in replies for t in r.emitted], sum(r.accepted for r in replies),
-        hidden=torch.cat(hidden) if len(hidden) == len(replies) else None, num_draft_tokens=replies[-1].num_draft_tokens,
-    )
 
 
 class LoopBackend(ABC):
@@ -87,32 +75,6 @@ class LoopBackend(ABC):
     async def release(self, target_started: bool, drafter_started: bool) -> None: ...
 
 
-class _SeparateDrafter:
-    """The loop's side of a drafter served apart: start it on the first step, hand it what
-    the verifier kept (merged over steps that drafted nothing), keep it alive."""
-
-    def __init__(self, backend: LoopBackend, req: RequestState, keepalive_s: float):
-        self.backend, self.req, self.keepalive_s = backend, req, keepalive_s
-        self.started = False
-        self.unsent: list[StepResult] = []  # verifier replies the drafter has not seen yet
-        self.last_call = time.monotonic()
-
-    async def tree(self, reply: StepResult) -> DraftTree:
-        """The next tree, of at most the verifier's decided reply.num_draft_tokens."""
-        req, tree, n = self.req, None, reply.num_draft_tokens
-        if not self.started:
-            tree = await self.backend.start_drafter(req.prompt_ids, reply.emitted[0], req.params, req.method, reply.hidden, n)
-            self.started = True
-            self.last_call = time.monotonic()
-        else:
-            self.unsent.append(reply)
-            if n > 0 or time.monotonic() - self.last_call > self.keepalive_s:
-                tree = await self.backend.draft(merge_replies(self.unsent), n)
-                self.unsent = []
-                self.last_call = time.monotonic()
-        return tree or DraftTree()
-
-
 async def run_loop(
     req: RequestState,
     backend: LoopBackend,
@@ -128,7 +90,7 @@ async def run_loop(
     kept is handed to it, merged, at the next drafting step (or, without one for
     `drafter_keepalive_s`, with a budget of 0, so it never drops the sequence as idle).
     `want_hidden`: the drafter served apart needs the target's hidden taps."""
-    separate = _SeparateDrafter(backend, req, drafter_keepalive_s) if req.speculative and not colocated else None
+    separate = DrafterApart(backend, req, drafter_keepalive_s) if req.speculative and not colocated else None
     target_started = False
     try:
         hidden_apart = want_hidden and separate is not None

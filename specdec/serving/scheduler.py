@@ -10,7 +10,7 @@ and implements the sinks with response senders (specdec/triton_models/verifier_m
 tests drive it in process.
 
 Drafters served apart (a separate model) are asked once per round, concurrently, for every
-sequence of theirs that has a reply to hand over (serving/loop.py's _SeparateDrafter keeps
+sequence of theirs that has a reply to hand over (serving/drafter_apart.py's DrafterApart keeps
 their rules: merged replies, keep-alive), before the forward that verifies their trees.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Callable, Hashable, Protocol, Sequence
 from specdec.config import SamplingParams
 from specdec.engine.step import StepResult
 from specdec.engine.tree import DraftTree
-from specdec.serving.loop import LoopBackend, _SeparateDrafter
+from specdec.serving.drafter_apart import DrafterApart
+from specdec.serving.loop import LoopBackend
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.serving.state import RequestState
 
@@ -98,7 +99,7 @@ class BatchScheduler:
         self._inbox: list[_Submit | str] = []  # submits and cancels (request ids), in arrival order
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
-        self._apart: dict[str, _SeparateDrafter] = {}
+        self._apart: dict[str, DrafterApart] = {}
         self._replies: dict[str, StepResult] = {}  # the last reply of a sequence drafted apart
         # Guided requests whose grammar compiles on the guide worker: they join when it is done.
         self._compiling: dict[str, tuple[RequestState, Sink, concurrent.futures.Future]] = {}
@@ -219,7 +220,7 @@ class BatchScheduler:
             return
         self._sinks[req.request_id] = sink
         if self.apart_backend is not None and req.speculative and req.method in self.apart_methods:
-            self._apart[req.request_id] = _SeparateDrafter(self.apart_backend(req.request_id), req, self.keepalive_s)
+            self._apart[req.request_id] = DrafterApart(self.apart_backend(req.request_id), req, self.keepalive_s)
 
     def _cancel(self, request_id: str) -> None:
         waiting = self._compiling.pop(request_id, None)
@@ -305,7 +306,7 @@ class BatchScheduler:
             self._loop.create_task(self._release_apart(separate))
 
     @staticmethod
-    async def _release_apart(separate: _SeparateDrafter) -> None:
+    async def _release_apart(separate: DrafterApart) -> None:
         try:
             await separate.backend.release(False, True)
         except Exception:  # noqa: BLE001 - the drafter's idle timeout frees it anyway

@@ -22,12 +22,6 @@ DRAFT_TOKENS = "draft_tokens"
 DRAFT_PARENTS = "draft_parents"
 DRAFT_PROBS = "draft_probs"
 HIDDEN_STATES = "hidden_states"
-# The request's logits rules at token level, for the verifier only (the loop resolves them):
-# the ids that end a sequence (banned before min_length) and the bad words as token ids,
-# flattened with BAD_WORDS_SEPARATOR after each word.
-END_IDS = "end_ids"
-BAD_WORDS_IDS = "bad_words_ids"
-BAD_WORDS_SEPARATOR = -1
 RETURN_HIDDEN = "return_hidden"
 # A generation handed to the verifier: the request's SamplingParams (the one parser's, text
 # rules unresolved: the verifier resolves them with its tokenizer) as JSON, beside input_ids,
@@ -48,31 +42,43 @@ ROUND_TOKENS = "round_tokens"
 # 2024) loses an error response sent on a decoupled stream after other responses: the caller's
 # iterator never sees it, and the client waited forever.
 FINISH_ERROR_PREFIX = "error: "
-# The verifier's numbers for one round of one sequence, one FP32 row per round.
-# verified: 0 for the prompt's first token; num_draft_tokens: the next tree's budget;
-# batch_sequences: sequences that shared the round's target forward; forced_accepted: of
-# accepted, the tokens the request's grammar forced; cached_tokens: the prompt's tokens whose
-# KV came from the prefix cache (in the first token's row).
-STEP_STATS = "step_stats"
-STEP_STATS_FIELDS = ("verified", "accepted", "draft_depth", "draft_tokens", "verify_seconds", "draft_seconds",
-                     "num_draft_tokens", "batch_sequences", "forced_accepted", "cached_tokens")
+STEP_STATS = "step_stats"  # one FP32 row of RoundStats per round
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """The verifier's numbers for one round of one sequence, made once (the verifier) and
+    read once (the loop); on the wire one FP32 row of STEP_STATS, in field order."""
+
+    verified: bool = False  # False for the prompt's first token
+    accepted: int = 0
+    draft_depth: int = 0
+    draft_tokens: int = 0
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    num_draft_tokens: int = 0  # the next tree's budget
+    batch_sequences: int = 0  # sequences that shared the round's target forward
+    forced_accepted: int = 0  # of accepted, the tokens the request's grammar forced
+    cached_tokens: int = 0  # the prompt's tokens whose KV came from the prefix cache (first token's row)
+
+    def to_row(self) -> list[float]:
+        return [float(getattr(self, name)) for name in STEP_STATS_FIELDS]
+
+    @classmethod
+    def from_row(cls, row) -> "RoundStats":
+        return cls(**{f.name: type(f.default)(value) for f, value in zip(dataclasses.fields(cls), row)})
+
+
+STEP_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RoundStats))
 
 # Sequence-batcher control inputs of the stateful drafter and verifier.
 CONTROL_START = "START"
 CONTROL_END = "END"
-CONTROL_READY = "READY"
 CONTROL_CORRID = "CORRID"
 
-# Sampling settings as the loop sends them to the verifier and the drafter (encode_sampling).
+# Sampling settings as the loop sends them to the drafter (encode_sampling); the verifier
+# takes the whole SamplingParams at once (GENERATION).
 SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS, (W.CACHE_SALT, "TYPE_STRING", (1,), True))
-# ... and what only the verifier needs: the logits rules, and whether to return log probs.
-RULES_INPUTS = (
-    (W.MIN_LENGTH, "TYPE_INT32", (1,), True),
-    (END_IDS, "TYPE_INT32", (-1,), True),
-    (BAD_WORDS_IDS, "TYPE_INT32", (-1,), True),
-    *W.PENALTY_INPUTS,
-    (W.RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
-)
 
 # model name -> (inputs, outputs), as specdec_wire.MODELS.
 MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
@@ -108,10 +114,9 @@ MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
 
 
 # ---- sampling settings on the wire between the models: encoded once, decoded once ----------
-def encode_sampling(params: SamplingParams, rules: bool = False) -> dict[str, np.ndarray]:
-    """What the models need of a request's sampling settings (max_tokens bounds drafting);
-    `rules`: also the logits rules and log-prob flag, which only the verifier takes (sent
-    only when set, so a plain request's wire stays as small as it was)."""
+def encode_sampling(params: SamplingParams) -> dict[str, np.ndarray]:
+    """What the drafter needs of a request's sampling settings (max_tokens bounds drafting;
+    the logits rules are the verifier's alone)."""
     out = {
         W.MAX_TOKENS: np.int32([params.max_tokens]), W.TEMPERATURE: np.float32([params.temperature]),
         W.TOP_K: np.int32([params.top_k]), W.TOP_P: np.float32([params.top_p]),
@@ -120,18 +125,6 @@ def encode_sampling(params: SamplingParams, rules: bool = False) -> dict[str, np
         out[W.RANDOM_SEED] = np.uint64([params.seed])
     if params.cache_salt is not None:
         out[W.CACHE_SALT] = np.array([params.cache_salt.encode()], dtype=np.object_)
-    if not rules:
-        return out
-    if params.min_length:
-        out[W.MIN_LENGTH] = np.int32([params.min_length])
-        out[END_IDS] = np.int32(params.end_ids)
-    if params.bad_word_ids:
-        out[BAD_WORDS_IDS] = np.int32([t for word in params.bad_word_ids for t in (*word, BAD_WORDS_SEPARATOR)])
-    for name, neutral in ((W.REPETITION_PENALTY, 1.0), (W.PRESENCE_PENALTY, 0.0), (W.FREQUENCY_PENALTY, 0.0)):
-        if getattr(params, name) != neutral:
-            out[name] = np.float32([getattr(params, name)])
-    if params.return_log_probs:
-        out[W.RETURN_LOG_PROBS] = np.bool_([True])
     return out
 
 
@@ -141,26 +134,10 @@ def decode_sampling(read: Callable[[str], np.ndarray | None]) -> SamplingParams:
         value = read(name)
         return default if value is None else cast(value.reshape(-1)[0])
 
-    def ids(name: str) -> list[int]:
-        value = read(name)
-        return [] if value is None else [int(t) for t in value.reshape(-1)]
-
-    words, word = [], []
-    for token in ids(BAD_WORDS_IDS):
-        if token == BAD_WORDS_SEPARATOR:
-            words.append(tuple(word))
-            word = []
-        else:
-            word.append(token)
-    if word:
-        raise InvalidRequestError(BAD_WORDS_IDS, f"must end with the separator {BAD_WORDS_SEPARATOR}")
     return SamplingParams(
         max_tokens=one(W.MAX_TOKENS, 1, int), temperature=one(W.TEMPERATURE, 0.0, float), top_k=one(W.TOP_K, 0, int),
         top_p=one(W.TOP_P, 1.0, float), seed=one(W.RANDOM_SEED, None, int),
         cache_salt=one(W.CACHE_SALT, None, lambda v: v.decode() if isinstance(v, bytes) else str(v)),
-        min_length=one(W.MIN_LENGTH, 0, int), end_ids=tuple(ids(END_IDS)), bad_word_ids=tuple(w for w in words if w),
-        repetition_penalty=one(W.REPETITION_PENALTY, 1.0, float), presence_penalty=one(W.PRESENCE_PENALTY, 0.0, float),
-        frequency_penalty=one(W.FREQUENCY_PENALTY, 0.0, float), return_log_probs=one(W.RETURN_LOG_PROBS, False, bool),
     )
 
 

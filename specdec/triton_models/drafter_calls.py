@@ -20,7 +20,7 @@ DRAFT_OUT = [C.DRAFT_TOKENS, C.DRAFT_PARENTS, C.DRAFT_PROBS]
 
 
 class DrafterCalls:
-    """start_drafter / draft / release, as serving.loop's _SeparateDrafter calls them."""
+    """start_drafter / draft / release, as serving.drafter_apart's DrafterApart calls them."""
 
     def __init__(self, cid: int, key: bytes | None, vocab_size: int, max_draft_tokens: int):
         self.cid = cid

@@ -149,26 +149,25 @@ class VerifierStream:
         updates, start = [], 0
         for n, (row, count) in enumerate(zip(rows, counts)):
             last = n == len(rows) - 1
-            stats = dict(zip(C.STEP_STATS_FIELDS, row))
+            stats = C.RoundStats.from_row(row)
             tokens = ids[start : start + count]
             log_probs = None if all_log_probs is None else all_log_probs[start : start + count]
             start += count
             req.output_ids.extend(tokens)
             if log_probs is not None:
                 req.log_probs.extend(log_probs)
-            verified = bool(stats["verified"])
-            depth, drafted, accepted = int(stats["draft_depth"]), int(stats["draft_tokens"]), int(stats["accepted"])
+            verified, depth, drafted, accepted = stats.verified, stats.draft_depth, stats.draft_tokens, stats.accepted
             if verified:
-                req.stats.draft_seconds += stats["draft_seconds"]
-                req.stats.verify_seconds += stats["verify_seconds"]
-                req.stats.record_step(depth, drafted, accepted, len(tokens), int(stats["forced_accepted"]))
+                req.stats.draft_seconds += stats.draft_seconds
+                req.stats.verify_seconds += stats.verify_seconds
+                req.stats.record_step(depth, drafted, accepted, len(tokens), stats.forced_accepted)
             elif tokens:  # the prompt's first token
-                req.stats.cached_prompt_tokens = int(stats["cached_tokens"])
+                req.stats.cached_prompt_tokens = stats.cached_tokens
             finished = last and bool(reason) and error is None
             if finished:
                 req.finish(reason)
             updates.append(LoopUpdate(tokens, text if last else "", finished, reason if finished else None, verified, depth,
-                                      drafted, accepted, stats["draft_seconds"], stats["verify_seconds"],
+                                      drafted, accepted, stats.draft_seconds, stats.verify_seconds,
                                       seconds / len(rows), log_probs, error if last else None))
         if not rows and error is not None:  # an end with no round in it
             updates.append(LoopUpdate([], "", False, None, error=error))

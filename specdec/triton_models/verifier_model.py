@@ -11,6 +11,7 @@ A STOP request (same correlation id) ends a live sequence before the next forwar
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
 scheduler, once per round for all of their sequences.
 """
+import dataclasses
 import time
 from typing import Callable
 
@@ -51,13 +52,13 @@ class SenderSink:
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
-        stats = [float(out.verified), 0, 0, 0, 0, 0, 0, self.batch_sequences(), 0, 0]
+        stats = C.RoundStats(verified=out.verified, batch_sequences=self.batch_sequences())
         if step is not None:
-            stats[1:7] = [step.accepted, step.draft_depth, step.draft_tokens, step.verify_seconds, step.draft_seconds,
-                          step.num_draft_tokens]
-            stats[8] = step.forced_accepted
-            stats[9] = step.cached_tokens
-        self._held.append((out, stats))
+            stats = dataclasses.replace(stats, accepted=step.accepted, draft_depth=step.draft_depth, draft_tokens=step.draft_tokens,
+                                        verify_seconds=step.verify_seconds, draft_seconds=step.draft_seconds,
+                                        num_draft_tokens=step.num_draft_tokens, forced_accepted=step.forced_accepted,
+                                        cached_tokens=step.cached_tokens)
+        self._held.append((out, stats.to_row()))
         final = out.finished or out.error is not None
         if not (self.rounds or final):
             return True

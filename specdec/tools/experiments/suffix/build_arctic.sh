@@ -4,7 +4,7 @@
 # The full arctic-inference package needs vLLM and a GPU torch to build; its suffix
 # decoding does not. Needs the package index (pip download), cmake, ninja and a C++20 compiler.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../../../.."
 VENV=${VENV:-.venv}
 WORK=$(mktemp -d)
 "$VENV/bin/pip" download -q arctic-inference==0.3.0 --no-deps --no-binary :all: -d "$WORK"

@@ -4,7 +4,7 @@
 # blocks of two waves), an open-loop Poisson rate sweep under an SLO, and Locust's production
 # scenario with the baseline beside each method.
 set -x
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../../../.."
 OUT=results/bench/load
 BIN=.venv/bin
 METHODS=eagle3-hybrid,ngram-adaptive,eagle3-adaptive

@@ -4,9 +4,9 @@
 # cache and without it (a salt per request), side by side in one run, c=1, greedy.
 # ~15 min on 2 cores. Writes results/bench/conversations/{summary.json,report.md,...}.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../../../.."
 OUT=results/bench/conversations
-.venv/bin/python results/bench/suffix/settings.py "$OUT/specdec.json"
+.venv/bin/python specdec/tools/experiments/suffix/settings.py "$OUT/specdec.json"
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \
   --dataset sharegpt-multiturn --turns 4 --num-prompts 5 --max-input-tokens 160 --max-tokens 48 --no-ignore-eos \
   --prefix-cache both --methods eagle3,eagle3-hybrid,eagle3-hybrid-ngram,suffix --concurrency 1 --block-size 5 --warmup 1

@@ -6,9 +6,9 @@
 # build_arctic.sh has installed it), the hybrid with and without suffix, and prompt lookup.
 # ~20 min on 2 cores. Writes results/bench/suffix/{summary.json,report.md,...}.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../../../.."
 OUT=results/bench/suffix
-.venv/bin/python results/bench/suffix/settings.py "$OUT/specdec.json"
+.venv/bin/python specdec/tools/experiments/suffix/settings.py "$OUT/specdec.json"
 METHODS=suffix,eagle3-hybrid,eagle3-hybrid-ngram,ngram-tree
 if grep -q '"arctic-suffix"' "$OUT/specdec.json"; then METHODS=$METHODS,arctic-suffix; fi
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \

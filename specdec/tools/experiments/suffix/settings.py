@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-root = Path(__file__).resolve().parents[3]
+root = Path(__file__).resolve().parents[4]
 settings = json.loads((root / "model_repository" / "specdec.json").read_text())
 methods = settings["methods"]
 methods["eagle3-hybrid-ngram"] = {k: v for k, v in methods["eagle3-hybrid"].items() if k != "hybrid_suffix"}

@@ -4,7 +4,7 @@ In process (SpecEngine, the served settings), the structured workload's first 32
 16 at a time (closed loop), greedy, max_tokens as each task says (160), per mode: every call into the grammar
 (pruning and forced drafts before the forward, the tree walk filling bitmasks, applying
 them to the logits, advancing the matchers) is timed, next to the engine's step wall time.
-Run: .venv/bin/python results/bench/structured/mask_cost.py > results/bench/structured/mask_cost.txt
+Run: .venv/bin/python specdec/tools/experiments/structured/mask_cost.py > results/bench/structured/mask_cost.txt
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specdec.config import SamplingParams
 from specdec.engine import grammar as G
 from specdec.serving.runtime import build_engine, encode_prompt
 
-TASKS = Path(__file__).resolve().parents[3] / "data" / "structured" / "tasks.jsonl"
+TASKS = Path(__file__).resolve().parents[4] / "data" / "structured" / "tasks.jsonl"
 SPENT = {"draft (prune + forced)": 0.0, "masks (tree walk)": 0.0, "apply (logits)": 0.0, "advance": 0.0}
 NAMES = {"draft": "draft (prune + forced)", "masks": "masks (tree walk)", "apply": "apply (logits)", "advance": "advance"}
 

@@ -13,7 +13,7 @@ p = SamplingParams(max_tokens=48, ignore_eos=True)
 run_requests(engine, ids[:4], SamplingParams(max_tokens=8), "none", 0, 4)
 for rnd in range(2):
     for hog in (None, ("0.004", "0.036"), ("0.008", "0.032")):
-        proc = subprocess.Popen([sys.executable, "results/bench/load/hog.py", *hog, "600"]) if hog else None
+        proc = subprocess.Popen([sys.executable, "specdec/tools/experiments/load/hog.py", *hog, "600"]) if hog else None
         r = run_requests(engine, ids, p, "none", 0, 16)
         if proc: proc.kill()
         print(f"hog {hog}: {r['output_tok_s']:.1f} tok/s", flush=True)

