@@ -65,7 +65,7 @@ def test_a_running_stream_keeps_emitting_while_a_long_prompt_is_prefilled(smol_m
 def test_chunked_prefill_through_the_loop_hooks(smol_model, smol_tokenizer):
     """A START that does not finish its prompt answers no tokens; the caller's next steps
     continue it (what the Triton loop does), and its first token is the whole-prompt one."""
-    from specdec.engine.step import StartItem, StepItem
+    from specdec.engine.speculator import StartItem, StepItem
 
     long = encode_prompt(smol_tokenizer, LONG)
     params = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -519,7 +519,7 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     from specdec.engine.drafters.service import DraftService
     from specdec.serving.inprocess import InProcessBackend
     from specdec.serving.drafter_apart import merge_replies
-    from specdec.engine.step import Speculator, StepResult
+    from specdec.engine.speculator import Speculator, StepResult
 
     target, head_dir, _ = tiny
     engine = eagle_engine(target, head_dir)

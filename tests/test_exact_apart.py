@@ -1,7 +1,7 @@
 """Losslessness computed exactly (tests/exact.py) for the draft model served apart, as it
 ships (model_repository/specdec.json: `draft_model`, `colocated: false`).
 
-The shipped path, in process: the verifier's BatchScheduler (specdec/serving/scheduler.py)
+The shipped path, in process: the verifier's EngineLoop (specdec/serving/engine_loop.py)
 asks the drafter through serving/drafter_apart.py's DrafterApart and the BLS calls of
 specdec/triton_models/drafter_calls.py (START with the prompt and first token, then what
 the verifier committed, the budget it decided); the `drafter` model
@@ -35,7 +35,7 @@ import torch
 from exact import (MAX_SEQ_LEN, MAX_TOKENS, Outcomes, Request, Verified, emitted_tokens, exact_outcomes, toy,  # noqa: F401
                    worst_deviation)
 from specdec.config import SERVED_SETTINGS, ServingConfig
-from specdec.engine.step import Speculator
+from specdec.engine.speculator import Speculator
 from specdec.serving.spec_engine import SpecEngine
 from test_exact_lossless import TOLERANCE, TOP_K
 
@@ -207,7 +207,7 @@ class _StepSink:
 def apart_outcomes(settings: ServingConfig, drafter, drafter_calls, target, request: Request) -> Outcomes:
     """Every outcome of `request` through the scheduler with its tree drafted apart; each
     replay on fresh copies of the verifier's engine and the drafter model."""
-    from specdec.serving.scheduler import BatchScheduler
+    from specdec.serving.engine_loop import EngineLoop
 
     engine = SpecEngine(None, settings.engine, speculator=Speculator(target, settings.engine, {}, methods=settings.methods))
     # shared by every copy: the models, and the drafter model's heap trimmer (a libc handle) and metrics
@@ -216,7 +216,7 @@ def apart_outcomes(settings: ServingConfig, drafter, drafter_calls, target, requ
 
     def run():
         MODELS.models["drafter"] = copy.deepcopy(drafter, dict(shared))
-        scheduler = BatchScheduler(copy.deepcopy(engine, dict(shared)),
+        scheduler = EngineLoop(copy.deepcopy(engine, dict(shared)),
                                    apart_backend=lambda rid: drafter_calls(int(rid), None, target.cfg.vocab_size,
                                                                            settings.engine.max_num_draft_tokens),
                                    apart_methods=frozenset([METHOD]))

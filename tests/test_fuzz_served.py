@@ -441,14 +441,14 @@ def test_a_guide_the_vocabulary_cannot_spell_ends_alone():
     its start is refused at compile; a stream beside it decodes as alone."""
     from specdec.engine.grammar import UNPRODUCIBLE
     from specdec.serving.runtime import build_engine, encode_prompt, served_methods
-    from specdec.serving.scheduler import BatchScheduler
+    from specdec.serving.engine_loop import EngineLoop
     from test_scheduler import ListSink
 
     engine = build_engine(speculative={m: served_methods()[m] for m in ("eagle3", "eagle3-tree")})
     ids = encode_prompt(engine.tokenizer, "Count to five.")
     plain = SamplingParams(max_tokens=16, ignore_eos=True)
     alone = [t for out in engine.generate(ids, plain, "eagle3") for t in out.new_token_ids]
-    scheduler = BatchScheduler(engine)
+    scheduler = EngineLoop(engine)
     try:
         beside, midway, sampled, baseline, at_start = ListSink(), ListSink(), ListSink(), ListSink(), ListSink()
         # log probs asked: a round that emits nothing must give none (it failed the round, found by make fuzz)

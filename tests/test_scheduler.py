@@ -1,4 +1,4 @@
-"""In-flight batching (specdec.serving.scheduler.BatchScheduler), in process: every live
+"""In-flight batching (specdec.serving.engine_loop.EngineLoop), in process: every live
 sequence shares each target forward, requests join and leave between rounds, a cancel takes
 effect before the next forward, a bad request or a gone listener touches nobody else, and a
 drafter served apart is asked once per round; greedy output equals plain decoding alone."""
@@ -15,7 +15,7 @@ from specdec.engine.models.loading import load_transformer
 from specdec.errors import InvalidRequestError
 from specdec.serving.inprocess import InProcessBackend
 from specdec.serving.runtime import build_drafters
-from specdec.serving.scheduler import BatchScheduler, RoundInfo
+from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine
 
 from conftest import save_tiny_hf
@@ -74,7 +74,7 @@ def test_every_live_stream_shares_each_forward_and_greedy_equals_plain(target_di
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = run_all(engine_of(target_dir), ps, params, "none", 0, concurrent=1)
     rounds: list[RoundInfo] = []
-    scheduler = BatchScheduler(engine_of(target_dir), on_round=rounds.append)
+    scheduler = EngineLoop(engine_of(target_dir), on_round=rounds.append)
     try:
         items = [(str(i), p, params, "ngram" if i % 2 else "none", 4 if i % 2 else 0) for i, p in enumerate(ps)]
         sinks = run(scheduler, items)
@@ -101,7 +101,7 @@ def test_cancel_takes_effect_before_the_next_forward_and_frees_the_slot(target_d
             return super().emit(out)
 
     rounds: list[RoundInfo] = []
-    scheduler = BatchScheduler(engine, on_round=rounds.append)
+    scheduler = EngineLoop(engine, on_round=rounds.append)
     try:
         sink = CancelAfterFirst()
         scheduler.submit("long", prompts(1)[0], SamplingParams(max_tokens=100, ignore_eos=True), "ngram", 4, sink)
@@ -115,7 +115,7 @@ def test_cancel_takes_effect_before_the_next_forward_and_frees_the_slot(target_d
 
 def test_a_bad_request_or_a_gone_listener_touches_nobody_else(target_dir):
     engine = engine_of(target_dir)
-    scheduler = BatchScheduler(engine)
+    scheduler = EngineLoop(engine)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     try:
         gone = ListSink(listening=False)
@@ -140,7 +140,7 @@ def test_a_request_is_validated_on_the_submitters_thread(target_dir):
     too many words are refused by name."""
     from specdec.config import MAX_WORD_RULE_CHARS, MAX_WORD_RULES
 
-    scheduler = BatchScheduler(engine_of(target_dir))
+    scheduler = EngineLoop(engine_of(target_dir))
     try:
         for field, params in (("stop_words", SamplingParams(max_tokens=4, stop=tuple(f"w{i}" for i in range(MAX_WORD_RULES + 1)))),
                               ("bad_words", SamplingParams(max_tokens=4, bad_words=("x" * (MAX_WORD_RULE_CHARS + 1),))),
@@ -167,7 +167,7 @@ def test_a_drafter_served_apart_is_asked_once_per_round_for_all_its_sequences(ta
             calls_per_round[len(rounds)] = calls_per_round.get(len(rounds), 0) + 1
             return await super().draft(last, num_draft_tokens)
 
-    scheduler = BatchScheduler(engine, apart_backend=lambda rid: Counting(engine.speculator, rid, drafts),
+    scheduler = EngineLoop(engine, apart_backend=lambda rid: Counting(engine.speculator, rid, drafts),
                                apart_methods=frozenset(apart), on_round=rounds.append)
     ps = prompts(4, seed=9)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -196,7 +196,7 @@ def test_a_failing_round_ends_every_stream_in_it_with_the_error_and_frees_every_
         return step(*args, **kwargs)
 
     engine.step = failing_step
-    scheduler = BatchScheduler(engine)
+    scheduler = EngineLoop(engine)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     try:
         sinks = run(scheduler, [(f"s{i}", p, params, "ngram", 4) for i, p in enumerate(prompts(3, seed=5))])

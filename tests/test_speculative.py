@@ -386,7 +386,7 @@ def test_a_method_named_without_a_budget_drafts_its_configured_one(tiny_target):
 def test_a_failed_start_holds_no_slot(tiny_target):
     """Prefill is all or nothing: a drafter that fails to start leaves every slot free."""
     from specdec.engine.drafters.base import Drafter
-    from specdec.engine.step import Speculator, StartItem
+    from specdec.engine.speculator import Speculator, StartItem
 
     class Broken(Drafter):
         def propose(self, seqs, budgets):

@@ -120,7 +120,7 @@ def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
 
     from specdec.engine.grammar import Grammars
     from specdec.serving.runtime import encode_prompt
-    from specdec.serving.scheduler import BatchScheduler
+    from specdec.serving.engine_loop import EngineLoop
     from test_scheduler import ListSink as Collect
 
     plain = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -131,7 +131,7 @@ def test_a_guide_compiles_off_the_scheduler_thread_within_its_limit(engine):
     target_pass.grammars = Grammars.for_tokenizer(lambda: engine.tokenizer, target_pass.target.cfg.vocab_size, compile_timeout_s=0.05)
     engine.config = dataclasses.replace(engine.config, guide_compile_timeout_s=0.05)
     target_pass.grammars.warm()
-    scheduler = BatchScheduler(engine)
+    scheduler = EngineLoop(engine)
     try:
         stream, slow, repeat, cancelled = Collect(), Collect(), Collect(), Collect()
         scheduler.submit("stream", ids, plain, "none", 0, stream)

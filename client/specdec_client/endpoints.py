@@ -171,8 +171,10 @@ class AsyncOpenAIClient:
     async def __aenter__(self) -> "AsyncOpenAIClient":
         import aiohttp
 
+        # Idle connections are dropped after 2 s, before the server drops them (llama-server
+        # after 5 s): a request written into a connection the server is closing fails.
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
         if self.model is None:
             self.model = await self._first_model()
         return self
@@ -196,9 +198,9 @@ class AsyncOpenAIClient:
         return models[0]["id"]
 
     async def _post(self, body: dict):
-        """The streaming POST. A kept-alive connection the server has closed meanwhile
-        (llama-server drops idle ones after 5 s) fails before the request is written; that
-        one is retried once on a fresh connection (nothing was sent, nothing is repeated)."""
+        """The streaming POST. A kept-alive connection the server closed as the request was
+        written fails before any response; that request is retried once (the server saw no
+        request on a connection it had closed)."""
         import aiohttp
 
         try:

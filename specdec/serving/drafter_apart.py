@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specdec.engine.step import StepResult
+from specdec.engine.speculator import StepResult
 from specdec.engine.tree import DraftTree
 from specdec.serving.state import RequestState
 

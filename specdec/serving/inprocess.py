@@ -10,7 +10,7 @@ from torch import Tensor
 from specdec.config import SamplingParams
 from specdec.engine.drafters.service import DraftService
 from specdec.serving.loop import LoopBackend
-from specdec.engine.step import Speculator, StartItem, StepItem, StepResult
+from specdec.engine.speculator import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
 

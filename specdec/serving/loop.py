@@ -2,11 +2,11 @@
 
 `specdec.serving.inprocess.InProcessBackend` implements the hooks over a Speculator (tests,
 and the in-process CLI). The Triton path no longer runs this loop per request: the verifier's
-scheduler (specdec/serving/scheduler.py) batches every sequence, and uses DrafterApart
+scheduler (specdec/serving/engine_loop.py) batches every sequence, and uses DrafterApart
 (specdec/serving/drafter_apart.py) for drafters served apart. The loop owns the request-level
 rules (stop conditions, text, stats) through RequestState, and always releases what it
 started, whatever happens (finish, error, cancellation). The draft budget is not the loop's:
-the verifier decides it every step (specdec.engine.step) and says it in its reply, which
+the verifier decides it every step (specdec.engine.speculator) and says it in its reply, which
 the loop hands to a drafter served apart.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor
 from specdec.config import SamplingParams
 from specdec.serving.drafter_apart import DrafterApart
 from specdec.serving.state import FINISH_CANCELLED, RequestState
-from specdec.engine.step import StepResult
+from specdec.engine.speculator import StepResult
 from specdec.engine.tree import DraftTree
 
 

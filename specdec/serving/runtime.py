@@ -14,7 +14,7 @@ from specdec.engine.drafters.registry import BuildContext, kind_of
 from specdec.engine.drafters.service import union_of_layers
 from specdec.serving.spec_engine import SpecEngine
 from specdec.engine.grammar import Grammars
-from specdec.engine.step import Speculator
+from specdec.engine.speculator import Speculator
 from specdec.errors import ConfigError
 from specdec.engine.models.llama import Transformer
 from specdec.config import default_model_dir

@@ -28,7 +28,7 @@ from specdec.serving.request import ServedOffer, resolve_method, resolve_token_r
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.grammar import UNPRODUCIBLE, Grammars
-from specdec.engine.step import Speculator, StartItem, StepItem, StepResult
+from specdec.engine.speculator import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
 

@@ -103,7 +103,6 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = llama_configs(binary)
-    results = {"llama_server_command_extras": configs, "load_points": {}}
     http, grpc, metrics = free_ports(3)
     with TritonServer(log_path=out / "triton.log") as ours:
         ours.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics)
@@ -125,11 +124,20 @@ def run(args) -> dict:
                         "--out", str(out / f"c{concurrency}")]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
-                summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
-                engines = {name: "llama.cpp" for name in configs if name != "llama.cpp"}
-                engines.update({f"ours-{m}": "ours" for m in args.ours})
-                summary["identity_within_engines"] = identity_within_engines(out / f"c{concurrency}" / "requests.jsonl", engines)
-                results["load_points"][str(concurrency)] = summary
+    return collect(out, configs, args.ours, args.concurrency)
+
+
+def collect(out: Path, configs: dict[str, list[str]], ours: list[str], concurrencies: list[int]) -> dict:
+    """peers.json from the load points' folders: per load point the bench summary, with the
+    greedy identity of each speculative mode against its own engine's plain mode."""
+    engines = {name: "llama.cpp" for name in configs if name != "llama.cpp"}
+    engines.update({f"ours-{m}": "ours" for m in ours})
+    results = {"llama_server_command_extras": configs, "ours_methods": ours, "load_points": {}}
+    for concurrency in concurrencies:
+        summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
+        summary["identity_within_engines"] = identity_within_engines(out / f"c{concurrency}" / "requests.jsonl", engines)
+        results["load_points"][str(concurrency)] = summary
+    results["env"] = results["load_points"][str(concurrencies[0])]["env"]  # commit, date, machine (readme-tables)
     (out / "peers.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'peers.json'}")
     return results

@@ -277,6 +277,36 @@ def weight_formats() -> Table:
     return Table(table(header, rows), [path])
 
 
+def peers() -> Table:
+    """llama.cpp beside us (make bench-peers): one row per engine and mode, c=1 and c=16 of
+    the same run, ratios over llama.cpp plain (the run's baseline)."""
+    path = "results/peers/peers.json"
+    data = read(path)
+    points = data["load_points"]
+    first = next(iter(points.values()))
+    modes = [r["mode"] for r in first["runs"] if r["load"] == first["runs"][0]["load"]]
+    rows = []
+    for mode in modes:
+        name = mode.split("/")[0]
+        row = [name]
+        for c, point in points.items():
+            run = next(r for r in point["runs"] if r["mode"] == mode)
+            speed = next((s for s in point["speedup"] if s["mode"] == mode), None)
+            per_user = f"{run['per_user_tok_s']['mean']:.1f}"
+            if c == "1":
+                over = "1 (baseline)" if speed is None else f"{speed['per_user_tok_s_ratio']:.2f}x"
+                row += [per_user, over, f"{run['ttft_ms']['p50']:.0f}", f"{run['itl_ms']['p50']:.1f}"]
+            else:
+                over = "1 (baseline)" if speed is None else f"{speed['output_tok_s_ratio']:.2f}x"
+                row += [f"{run['output_tok_s']:.1f}", over, per_user]
+        same = [p["identity_within_engines"].get(name) for p in points.values()]
+        row.append(", ".join(f"{s['identical']}/{s['compared']}" for s in same if s) or "-")
+        rows.append(row)
+    header = ["engine, mode", "c=1 tok/s per user", "over llama.cpp", "c=1 TTFT p50 (ms)", "c=1 ITL p50 (ms)",
+              "c=16 aggregate tok/s", "over llama.cpp", "c=16 tok/s per user", "greedy = own plain (c=1, c=16)"]
+    return Table(table(header, rows), [path])
+
+
 TABLES: dict[str, Callable[[], Table]] = {
     "structured": structured,
     "conversations": conversations,
@@ -288,6 +318,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "v5": v5,
     "greedy-margin": greedy_margin,
     "weight-formats": weight_formats,
+    "peers": peers,
 }
 
 

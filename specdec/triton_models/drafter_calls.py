@@ -8,7 +8,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
-from specdec.engine.step import StepResult
+from specdec.engine.speculator import StepResult
 from specdec.engine.tree import DraftTree
 from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.triton_models import contract as C

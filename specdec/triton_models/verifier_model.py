@@ -1,6 +1,6 @@
 """verifier: the target model, the drafters that live beside it (EAGLE-3 heads, Medusa,
 n-gram lookup) and the one scheduler that owns every live sequence (in-flight batching,
-specdec.serving.scheduler). Decoupled, like TensorRT-LLM's `tensorrt_llm` model: the
+specdec.serving.engine_loop). Decoupled, like TensorRT-LLM's `tensorrt_llm` model: the
 speculative loop sends ONE request per sequence; execute() only hands it to the scheduler,
 whose thread puts every ready sequence into each target forward (prompt chunks, decode
 steps and verification trees together) and streams each sequence's tokens and text round
@@ -23,7 +23,7 @@ from specdec.config import METHOD_NONE, resolve_model_dir
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
 from specdec.serving.runtime import build_colocated_speculator, colocated_methods, load_tokenizer, tap_layers_of
-from specdec.serving.scheduler import BatchScheduler, RoundInfo
+from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
 from specdec.triton_models.common import (
@@ -119,7 +119,7 @@ class TritonPythonModel:
         self.heap = HeapTrimmer()
         self.metrics = Metrics(P.VERIFIER_METRICS)
         self._batch_sequences = 0  # in the last round's forward
-        self.scheduler = BatchScheduler(
+        self.scheduler = EngineLoop(
             build_engine,
             apart_backend=(lambda rid: DrafterCalls(int(rid), key, target_cfg.vocab_size, settings.engine.max_num_draft_tokens))
             if apart else None,

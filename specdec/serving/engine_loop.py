@@ -1,4 +1,4 @@
-"""In-flight batching: one scheduler owns every live sequence and puts each ready one into
+"""In-flight batching: one engine loop owns every live sequence and puts each ready one into
 every target forward (prompt chunks, decode steps and verification trees together), as
 TensorRT-LLM's `inflight_fused_batching`, vLLM and SGLang run.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol, Sequence
 
 from specdec.config import SamplingParams
-from specdec.engine.step import StepResult
+from specdec.engine.speculator import StepResult
 from specdec.engine.tree import DraftTree
 from specdec.serving.drafter_apart import DrafterApart
 from specdec.serving.loop import LoopBackend
@@ -68,10 +68,12 @@ class _Submit:
     sink: Sink
 
 
-class BatchScheduler:
-    """Runs `engine` on its own thread. submit() and cancel() may be called from any thread;
-    everything that touches the engine (validation included: the tokenizer is not shared
-    across threads) runs on the scheduler's thread, between forwards.
+class EngineLoop:
+    """The engine's busy loop: runs SpecEngine rounds on its own thread while any sequence
+    lives (what the rounds schedule is the engine's: Speculator, TargetPass). submit() and
+    cancel() may be called from any thread; everything that touches the engine (validation
+    included: the tokenizer is not shared across threads) runs on the loop's thread, between
+    forwards.
 
     apart_backend(request_id): the calls to the drafter served apart for that sequence
     (start_drafter / draft / release of a LoopBackend); apart_methods: the methods drafted
