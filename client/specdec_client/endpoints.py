@@ -171,10 +171,12 @@ class AsyncOpenAIClient:
     async def __aenter__(self) -> "AsyncOpenAIClient":
         import aiohttp
 
-        # Idle connections are dropped after 2 s, before the server drops them (llama-server
-        # after 5 s): a request written into a connection the server is closing fails.
+        # A connection per request (force_close): llama-server closes a connection as its
+        # stream ends, and a pooled one reused in that moment failed ("Can not write request
+        # body") 3 times in 160 requests at c=16. On localhost the handshake is ~0.1 ms; to a
+        # remote server it adds one round trip to every request's TTFT, on every OpenAI side.
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                              connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
+                                              connector=aiohttp.TCPConnector(limit=0, force_close=True))
         if self.model is None:
             self.model = await self._first_model()
         return self
@@ -197,22 +199,11 @@ class AsyncOpenAIClient:
             raise EndpointError(f"{self.base_url}: /models lists no model; give ?model=ID")
         return models[0]["id"]
 
-    async def _post(self, body: dict):
-        """The streaming POST. A kept-alive connection the server closed as the request was
-        written fails before any response; that request is retried once (the server saw no
-        request on a connection it had closed)."""
-        import aiohttp
-
-        try:
-            return await self._session.post(f"{self.base_url}/completions", json=body)
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-            return await self._session.post(f"{self.base_url}/completions", json=body)
-
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
         import aiohttp
 
         try:
-            async with await self._post(completions_body(request, self.model)) as resp:
+            async with self._session.post(f"{self.base_url}/completions", json=completions_body(request, self.model)) as resp:
                 if resp.status != 200:
                     raise ServerError(f"HTTP {resp.status}: {(await resp.read()).decode('utf-8', 'replace')[:500]}")
                 async for raw in resp.content:

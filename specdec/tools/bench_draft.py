@@ -84,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="results/draft")
     args = p.parse_args(argv)
-    result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_draft.json").write_text(json.dumps(result, indent=2))
-    (out / "bench_draft.md").write_text(markdown(result))
-    print(markdown(result))
+    save(run(args), Path(args.out), "bench_draft", markdown)
     return 0
+
+
+def save(result: dict, out: Path, stem: str, render) -> None:
+    """A benchmark's result as <stem>.json and its table as <stem>.md (also printed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(render(result))
+    print(render(result))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from specdec.config import EngineConfig, SamplingParams, ServingConfig, default_
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_drafters, encode_prompt, load_tokenizer, served_methods
 from specdec.serving.spec_engine import SpecEngine
+from specdec.tools.bench_draft import save
 from specdec.tools.bench_engine import env_record, run_requests
 from specdec.tools.sharegpt import sharegpt_prompts
 
@@ -86,10 +86,5 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="results/drafters")
     args = p.parse_args(argv)
-    result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_drafters.json").write_text(json.dumps(result, indent=2))
-    (out / "bench_drafters.md").write_text(markdown(result))
-    print(markdown(result))
+    save(run(args), Path(args.out), "bench_drafters", markdown)
     return 0

@@ -59,7 +59,10 @@ def llama_server(binary: Path, extra: list[str], slots: int, threads: int, log: 
     """One llama-server on a free port; yields its OpenAI base URL."""
     (port,) = free_ports(1)
     cmd = [str(binary), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-np", str(slots), "-c", str(context_per_slot * slots), "--no-webui", *extra]
+           "-np", str(slots), "-c", str(context_per_slot * slots), "--no-webui",
+           # an HTTP thread per streaming request (the default, one per core, left 14 of 16
+           # streams' connections unread: "Can not write request body")
+           "--threads-http", str(slots + 4), *extra]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
     try:
