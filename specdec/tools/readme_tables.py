@@ -253,13 +253,14 @@ def v5() -> Table:
 
 
 def greedy_margin() -> Table:
-    paths = ["results/identity/float32.json", "results/identity/bfloat16.json"]
+    paths = [f"results/identity/{name}.json" for name in ("float32", "bfloat16", "int8", "gguf")]
+    paths = [p for p in paths if (ROOT / p).is_file()]
     rows = []
     for path in paths:
         data = read(path)
         margin = data["baseline"]["margin"]
         for method, m in data["methods"].items():
-            rows.append([data["dtype"], method, f"{m['identical']} of {m['of']}", f"{margin['min']:.1e}",
+            rows.append([data.get("weight_format") or data["dtype"], method, f"{m['identical']} of {m['of']}", f"{margin['min']:.1e}",
                          f"{m['distance']['max']:.1e}", f"{m['flippable_rows']:,} of {m['compared_rows']:,}"])
     header = ["weights", "method", "outputs identical to the baseline", "smallest baseline margin (logits)",
               "largest logit distance (verify row vs decode row)", "rows where 2 x distance >= margin"]
