@@ -471,7 +471,7 @@ def test_load_controls_skip_drafting_and_stay_lossless(tiny):
 def _loop_generate(backend, prompt, method, keepalive=60.0, colocated=True):
     import asyncio
 
-    from specdec.serving.loop import run_loop
+    from loop_driver import run_loop
     from specdec.serving.state import RequestState
 
     async def go():
