@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 from urllib.parse import parse_qs, urlsplit
 
@@ -121,8 +121,6 @@ def stock_fields(fields: dict[str, Any], seed_input: str = P.RANDOM_SEED) -> dic
 
 def for_endpoint(endpoint: Endpoint, request: GenerateRequest) -> GenerateRequest:
     """The request as this endpoint is asked: ours gets its method and draft budget."""
-    from dataclasses import replace
-
     if endpoint.ours and (endpoint.method is not None or endpoint.num_draft_tokens is not None):
         return replace(request, method=endpoint.method, num_draft_tokens=endpoint.num_draft_tokens)
     return request

@@ -7,11 +7,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from specdec_client import metrics as M
 from specdec_client import server_metrics
-from specdec_client.bench import BenchResult, BlockResult, LoadPoint, Mode
+from specdec_client.bench import BenchResult, BlockResult, LoadPoint, Mode, RequestRecord
 
 SCHEMA_VERSION = 2  # 2: itl_ms is per token (was chunk gaps, now inter_chunk_latency_ms)
 MS = 1000.0
@@ -150,19 +150,27 @@ def speedup_entries(runs: list[Run]) -> list[dict[str, Any]]:
     return out
 
 
+def identical_outputs(records: Sequence[RequestRecord], reference: str, modes: Sequence[str]) -> dict[str, list[int]]:
+    """Per mode: [compared, identical] outputs against `reference`'s for the same prompt, load
+    point, repeat and turn (both successful)."""
+    def key(r: RequestRecord) -> tuple:
+        return r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn
+
+    base = {key(r): r.text for r in records if r.mode == reference and r.error is None}
+    counts: dict[str, list[int]] = {m: [0, 0] for m in modes}
+    for r in records:
+        if r.mode in counts and r.error is None and key(r) in base:
+            counts[r.mode][0] += 1
+            counts[r.mode][1] += int(r.text == base[key(r)])
+    return counts
+
+
 def lossless(result: BenchResult) -> dict[str, Any]:
     """Greedy runs: each speculative output vs the baseline output of the same prompt,
     load point and repeat (both successful)."""
     if not result.config.greedy or not result.config.compare_outputs:  # sampled, or two different models
         return {"greedy": result.config.greedy, "compared": 0, "identical": 0, "by_mode": []}
-    base = {(r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn): r.text
-            for r in result.records if r.mode == result.config.modes[0].name and r.error is None}
-    counts: dict[str, list[int]] = {m.name: [0, 0] for m in result.config.modes[1:]}
-    for r in result.records:
-        key = (r.concurrency, r.request_rate, r.repeat, r.prompt_index, r.turn)
-        if r.mode in counts and r.error is None and key in base:
-            counts[r.mode][0] += 1
-            counts[r.mode][1] += int(r.text == base[key])
+    counts = identical_outputs(result.records, result.config.modes[0].name, [m.name for m in result.config.modes[1:]])
     by_mode = [{"mode": m, "compared": c, "identical": i} for m, (c, i) in counts.items()]
     return {"greedy": True, "compared": sum(c for c, _ in counts.values()),
             "identical": sum(i for _, i in counts.values()), "by_mode": by_mode}

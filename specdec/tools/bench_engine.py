@@ -8,18 +8,17 @@ side by side in one run; nothing here is asserted.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from specdec_client.envinfo import cpu_model, git_commit
 
 from specdec.config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.tools.engine_runs import run_requests
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine
 from specdec.engine.models.llama import build_batch
@@ -99,50 +98,6 @@ def prefill_bench(model, prompts: list[list[int]], repeats: int = 3) -> dict:
         "packed_s": packed_s, "padded_s": padded_s, "gemm_probe_s": probe_s,
         "packed_prompt_tok_s": total / packed_s, "padded_prompt_tok_s": total / padded_s,
         "packed_fraction_of_probe": probe_s / packed_s, "padded_fraction_of_probe": probe_s / padded_s,
-    }
-
-
-def padded(counts: list[int]) -> Iterator[int]:
-    """Counts per draft position, then zeros (positions no earlier run reached)."""
-    return itertools.chain(counts, itertools.repeat(0))
-
-
-def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, method: str, k: int, concurrency: int) -> dict:
-    """Closed loop at `concurrency`; returns aggregate and per-user throughput and acceptance."""
-    todo = list(enumerate(prompts))
-    first, last, count = {}, {}, {}
-    stats_before = engine.stats.as_dict()
-    drafted_before = list(engine.stats.drafted_per_position)
-    accepted_before = list(engine.stats.accepted_per_position)
-    t0 = time.perf_counter()
-    while todo or engine.has_work():
-        while todo and len(engine.sequences) < concurrency:
-            i, p = todo.pop(0)
-            engine.add_request(str(i), p, params, method, k)
-        for out in engine.step():
-            now = time.perf_counter()
-            if out.new_token_ids:
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
-    wall = time.perf_counter() - t0
-    per_user = [(count[r] - 1) / (last[r] - first[r]) for r in count if count[r] > 1 and last[r] > first[r]]
-    after = engine.stats
-    steps = after.steps - stats_before["steps"]
-    drafted = after.draft_tokens - stats_before["draft_tokens"]
-    return {
-        "output_tok_s": sum(count.values()) / wall,
-        "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
-        "mean_acceptance_length": (after.emitted_tokens - stats_before["emitted_tokens"]) / steps if steps else 0.0,
-        "acceptance_rate": (after.accepted_tokens - stats_before["accepted_tokens"]) / drafted if drafted else 0.0,
-        "per_position_acceptance": [  # this run only (the engine's counters are running totals)
-            (a - a0) / max(1, n - n0)
-            for n, a, n0, a0 in zip(after.drafted_per_position, after.accepted_per_position, padded(drafted_before), padded(accepted_before))
-        ],
-        "tokens": sum(count.values()),
-        # Per sequence step (a verification of one sequence; at c=1 an engine step): drafting and verifying time.
-        "draft_ms_per_seq_step": 1e3 * (after.draft_seconds - stats_before["draft_seconds"]) / steps if steps else 0.0,
-        "verify_ms_per_seq_step": 1e3 * (after.verify_seconds - stats_before["verify_seconds"]) / steps if steps else 0.0,
     }
 
 

@@ -1,10 +1,10 @@
 """`specdec bench-peers`: llama.cpp beside our server on the same GGUF, in one run -> results/peers/.
 
 llama-server (built portable by `specdec.tools.llama_cpp` into tmp/llamacpp) serves the
-embedded target's GGUF plain and with its own prompt-lookup speculation; our Triton server serves the same model plain and with our methods. One
-`specdec-client bench` run per load point puts them all in the same interleaved blocks of
-the same prompts, with llama.cpp plain as the baseline, so every ratio in the report is
-measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
+embedded target's GGUF plain and with its own prompt-lookup speculation; our Triton server
+serves the same model plain and with our methods. One `specdec-client bench` run per load
+point puts them all in the same interleaved blocks of the same prompts, with llama.cpp plain
+as the baseline, so every ratio in the report is measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
 
 The two engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
 its own kernels, ours in float32 from the de-quantized weights), so greedy outputs may
@@ -24,12 +24,20 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from specdec_client.bench import RequestRecord
+from specdec_client.summary import identical_outputs
+
 from specdec.config import REPO_ROOT
 from specdec.engine.models.loading import default_gguf_path
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.tools.llama_cpp import build
 
 LLAMA_DIR = REPO_ROOT / "tmp" / "llamacpp"
+LLAMA_PLAIN, OURS_PLAIN = "llama.cpp", "ours"  # each engine's plain decoding, the labels identity is counted against
+
+
+def ours_label(method: str) -> str:
+    return OURS_PLAIN if method == "none" else f"{OURS_PLAIN}-{method}"
 
 
 def llama_server_binary(version: str) -> Path:
@@ -50,8 +58,8 @@ def llama_configs(binary: Path) -> dict[str, list[str]]:
     embedding, and llama.cpp's draft-simple takes only a standalone full-vocabulary model."""
     if "ngram-simple" not in server_help(binary):
         raise SystemExit(f"{binary}: this llama-server has no --spec-type ngram-simple")
-    return {"llama.cpp": [],
-            "llama.cpp-ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4"]}
+    return {LLAMA_PLAIN: [],
+            f"{LLAMA_PLAIN}-ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4"]}
 
 
 @contextlib.contextmanager
@@ -60,8 +68,8 @@ def llama_server(binary: Path, extra: list[str], slots: int, threads: int, log: 
     (port,) = free_ports(1)
     cmd = [str(binary), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-np", str(slots), "-c", str(context_per_slot * slots), "--no-webui",
-           # an HTTP thread per streaming request (the default, one per core, left 14 of 16
-           # streams' connections unread: "Can not write request body")
+           # an HTTP thread per streaming slot and a few for /health and /models, not left to
+           # the build's default
            "--threads-http", str(slots + 4), *extra]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
@@ -86,18 +94,14 @@ def llama_server(binary: Path, extra: list[str], slots: int, threads: int, log: 
 
 
 def identity_within_engines(requests_jsonl: Path, engines: dict[str, str]) -> dict[str, dict]:
-    """Greedy identity where it is a claim: each speculative mode against its own engine's
-    plain mode (mode -> plain mode), request by request (prompt, repeat)."""
-    texts: dict[str, dict] = {}
-    for line in requests_jsonl.read_text().splitlines():
-        r = json.loads(line)
-        if r["error"] is None:
-            texts.setdefault(r["mode"].split("/")[0], {})[(r["prompt_index"], r["repeat"])] = r["text"]
+    """Greedy identity where it is a claim: each speculative configuration against its own
+    engine's plain one (label -> plain label; the bench's mode names add "/no-cache")."""
+    records = [RequestRecord(**json.loads(line)) for line in requests_jsonl.read_text().splitlines()]
+    mode_of = {r.mode.split("/")[0]: r.mode for r in records}
     out = {}
-    for mode, plain in engines.items():
-        pairs = [(text, texts.get(plain, {}).get(key)) for key, text in texts.get(mode, {}).items()]
-        out[mode] = {"against": plain, "compared": sum(b is not None for _, b in pairs),
-                     "identical": sum(a == b for a, b in pairs if b is not None)}
+    for label, plain in engines.items():
+        compared, identical = identical_outputs(records, mode_of[plain], [mode_of[label]])[mode_of[label]]
+        out[label] = {"against": plain, "compared": compared, "identical": identical}
     return out
 
 
@@ -120,9 +124,10 @@ def run(args) -> dict:
                 for name, url in others:
                     cmd += ["--candidate", f"{url}?name={name}"]
                 for method in ["none", *args.ours]:
-                    label = "ours" if method == "none" else f"ours-{method}"
-                    cmd += ["--candidate", f"grpc://127.0.0.1:{grpc}?method={method}&name={label}&metrics=http://127.0.0.1:{metrics}/metrics"]
-                cmd += ["--concurrency", str(concurrency), "--num-prompts", str(args.prompts_per_concurrency * max(1, concurrency) if concurrency > 1 else args.prompts),
+                    cmd += ["--candidate", f"grpc://127.0.0.1:{grpc}?method={method}&name={ours_label(method)}"
+                                           f"&metrics=http://127.0.0.1:{metrics}/metrics"]
+                prompts = args.prompts_per_concurrency * concurrency if concurrency > 1 else args.prompts
+                cmd += ["--concurrency", str(concurrency), "--num-prompts", str(prompts),
                         "--max-tokens", str(args.max_tokens), "--warmup", "2", "--prefix-cache", "off", "--no-progress",
                         "--out", str(out / f"c{concurrency}")]
                 print("+", " ".join(cmd), flush=True)
@@ -133,8 +138,8 @@ def run(args) -> dict:
 def collect(out: Path, configs: dict[str, list[str]], ours: list[str], concurrencies: list[int]) -> dict:
     """peers.json from the load points' folders: per load point the bench summary, with the
     greedy identity of each speculative mode against its own engine's plain mode."""
-    engines = {name: "llama.cpp" for name in configs if name != "llama.cpp"}
-    engines.update({f"ours-{m}": "ours" for m in ours})
+    engines = {name: LLAMA_PLAIN for name in configs if name != LLAMA_PLAIN}
+    engines.update({ours_label(m): OURS_PLAIN for m in ours})
     results = {"llama_server_command_extras": configs, "ours_methods": ours, "load_points": {}}
     for concurrency in concurrencies:
         summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())

@@ -32,6 +32,7 @@ from specdec.engine.models.llama import build_batch
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_engine
 from specdec.serving.spec_engine import SpecEngine
+from specdec.tools.engine_runs import run_requests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_SETTINGS = REPO_ROOT / "deploy" / "settings" / "gpu.json"
@@ -152,56 +153,28 @@ def parity(model_dir: Path, prompts: list[list[int]], device: str) -> dict:
     return out
 
 
-def generate(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, method: str, concurrency: int,
-             limit_s: float = 60.0) -> dict:
-    """Closed loop at `concurrency`: every request's tokens, per-user and aggregate tok/s,
-    and the mean tokens per verification (acceptance length). Past limit_s it raises (a
-    stuck engine must not eat the lease; the caller then builds a fresh one)."""
-    todo = list(enumerate(prompts))
-    tokens: dict[str, list[int]] = {}
-    first, last = {}, {}
-    steps0, emitted0 = engine.stats.steps, engine.stats.emitted_tokens
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while todo or engine.has_work():
-        if time.perf_counter() - t0 > limit_s:
-            raise TimeoutError(f"{method} at c={concurrency}: not done after {limit_s:.0f} s")
-        while todo and len(engine.sequences) < concurrency:
-            i, p = todo.pop(0)
-            engine.add_request(str(i), p, params, method)
-        for out in engine.step():
-            if out.new_token_ids:
-                now = time.perf_counter()
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    wall = time.perf_counter() - t0
-    per_user = [(len(tokens[r]) - 1) / (last[r] - first[r]) for r in tokens if len(tokens[r]) > 1 and last[r] > first[r]]
-    steps = engine.stats.steps - steps0
-    return {
-        "tokens": tokens,
-        "output_tok_s": sum(map(len, tokens.values())) / wall,
-        "per_user_tok_s": sum(per_user) / len(per_user) if per_user else 0.0,
-        "acceptance_length": (engine.stats.emitted_tokens - emitted0) / steps if steps else 0.0,
-    }
+def generate(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, method: str, concurrency: int) -> dict:
+    """engine_runs.run_requests with each request's token ids (under "ids"), and a limit: a
+    stuck engine must not eat the lease."""
+    ids: dict[str, list[int]] = {}
+    return {**run_requests(engine, prompts, params, method, None, concurrency, token_ids=ids, limit_s=60.0), "ids": ids}
 
 
 def identity(run: dict, baseline: dict) -> dict:
     """Requests whose tokens equal the baseline's; for the others, where they part."""
     same, parted = 0, []
-    for rid, want in baseline["tokens"].items():
-        got = run["tokens"].get(rid, [])
+    for rid, want in baseline["ids"].items():
+        got = run["ids"].get(rid, [])
         if got == want:
             same += 1
         else:
             parted.append(next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))))
-    return {"identical": same, "requests": len(baseline["tokens"]), "first_divergence": parted}
+    return {"identical": same, "requests": len(baseline["ids"]), "first_divergence": parted}
 
 
 def summary(run: dict, baseline: dict, key: str) -> dict:
     return {key: round(run[key], 2), "over_baseline": round(run[key] / baseline[key], 3),
-            "acceptance_length": round(run["acceptance_length"], 3), **identity(run, baseline)}
+            "acceptance_length": round(run["mean_acceptance_length"], 3), **identity(run, baseline)}
 
 
 def engine_for(model_dir: Path, settings: ServingConfig, dtype: str, device: str) -> SpecEngine:

@@ -11,7 +11,6 @@ A STOP request (same correlation id) ends a live sequence before the next forwar
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
 scheduler, once per round for all of their sequences.
 """
-import dataclasses
 import time
 from typing import Callable
 
@@ -52,12 +51,11 @@ class SenderSink:
 
     def emit(self, out: StepOutput) -> bool:
         step = out.step
-        stats = C.RoundStats(verified=out.verified, batch_sequences=self.batch_sequences())
-        if step is not None:
-            stats = dataclasses.replace(stats, accepted=step.accepted, draft_depth=step.draft_depth, draft_tokens=step.draft_tokens,
-                                        verify_seconds=step.verify_seconds, draft_seconds=step.draft_seconds,
-                                        num_draft_tokens=step.num_draft_tokens, forced_accepted=step.forced_accepted,
-                                        cached_tokens=step.cached_tokens)
+        of_step = {} if step is None else dict(
+            accepted=step.accepted, draft_depth=step.draft_depth, draft_tokens=step.draft_tokens, verify_seconds=step.verify_seconds,
+            draft_seconds=step.draft_seconds, num_draft_tokens=step.num_draft_tokens, forced_accepted=step.forced_accepted,
+            cached_tokens=step.cached_tokens)
+        stats = C.RoundStats(verified=out.verified, batch_sequences=self.batch_sequences(), **of_step)
         self._held.append((out, stats.to_row()))
         final = out.finished or out.error is not None
         if not (self.rounds or final):

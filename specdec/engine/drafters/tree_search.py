@@ -185,7 +185,7 @@ def rerank(cands: list[Candidate], budget: int) -> DraftTree:
 
 
 def draft_pass_batch(prefix_lens: Sequence[int], slots: Sequence[int], tokens: list[list[int]], offsets: list[int],
-                     depths: list[list[int]], masks: list[Tensor], device: torch.device | str = "cpu") -> ForwardBatch:
+                     depths: list[list[int]], masks: list[Tensor], device: torch.device | str) -> ForwardBatch:
     """One draft pass over uncommitted draft nodes of a slot cache. Node j of row b is
     written at cache column prefix + offsets[b] + j, at RoPE position prefix + depth, and
     attends to the committed prefix plus the columns masks[b][j] marks among the drafted
