@@ -101,7 +101,7 @@ greedy-margin: prepare
 		--methods eagle3,eagle3-hybrid,medusa-tree,ngram,draft_model --out results/identity/bfloat16.json
 	$(BIN)/specdec greedy-margin --dtype float32 --weight-format int8 --prompts 48 --max-tokens 32 \
 		--methods eagle3-hybrid,ngram --out results/identity/int8.json
-	$(BIN)/specdec greedy-margin --dtype float32 --weight-format gguf --prompts 24 --max-tokens 32 \
+	$(BIN)/specdec greedy-margin --dtype float32 --weight-format gguf --prompts 48 --max-tokens 32 \
 		--methods eagle3-hybrid,ngram --out results/identity/gguf.json
 
 # The target's plain decode per weight format (float32, bfloat16, int8, gguf: the GGUF's own Q4_1/Q8_0), c=1 and c=16,

@@ -6,10 +6,12 @@ serves the same model plain and with our methods. One `specdec-client bench` run
 point puts them all in the same interleaved blocks of the same prompts, with llama.cpp plain
 as the baseline, so every ratio in the report is measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
 
-The two engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
-its own kernels, ours in float32 from the de-quantized weights), so greedy outputs may
-part between engines while each is exact for its own weights: the report's identity
-count is a measurement, not a verdict.
+Our server runs once per weight format asked (`--weight-formats`, engine.weight_format):
+float32 (the de-quantized weights, our served default) and gguf (the file's own Q4_1/Q8_0
+codes through PyTorch's weight-only kernels), each its own Triton server, both in the same
+blocks. The engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
+its own kernels and 8-bit activations), so greedy outputs may part between engines while each
+is exact for its own weights: identity is counted within each engine and format.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Iterator
 from specdec_client.bench import RequestRecord
 from specdec_client.summary import identical_outputs
 
-from specdec.config import REPO_ROOT
+from specdec.config import REPO_ROOT, SERVED_SETTINGS
 from specdec.engine.models.loading import default_gguf_path
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.tools.llama_cpp import build
@@ -36,8 +38,19 @@ LLAMA_DIR = REPO_ROOT / "tmp" / "llamacpp"
 LLAMA_PLAIN, OURS_PLAIN = "llama.cpp", "ours"  # each engine's plain decoding, the labels identity is counted against
 
 
-def ours_label(method: str) -> str:
-    return OURS_PLAIN if method == "none" else f"{OURS_PLAIN}-{method}"
+def ours_label(method: str, weight_format: str = "float32") -> str:
+    """ours, ours-eagle3-hybrid (the served default float32); ours-gguf, ours-gguf-eagle3-hybrid."""
+    engine = OURS_PLAIN if weight_format == "float32" else f"{OURS_PLAIN}-{weight_format}"
+    return engine if method == "none" else f"{engine}-{method}"
+
+
+def settings_for(weight_format: str, out: Path) -> Path:
+    """The served specdec.json with engine.weight_format set, for one of our servers."""
+    settings = json.loads(SERVED_SETTINGS.read_text())
+    settings["engine"]["weight_format"] = weight_format
+    path = out / f"specdec-{weight_format}.json"
+    path.write_text(json.dumps(settings, indent=1))
+    return path
 
 
 def llama_server_binary(version: str) -> Path:
@@ -105,15 +118,24 @@ def identity_within_engines(requests_jsonl: Path, engines: dict[str, str]) -> di
     return out
 
 
+@contextlib.contextmanager
+def our_server(weight_format: str, out: Path) -> Iterator[tuple[int, int]]:
+    """Our Triton server serving the target in one weight format; yields its gRPC and metrics ports."""
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(log_path=out / f"triton-{weight_format}.log") as server:
+        server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                     env={"SPECDEC_SETTINGS": str(settings_for(weight_format, out).resolve())})
+        server.wait_ready(timeout=600)
+        yield grpc, metrics
+
+
 def run(args) -> dict:
     binary = llama_server_binary(args.llama_cpp_version)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = llama_configs(binary)
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(log_path=out / "triton.log") as ours:
-        ours.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics)
-        ours.wait_ready(timeout=600)
+    with contextlib.ExitStack() as servers:
+        ours = {fmt: servers.enter_context(our_server(fmt, out)) for fmt in args.weight_formats}
         for concurrency in args.concurrency:
             with contextlib.ExitStack() as stack:
                 urls = {name: stack.enter_context(llama_server(binary, extra, concurrency, args.threads,
@@ -123,24 +145,28 @@ def run(args) -> dict:
                 cmd = [str(Path(sys.executable).parent / "specdec-client"), "bench", "--baseline", f"{baseline[1]}?name={baseline[0]}"]
                 for name, url in others:
                     cmd += ["--candidate", f"{url}?name={name}"]
-                for method in ["none", *args.ours]:
-                    cmd += ["--candidate", f"grpc://127.0.0.1:{grpc}?method={method}&name={ours_label(method)}"
-                                           f"&metrics=http://127.0.0.1:{metrics}/metrics"]
+                for fmt, (grpc, metrics) in ours.items():
+                    for method in ["none", *args.ours]:
+                        cmd += ["--candidate", f"grpc://127.0.0.1:{grpc}?method={method}&name={ours_label(method, fmt)}"
+                                               f"&metrics=http://127.0.0.1:{metrics}/metrics"]
                 prompts = args.prompts_per_concurrency * concurrency if concurrency > 1 else args.prompts
                 cmd += ["--concurrency", str(concurrency), "--num-prompts", str(prompts),
                         "--max-tokens", str(args.max_tokens), "--warmup", "2", "--prefix-cache", "off", "--no-progress",
                         "--out", str(out / f"c{concurrency}")]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
-    return collect(out, configs, args.ours, args.concurrency)
+    return collect(out, configs, args.ours, args.concurrency, args.weight_formats)
 
 
-def collect(out: Path, configs: dict[str, list[str]], ours: list[str], concurrencies: list[int]) -> dict:
+def collect(out: Path, configs: dict[str, list[str]], ours: list[str], concurrencies: list[int],
+            weight_formats: list[str] = ("float32",)) -> dict:
     """peers.json from the load points' folders: per load point the bench summary, with the
     greedy identity of each speculative mode against its own engine's plain mode."""
     engines = {name: LLAMA_PLAIN for name in configs if name != LLAMA_PLAIN}
-    engines.update({ours_label(m): OURS_PLAIN for m in ours})
-    results = {"llama_server_command_extras": configs, "ours_methods": ours, "load_points": {}}
+    for fmt in weight_formats:
+        engines.update({ours_label(m, fmt): ours_label("none", fmt) for m in ours})
+    results = {"llama_server_command_extras": configs, "ours_methods": ours, "ours_weight_formats": list(weight_formats),
+               "load_points": {}}
     for concurrency in concurrencies:
         summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
         summary["identity_within_engines"] = identity_within_engines(out / f"c{concurrency}" / "requests.jsonl", engines)
@@ -156,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--ours", type=lambda s: [m for m in s.split(",") if m], default=["eagle3-hybrid", "suffix"],
                         help="our methods beside our baseline")
+    parser.add_argument("--weight-formats", type=lambda s: [f for f in s.split(",") if f], default=["float32", "gguf"],
+                        help="our server once per engine.weight_format")
     parser.add_argument("--prompts", type=int, default=16, help="prompts at c=1")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per slot at c>1")
     parser.add_argument("--max-tokens", type=int, default=128)
