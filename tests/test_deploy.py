@@ -28,7 +28,9 @@ import pytest
 import yaml
 
 import specdec_wire as P
+import trtllm_repository
 from trtllm_repository import generator as trtllm
+from trtllm_repository import requests as trtllm_requests
 from conftest import pbtxt_tensors, read_pbtxt
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, ModelConfig, ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
@@ -1096,7 +1098,7 @@ def test_trtllm_model_py_compiles_and_uses_the_shared_helpers():
     source = (TRTLLM_REPO / "ensemble" / "1" / "model.py").read_text()
     compile(source, "model.py", "exec")
     imported = re.search(r"from trtllm_repository import (.+)", source).group(1).split(", ")
-    assert all(hasattr(trtllm, name) for name in imported)
+    assert all(hasattr(trtllm_repository, name) for name in imported)
     assert "LLM_CONFIG_PATH" in source and (TRTLLM_REPO / "ensemble" / "1" / trtllm.DEFAULT_CONFIG_FILE).is_file()
 
 
@@ -1172,15 +1174,15 @@ def _inputs(**values) -> dict:
     return out
 
 
-EAGLE3 = trtllm.ServedVariant(METHOD_EAGLE3, 3, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
-BASELINE = trtllm.ServedVariant(METHOD_NONE, 0, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
+EAGLE3 = trtllm_requests.ServedVariant(METHOD_EAGLE3, 3, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
+BASELINE = trtllm_requests.ServedVariant(METHOD_NONE, 0, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
 
 
 def test_trtllm_requests_map_to_llm_api_sampling_params():
-    greedy = trtllm.parse_request(_inputs(text_input="Hi", max_tokens=16, stream=True, return_perf_metrics=True), EAGLE3)
+    greedy = trtllm_requests.parse_request(_inputs(text_input="Hi", max_tokens=16, stream=True, return_perf_metrics=True), EAGLE3)
     assert greedy.prompt == "Hi" and greedy.stream and greedy.apply_chat_template and greedy.return_perf_metrics
     assert greedy.sampling == {"max_tokens": 16, "temperature": 0.0, "return_perf_metrics": True}
-    sampled = trtllm.parse_request(
+    sampled = trtllm_requests.parse_request(
         _inputs(text_input="Hi", max_tokens=8, temperature=0.7, top_k=40, top_p=0.9, random_seed=7,
                 stop_words=["\n\n", "END"], ignore_eos=True, apply_chat_template=False,
                 speculative_method="eagle3", num_draft_tokens=3),
@@ -1191,9 +1193,9 @@ def test_trtllm_requests_map_to_llm_api_sampling_params():
         "seed": 7, "stop": ["\n\n", "END"], "ignore_eos": True,
     }
     assert not sampled.apply_chat_template and not sampled.stream
-    baseline = trtllm.parse_request(_inputs(text_input="Hi", max_tokens=4, speculative_method="none", num_draft_tokens=0), BASELINE)
+    baseline = trtllm_requests.parse_request(_inputs(text_input="Hi", max_tokens=4, speculative_method="none", num_draft_tokens=0), BASELINE)
     assert baseline.sampling["max_tokens"] == 4
-    ruled = trtllm.parse_request(_inputs(
+    ruled = trtllm_requests.parse_request(_inputs(
         text_input="Hi", max_tokens=8, min_length=3, end_id=2, pad_id=2, bad_words=["no", ""], repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=0.25), EAGLE3)
     assert ruled.sampling == {"max_tokens": 8, "temperature": 0.0, "min_tokens": 3, "end_id": 2, "pad_id": 2, "bad": ["no"],
@@ -1219,16 +1221,16 @@ def test_trtllm_requests_map_to_llm_api_sampling_params():
 def test_trtllm_invalid_requests_are_refused_naming_the_field(values, served, field):
     request = {"text_input": "Hi", "max_tokens": 16, **values}
     with pytest.raises(InvalidRequestError) as err:
-        trtllm.parse_request(_inputs(**request), served)
+        trtllm_requests.parse_request(_inputs(**request), served)
     assert err.value.field == field
 
 
 def test_trtllm_perf_counts_follow_our_definitions():
     names = {P.ACCEPTANCE_RATE, *(row[0] for row in P.PERF_COUNTS)}
-    plain = trtllm.perf_counts(output_tokens=10, accepted=0, drafted=0)
+    plain = trtllm_requests.perf_counts(output_tokens=10, accepted=0, drafted=0)
     assert set(plain) == names
     assert plain[P.VERIFICATION_STEPS] == 9 and plain[P.ACCEPTANCE_RATE] == 0.0  # as our own baseline reports
-    spec = trtllm.perf_counts(output_tokens=10, accepted=6, drafted=9)
+    spec = trtllm_requests.perf_counts(output_tokens=10, accepted=6, drafted=9)
     assert spec[P.VERIFICATION_STEPS] == 3 and spec[P.ACCEPTANCE_RATE] == pytest.approx(6 / 9)
     # mean acceptance length = tokens per verification step, the first (prefill) token aside
     assert (spec[P.OUTPUT_TOKENS] - 1) / spec[P.VERIFICATION_STEPS] == pytest.approx(3.0)

@@ -17,6 +17,7 @@ from specdec.config import METHOD_EAGLE3, METHOD_MEDUSA, METHOD_NGRAM, ServingCo
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.serving.request import ServedOffer, parse_request
 from trtllm_repository import generator as trtllm
+from trtllm_repository import requests as trtllm_requests
 from trtllm_repository.medusa_choices import check_choices, derive_choices
 from trtllm_repository.schedule import check_trtllm_schedule, from_trtllm, ours_draft_len, to_trtllm, trtllm_draft_len
 
@@ -171,13 +172,13 @@ def test_ngram_variant_uses_ngram_decoding_configs_fields():
 
 
 def test_trtllm_requests_take_the_new_fields():
-    served = trtllm.ServedVariant(METHOD_EAGLE3, 3, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
-    req = trtllm.parse_request(inputs(text_input="Hi", max_tokens=8, min_tokens=3, use_draft_logits=True,
+    served = trtllm_requests.ServedVariant(METHOD_EAGLE3, 3, max_batch_size=64, max_tokens_limit=8192, apply_chat_template=True)
+    req = trtllm_requests.parse_request(inputs(text_input="Hi", max_tokens=8, min_tokens=3, use_draft_logits=True,
                                       return_num_input_tokens=True, return_num_output_tokens=True), served)
     assert req.sampling["min_tokens"] == 3
     assert req.return_num_input_tokens and req.return_num_output_tokens
     assert req.exclude_input_in_output is False  # upstream's default: the model echoes the prompt
-    assert trtllm.parse_request(inputs(text_input="Hi", max_tokens=8, exclude_input_in_output=True), served).exclude_input_in_output
+    assert trtllm_requests.parse_request(inputs(text_input="Hi", max_tokens=8, exclude_input_in_output=True), served).exclude_input_in_output
 
 
 # ---- Medusa: MedusaDecodingConfig on the TensorRT engine backend ---------------------------------

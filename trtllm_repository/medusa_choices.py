@@ -18,7 +18,7 @@ a lower rank is the better guess.
 
 TensorRT-LLM's meaning of the fields (1.2.x, TensorRT engine backend; checked against
 NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py of the 1.2 line, see the comment above
-generator.TENSORRT_BACKEND, and tensorrt_llm/runtime/medusa_utils.py at 249d93d551e8): max_draft_len
+llm_api.TENSORRT_BACKEND, and tensorrt_llm/runtime/medusa_utils.py at 249d93d551e8): max_draft_len
 is the number of draft tokens a step, i.e. the tree's node count (TrtLlmArgs copies it into
 build_config.max_draft_len, the engine's Medusa token budget; MedusaDecodingConfig sets
 max_total_draft_tokens = max_draft_len; the 63-node mc_sim_7b_63 tree of upstream's examples

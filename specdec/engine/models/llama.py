@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.config import ModelConfig
+from specdec.engine.kernels import invariant_attention
 from specdec.engine.kv_cache import KVCache
 
 
@@ -188,7 +189,10 @@ class Attention(nn.Module):
         else:
             k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
             v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
+        if step.invariant:
+            out = invariant_attention(q, *self._context(batch, cache, C), batch.attn_mask[:, 0])
+        else:
+            out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd))
 
     def _context(self, batch: ForwardBatch, cache: KVCache, columns: int) -> tuple[Tensor, Tensor]:
@@ -215,6 +219,11 @@ class Attention(nn.Module):
         v_cache[packing.token_slot, :, packing.token_position] = v
         if packing.split is not None:
             return self._split(q, step, cache)
+        if step.invariant:  # every row through the one kernel, on the columns it may attend to
+            B, N = batch.tokens.shape
+            rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
+            out = invariant_attention(rows, *self._context(batch, cache, packing.context), batch.attn_mask[:, 0])
+            return packing.pack(out.transpose(1, 2).reshape(B, N, h * hd))
         if not batch.fresh_prompts:
             B, N = batch.tokens.shape
             rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
@@ -284,7 +293,7 @@ class Packing:
     attention. Worth it when rows differ in length: a prefill wave pads every prompt to the
     longest one (3x the tokens for 16 ShareGPT prompts)."""
 
-    def __init__(self, batch: "ForwardBatch", cos: Tensor, sin: Tensor):
+    def __init__(self, batch: "ForwardBatch", cos: Tensor, sin: Tensor, split: bool = True):
         num_new, (B, N) = batch.num_new, batch.tokens.shape
         device = batch.tokens.device
         real = torch.arange(N)[None, :] < torch.tensor(num_new)[:, None]  # [B, N]
@@ -300,7 +309,7 @@ class Packing:
         # the cache columns any real token attends to (padding columns are never written)
         self.context = int(batch.write_index.cpu().gather(1, torch.tensor(num_new)[:, None] - 1).max()) + 1
         self.first = (ends - torch.tensor(num_new)).to(device)  # each row's first token in packed order
-        self.split = _SplitRows(batch, self.spans) if _SplitRows.worth_it(batch) else None
+        self.split = _SplitRows(batch, self.spans) if split and _SplitRows.worth_it(batch) else None
 
     @staticmethod
     def worth_it(num_new: Sequence[int]) -> bool:
@@ -361,6 +370,7 @@ class Step:
     p0: int  # first write column when B == 1
     packing: Packing | None = None  # the residual stream is [T, H] (real tokens only) when set
     rest_mask: Tensor | None = None  # [R, 1, M, C] of the long rows' later tokens (packing.split); mask is then the first tokens'
+    invariant: bool = False  # attention by kernels.invariant_attention on batch.attn_mask (mask unused)
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -370,11 +380,15 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tupl
     return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack: bool = False) -> Step:
-    """pack: run the residual stream on the real tokens only (see Packing) when rows differ in length."""
+def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack: bool = False,
+                 invariant: bool = False) -> Step:
+    """pack: run the residual stream on the real tokens only (see Packing) when rows differ in length.
+    invariant: every attention through the batch-invariant kernel (Transformer.batch_invariant)."""
     cos, sin = rope_tables(batch.positions, inv_freq, dtype)
     p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
-    packing = Packing(batch, cos, sin) if pack and Packing.worth_it(batch.num_new) else None
+    packing = Packing(batch, cos, sin, split=not invariant) if pack and Packing.worth_it(batch.num_new) else None
+    if invariant:
+        return Step(batch, cos, sin, torch.empty(0), p0, packing, invariant=True)
     if packing is not None and batch.fresh_prompts:
         mask = torch.empty(0)  # attention runs per prompt, causally (Attention._packed)
     elif packing is not None and packing.split is not None:
@@ -417,6 +431,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Attention by kernels.invariant_attention: set with row-invariant weight kernels (the
+        # quantized formats, quantized.py), whose forward is then batch-invariant as a whole.
+        self.batch_invariant = False
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -450,7 +467,7 @@ class Transformer(nn.Module):
         that does not end its prompt needs none); last_only is 1 for every row, and None is
         every token. The logits are then [B, max(logits_rows), V], row b's in [:logits_rows[b]].
         pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
-        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack)
+        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack, invariant=self.batch_invariant)
         packing = step.packing
         tokens = batch.tokens if packing is None else packing.pack(batch.tokens)
         x = self.embed(tokens).to(self.act_dtype)  # [B, N, H], or [T, H] packed

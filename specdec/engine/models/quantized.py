@@ -23,8 +23,11 @@ fallback at 0.7-3.3 GB/s). So each quantized layer rounds its input and the grou
 offsets to bfloat16 (relative error at most 2^-9), accumulates in float32 inside the kernel, and
 returns float32. llama.cpp rounds activations further (to 8-bit blocks, Q8_1) for the same
 file. Whether the format's greedy output equals its own baseline under speculation is then a
-measurement (`specdec greedy-margin --weight-format gguf`), as for int8. Every method's verify
-path runs the same kernels as the baseline.
+measurement, unless every other part of the forward is row-invariant too: so a quantized target
+attends with the batch-invariant kernel of engine/kernels, and then a token's logits are the same
+bits however it is computed (decoded alone, verified in a tree, beside other sequences), and
+greedy speculation equals the baseline by construction. Every method's verify path runs the
+same kernels as the baseline.
 """
 from __future__ import annotations
 
@@ -214,14 +217,20 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 
 def quantize(model: nn.Module, weight_format: str | None, model_dir: Path) -> nn.Module:
     """The target in engine.weight_format: quantized in place for int8 and gguf (the GGUF file
-    the model directory was prepared from), as loaded otherwise."""
+    the model directory was prepared from), as loaded otherwise. A quantized target attends with
+    the batch-invariant kernel (engine/kernels), so its whole forward is row-invariant."""
     if weight_format == "int8":
-        return quantize_int8(model)
-    if weight_format == "gguf":
+        model = quantize_int8(model)
+    elif weight_format == "gguf":
         source = gguf_source(model_dir)
         if source is None:
             from specdec.errors import ConfigError
 
             raise ConfigError("weight_format", f"gguf needs the GGUF file {model_dir} was prepared from; none is recorded there")
-        return quantize_gguf(model, source)
+        model = quantize_gguf(model, source)
+    else:
+        return model
+    from specdec.engine import kernels
+
+    model.batch_invariant = kernels.available()  # else SDPA: identity is then a measurement only (logged)
     return model

@@ -1,0 +1,147 @@
+"""The batch-invariant attention (specdec/engine/kernels) and what it buys (issue 44): on a
+quantized target a token's logits are the same bits however the token is computed (decoded
+alone, verified in a chain or a tree, beside another sequence), so greedy speculation equals
+the baseline by construction, for every method."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.config import EngineConfig, SamplingParams
+from specdec.engine import kernels
+from specdec.engine.models.llama import build_batch
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no C compiler: {kernels.unavailable_reason()}")
+
+
+def _random_case(seed: int, B=2, H=6, KVH=2, N=5, C=40, D=64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=g)
+    k, v = torch.randn(B, KVH, C, D, generator=g), torch.randn(B, KVH, C, D, generator=g)
+    allowed = torch.rand(B, N, C, generator=g) < 0.6
+    allowed[..., 0] = True  # no row without a column (SDPA would give NaN)
+    return q, k, v, allowed
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_kernel_computes_attention(seed):
+    q, k, v, allowed = _random_case(seed)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    got = kernels.invariant_attention(q, k, v, allowed)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # views of a larger cache (what the engine passes) read the same numbers
+    k_big = torch.zeros(3, 2, 64, 64)
+    k_big[1:3, :, :40] = k
+    v_big = torch.zeros(3, 2, 64, 64)
+    v_big[1:3, :, :40] = v
+    assert torch.equal(kernels.invariant_attention(q, k_big[1:3, :, :40], v_big[1:3, :, :40], allowed), got)
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_or_columns_beside_it():
+    """A token three deep in a draft tree (its ancestors at tree columns, siblings masked in
+    between, other rows and trailing columns in the call) gets bitwise what it gets decoded
+    alone after its ancestors were committed to consecutive columns. SDPA does not (the control)."""
+    g = torch.Generator().manual_seed(5)
+    H, KVH, D, L = 9, 3, 64, 37
+    prefix_k, prefix_v = torch.randn(KVH, L, D, generator=g), torch.randn(KVH, L, D, generator=g)
+    nodes_k, nodes_v = torch.randn(KVH, 7, D, generator=g), torch.randn(KVH, 7, D, generator=g)
+    path = [0, 2, 5]  # the accepted root-to-leaf path among 7 tree nodes
+    q = torch.randn(1, H, 1, D, generator=g)
+
+    alone_k = torch.cat([prefix_k, nodes_k[:, path]], dim=1)[None]  # decoded: [1, KVH, L + 3, D]
+    alone_v = torch.cat([prefix_v, nodes_v[:, path]], dim=1)[None]
+    alone = kernels.invariant_attention(q, alone_k, alone_v, torch.ones(1, 1, L + 3, dtype=torch.bool))
+
+    tree_k = torch.cat([prefix_k, nodes_k, torch.randn(KVH, 9, D, generator=g)], dim=1)[None]  # 9 columns past the tree
+    tree_v = torch.cat([prefix_v, nodes_v, torch.randn(KVH, 9, D, generator=g)], dim=1)[None]
+    rows = torch.randn(1, H, 4, D, generator=g)
+    rows[:, :, 2] = q[:, :, 0]  # the token is row 2 of 4
+    allowed = torch.zeros(1, 4, L + 16, dtype=torch.bool)
+    allowed[:, :, :L] = True
+    allowed[0, 2, [L + i for i in path]] = True
+    allowed[0, [0, 1, 3], L] = True
+    verified = kernels.invariant_attention(rows, tree_k, tree_v, allowed)
+    assert torch.equal(verified[:, :, 2], alone[:, :, 0])
+
+    sdpa_alone = F.scaled_dot_product_attention(q, alone_k, alone_v, enable_gqa=True)
+    sdpa_verified = F.scaled_dot_product_attention(rows, tree_k, tree_v, attn_mask=allowed[:, None], enable_gqa=True)
+    assert torch.allclose(sdpa_verified[:, :, 2], sdpa_alone[:, :, 0], atol=1e-5)  # same attention
+    assert torch.equal(verified[:, :, 2], kernels.invariant_attention(rows, tree_k, tree_v, allowed)[:, :, 2])  # deterministic
+
+
+@pytest.fixture(scope="module", params=["gguf", "int8"])
+def quantized_target(request):
+    from specdec.serving.runtime import load_target
+
+    model = load_target(None, EngineConfig(weight_format=request.param))
+    assert model.batch_invariant
+    return model
+
+
+def test_a_quantized_targets_logits_are_the_same_bits_decoded_verified_or_batched(quantized_target):
+    model = quantized_target
+    prompt = [(7 * j) % 1000 + 10 for j in range(45)]
+    other = [(11 * j) % 900 + 20 for j in range(23)]
+    new = [11, 12, 13, 14]
+
+    def prefilled(cache, tokens):
+        slot = cache.allocate()
+        model(build_batch([slot], [0], [tokens]), cache, last_only=True)
+        cache.commit(slot, range(len(tokens)))
+        return slot
+
+    cache = model.new_cache(2, 128, 16)
+    slot = prefilled(cache, prompt)
+    decoded = []
+    for i, token in enumerate(new):  # the baseline: one token a step
+        decoded.append(model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0])
+    decoded = torch.stack(decoded)
+
+    cache = model.new_cache(2, 128, 16)
+    slot = prefilled(cache, prompt)
+    chain = model(build_batch([slot], [len(prompt)], [new]), cache).logits[0]
+    assert torch.equal(chain, decoded)
+
+    # a tree: new[0] -> {99, new[1]}, new[1] -> {new[2], 98}, new[2] -> new[3]; nodes in
+    # breadth-first order, the accepted path at nodes 0, 2, 3, 5
+    tokens = [new[0], 99, new[1], new[2], 98, new[3]]
+    parents = [-1, 0, 0, 2, 2, 3]
+    depths = [0, 1, 1, 2, 2, 3]
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for j, p in enumerate(parents):
+        mask[j, j] = True
+        while p >= 0:
+            mask[j, p] = True
+            p = parents[p]
+    cache = model.new_cache(2, 128, 16)
+    slot = prefilled(cache, prompt)
+    other_slot = prefilled(cache, other)
+    out = model(build_batch([slot, other_slot], [len(prompt), len(other)], [tokens, [5]], depths=[depths, None],
+                            tree_masks=[mask, None]), cache).logits
+    assert torch.equal(out[0, [0, 2, 3, 5]], decoded)
+
+
+@pytest.mark.parametrize("weight_format", ["gguf"])
+def test_greedy_speculation_equals_the_baseline_on_the_quantized_target_for_every_method(weight_format):
+    """Every served method, c=1 and two sequences at once, on ShareGPT-like chat prompts."""
+    from specdec.serving.runtime import build_engine, encode_prompt
+    from specdec.tools.engine_runs import run_requests
+
+    engine = build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=512, weight_format=weight_format))
+    speculator = engine.speculator
+    assert speculator.target_pass.target.batch_invariant
+    methods = list(dict.fromkeys([*speculator.drafts.drafters, *speculator.methods]))
+    assert len(methods) >= 10  # every served method
+    prompts = [encode_prompt(engine.tokenizer, text) for text in (
+        "List three prime numbers and explain why each is prime.",
+        "Write a Python function that reverses a string, then show it on 'hello world'.",
+        "What is speculative decoding? Answer in two sentences.")]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    baseline: dict[str, list[int]] = {}
+    run_requests(engine, prompts, greedy, "none", 0, 1, token_ids=baseline)
+    for method in methods:
+        for concurrency in (1, 2):
+            got: dict[str, list[int]] = {}
+            run_requests(engine, prompts, greedy, method, None, concurrency, token_ids=got)
+            assert got == baseline, (method, concurrency)
