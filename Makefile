@@ -40,7 +40,7 @@ test-all: prepare
 
 # Every method in specdec.json through the real server at 1 and 4 streams vs the baseline (part of make test too)
 test-methods: prepare
-	$(BIN)/python -m pytest -q tests/test_methods_served.py
+	$(BIN)/python -m pytest -q tests/server/test_methods_served.py
 
 bench-engine: prepare
 	$(BIN)/specdec bench-engine --out results/engine_bench.json
@@ -213,7 +213,7 @@ loadtest-prod: prepare
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# Mutation score (issue 43): each mutant in tests/mutants.toml applied alone to a private copy of the working tree, the
+# Mutation score (issue 43): each mutant in tests/support/mutants.toml applied alone to a private copy of the working tree, the
 # make-test tests it names run there -> results/mutants.json. Fails below 95% killed, or when a mutant no longer applies
 # (~15 min on 2 cores)
 mutants: prepare
@@ -224,4 +224,4 @@ mutants: prepare
 # request answered (make test runs a short fixed pass of the same test)
 FUZZ_SECONDS ?= 1800
 fuzz: prepare
-	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/test_fuzz_served.py -k through_the_server
+	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server

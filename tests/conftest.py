@@ -1,11 +1,24 @@
-"""Shared fixtures: tiny random HF checkpoints (fast) and the prepared SmolLM2 target."""
+"""Shared fixtures: tiny random HF checkpoints (fast) and the prepared SmolLM2 target.
+
+tests/ is laid out by layer: engine/ (in process, no Triton), serving/ (the engine loop, the
+request parser, the drafter served apart with Triton faked), server/ (the real Triton server),
+client/ (the client package, benchmarks, Locust), deploy/ (deployment files and the TensorRT-LLM
+variant, offline), project/ (the repository's own rules) and support/ (helpers and fixtures, no
+tests). Tests share helpers and fixtures across layers by module name, so every folder is on
+sys.path (names are unique across folders)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+for folder in ("support", "engine", "serving", "server", "client", "deploy", "project"):
+    if str(TESTS / folder) not in sys.path:
+        sys.path.insert(0, str(TESTS / folder))
 
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "2")))
 

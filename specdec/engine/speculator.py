@@ -74,6 +74,16 @@ class StepResult:
     dead_end: bool = False  # the request's grammar allows no next token: end it (grammar.UNPRODUCIBLE)
 
 
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One target forward's work, as Speculator.schedule decided it."""
+    prefilling: list[StartItem]  # prompts to continue or start, in the order chunks are taken
+    decoding: list[StepItem]  # running sequences, each verifying its tree
+    trees: list[DraftTree]  # decoding[i]'s tree
+    want_hidden: bool  # the forward taps hidden states (a drafter needs them)
+    prefill_tokens: int | None  # prompt tokens this forward at most (chunked prefill); None: whole prompts
+
+
 @dataclass
 class _Sequence:
     method: str
@@ -191,7 +201,13 @@ class Speculator(KeyedSequences[_Sequence]):
                 self._drop(item.seq_id)
             raise
 
-    def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
+    def schedule(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> ScheduledBatch:
+        """What the next target forward runs (vLLM's Scheduler.schedule, TensorRT-LLM's
+        ScheduledRequests): the prompts to prefill (those continuing first, then the new ones;
+        TargetPass.run takes them in this order, in chunks of at most `prefill_tokens` while
+        sequences decode), each decoding sequence's tree (cut to its budget, its grammar's
+        forced tokens first, then chosen by the planner for the adaptive methods), and whether
+        the forward must tap hidden states."""
         continuing = [i for i in steps if self._get(i.seq_id).start is not None]
         decoding = [i for i in steps if self._get(i.seq_id).start is None]
         prefilling = [self._get(i.seq_id).start for i in continuing] + list(starts)
@@ -210,9 +226,15 @@ class Speculator(KeyedSequences[_Sequence]):
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(decoding, seqs)) or any(
             self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling)
         chunk = self.config.prefill_chunk_tokens if decoding and self.config.prefill_chunk_tokens else None
+        return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk)
+
+    def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
+        batch = self.schedule(starts, steps)
+        prefilling, decoding, trees = batch.prefilling, batch.decoding, batch.trees
+        seqs = [self._get(i.seq_id) for i in decoding]
         t0 = time.perf_counter()
         prefilled, outs = self.target_pass.run([i.seq_id for i in prefilling], [(i.seq_id, t) for i, t in zip(decoding, trees)],
-                                               want_hidden, chunk)
+                                               batch.want_hidden, batch.prefill_tokens)
         t1 = time.perf_counter()
         if self.adaptive and decoding and not prefilling:
             self._observe_timing(sum(1 + len(t) for t in trees), len(decoding), t0, t1)

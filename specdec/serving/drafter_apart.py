@@ -1,6 +1,6 @@
 """The loop's side of a drafter served apart (the `drafter` model): started on a sequence's
 first step, handed what the verifier kept (merged over steps that drafted nothing), kept
-alive. The verifier's scheduler holds one per such sequence; run_loop (tests/loop_driver.py)
+alive. The verifier's scheduler holds one per such sequence; run_loop (tests/support/loop_driver.py)
 holds one per request.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The serving loop's backend in process: the hooks of specdec.serving.loop over a Speculator (and,
 for a drafter served apart, a DraftService), the role TensorRT-LLM's MockDecoder plays for
-its BLS. Tests drive run_loop (tests/loop_driver.py) with it."""
+its BLS. Tests drive run_loop (tests/support/loop_driver.py) with it."""
 from __future__ import annotations
 
 from typing import Hashable, Sequence

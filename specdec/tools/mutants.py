@@ -1,6 +1,6 @@
 """`make mutants`: does `make test` catch small semantic bugs in the engine and serving code?
 
-tests/mutants.toml lists the mutants: each is one edit of one source file (an `old` snippet
+tests/support/mutants.toml lists the mutants: each is one edit of one source file (an `old` snippet
 that occurs exactly once, replaced by `new`) that models a bug a correct test suite must
 catch (acceptance, the residual, tree merges, KV compaction, the prefix index, taps reuse,
 grammar masks, the planner, stop handling, seeds, the scheduler's failure path), and names
@@ -23,7 +23,7 @@ may edit it meanwhile, and a mutant left behind by a killed run would corrupt th
 Each worker (--jobs) has its own copy and restores the file after every mutant. Bytecode
 is never written there, so a mutated module is never served from a stale cache.
 
-The tests' names are checked by tests/test_mutants.py in `make test`: the list parses and
+The tests' names are checked by tests/project/test_mutants.py in `make test`: the list parses and
 every `old` snippet applies exactly once.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LIST = REPO_ROOT / "tests" / "mutants.toml"
+DEFAULT_LIST = REPO_ROOT / "tests" / "support" / "mutants.toml"
 DEFAULT_OUT = Path("results") / "mutants.json"
 
 KILLED, TIMEOUT, SURVIVED, ERROR = "killed", "timeout", "survived", "error"

@@ -4,7 +4,7 @@ Each table in README.md sits between `<!-- table:NAME -->` and `<!-- /table:NAME
 rewritten from its source files by this command; nothing inside is edited by hand. Each ends
 with a source line: the files, the commit that was measured, the date and the machine, as
 the files record them. `--check` renders without writing and fails when the README differs
-(tests/test_readme.py runs it, and fails on a figure outside a table as well).
+(tests/project/test_readme.py runs it, and fails on a figure outside a table as well).
 
 A new benchmark run rewrites its summary; `make results` (or `make results-quick`) reruns
 the benchmarks, then this command.

@@ -17,7 +17,7 @@ Python's other threads allocate and free at the same moment, so the heap is corr
 then: "free(): invalid pointer", "double free or corruption (fasttop)". Whether Python or the
 erase lets go last is a race. The stub-to-parent thread also answers every `is_cancelled()`
 (each a round trip to the server) and forwards every log line, so under load the erase often
-comes last. tests/test_bls_release.py forces that order and shows the stub die.
+comes last. tests/server/test_bls_release.py forces that order and shows the stub die.
 
 So the iterator's last reference must be dropped by Python, after the erase. The
 stub-to-parent queue is one FIFO thread, and a request's `is_cancelled()` that answers False

@@ -6,8 +6,8 @@ SDPA and matmul are not invariant in that sense (their reduction order depends o
 query rows and columns; measured 1e-7 to 8e-6 on the same row), and with weights that round
 their inputs to bfloat16 (the quantized formats, engine/models/quantized.py) such differences
 grow into greedy flips: 38 of 48 prompts identical before this kernel. The quantized weight
-kernels are row-invariant (tests/test_quantized.py), so with this attention the target's
-forward is invariant and identity holds by construction (tests/test_invariant_attention.py).
+kernels are row-invariant (tests/engine/test_quantized.py), so with this attention the target's
+forward is invariant and identity holds by construction (tests/engine/test_invariant_attention.py).
 
 The kernel is plain C (invariant_attention.c), compiled on first use with the machine's C
 compiler into the specdec cache and called through ctypes (which releases the GIL). Built for

@@ -1,4 +1,4 @@
-"""Losslessness computed exactly (tests/exact.py) for the draft model served apart, as it
+"""Losslessness computed exactly (tests/support/exact.py) for the draft model served apart, as it
 ships (model_repository/specdec.json: `draft_model`, `colocated: false`).
 
 The shipped path, in process: the verifier's EngineLoop (specdec/serving/engine_loop.py)

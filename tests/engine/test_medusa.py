@@ -128,7 +128,7 @@ def toy_medusa(tmp_path_factory):
     return target, random_heads(target.cfg, num_heads=3, sharpness=6.0, seed=4)
 
 
-@pytest.mark.slow  # chi-square (make test-all); medusa and medusa-tree are proved exactly in tests/test_exact_lossless.py
+@pytest.mark.slow  # chi-square (make test-all); medusa and medusa-tree are proved exactly in tests/engine/test_exact_lossless.py
 @pytest.mark.parametrize("tree", [False, pytest.param(True, id="tree")])
 def test_medusa_sampling_is_lossless(toy_medusa, tree):
     """Sampled chains (each head's draw with its q, which does not depend on the draws

@@ -1,10 +1,10 @@
-"""Run by tests/test_loadtest.py in a subprocess (Locust monkey-patches the standard library
+"""Run by tests/client/test_loadtest.py in a subprocess (Locust monkey-patches the standard library
 with gevent, which must not happen inside pytest): a real Locust master and WORKERS workers
 in one process, connected over ZeroMQ on localhost, and the prompt order the locustfile gives
 each worker once the master has numbered it. Prints {"indexes": [...], "orders": [[...], ...],
 "standalone": [...]} as JSON.
 
-    python tests/locust_workers_probe.py REPO_ROOT PROMPTS_JSONL WORKERS
+    python tests/support/locust_workers_probe.py REPO_ROOT PROMPTS_JSONL WORKERS
 """
 from __future__ import annotations
 

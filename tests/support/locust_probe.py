@@ -1,9 +1,9 @@
-"""Run by tests/test_loadtest.py in a subprocess (Locust monkey-patches the standard library
+"""Run by tests/client/test_loadtest.py in a subprocess (Locust monkey-patches the standard library
 with gevent, which must not happen inside pytest): drives the locustfile's SpecDecUser
 with a scripted client and prints, as JSON, the request counts of Locust's own CSV files,
 written by Locust's writer, and of a master's stats after a worker's report.
 
-    python tests/locust_probe.py REPO_ROOT OUT_DIR REQUESTS
+    python tests/support/locust_probe.py REPO_ROOT OUT_DIR REQUESTS
 """
 from __future__ import annotations
 

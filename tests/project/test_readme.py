@@ -11,7 +11,7 @@ import pytest
 
 from specdec.tools import readme_tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 # A measured figure: a decimal (not a three-part version), a ratio, a percentage, "N of M",

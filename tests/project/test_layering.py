@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Top-level packages of the project and where they live.
 PACKAGES = {
     "specdec": ROOT / "specdec",

@@ -1,4 +1,4 @@
-"""Hostile requests for the served fuzzer (tests/test_fuzz_served.py), as hypothesis strategies.
+"""Hostile requests for the served fuzzer (tests/server/test_fuzz_served.py), as hypothesis strategies.
 
 A request is a valid one (a prompt, a small max_tokens, some valid optional fields) with
 zero or more fields made bad. Each bad field is recorded with the names an error may give for

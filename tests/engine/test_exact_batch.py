@@ -1,4 +1,4 @@
-"""Losslessness computed exactly (tests/exact.py) for a batch of two sequences with the
+"""Losslessness computed exactly (tests/support/exact.py) for a batch of two sequences with the
 prefix cache on, one of them a prefix hit.
 
 Sequence A starts alone and verifies its first tree; B joins in the step after, while A
@@ -13,7 +13,7 @@ after its own prompt, and the two must be independent (no draw of one may move t
 
 What this proves of the reused state: the KV (a wrong column moves B's target distribution).
 The taps only steer B's drafts, so a wrong tap would cost acceptance, not losslessness; their
-equality with a full prefill is tests/test_prefix_eviction.py's.
+equality with a full prefill is tests/engine/test_prefix_eviction.py's.
 
 The methods are EAGLE-3 ones: a sampled chain (A) and the adaptive EAGLE-2 top-k tree (B,
 planned beside a batch mate that is not)."""

@@ -1,6 +1,6 @@
 """A fuzzer through the real server (issue 43, section 2): waves of concurrent requests with
 random and hostile values for every input of `ensemble`, `ensemble_unary`, `speculative_loop`
-and the OpenAI front end (tests/fuzz_inputs.py), some cancelled mid-stream, while a greedy
+and the OpenAI front end (tests/support/fuzz_inputs.py), some cancelled mid-stream, while a greedy
 control stream runs beside them.
 
 Pass means: every request is answered within ANSWER_TIMEOUT_S, with output or with an error

@@ -545,7 +545,7 @@ def one_request(toy: Toy, method: str, params: SamplingParams, budget: int | Non
 def target_conditionals(target: Transformer, params: SamplingParams, prefixes, prompt: Sequence[int] = PROMPT,
                         allowed: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> dict[tuple[int, ...], np.ndarray]:
     """The target's processed next-token distribution after prompt + each prefix (the logits
-    rules and sampling written in numpy, tests/test_speculative.py; allowed(prefix): a
+    rules and sampling written in numpy, tests/engine/test_speculative.py; allowed(prefix): a
     grammar's mask, by hand)."""
     from test_speculative import reference_probs, reference_rules
 

@@ -83,7 +83,7 @@ def test_end_id_ends_the_sequence(triton_server, tokenizer):
 
 
 # One penalty through the server in make test (the three share one code path, and every
-# penalty is proved lossless exactly in process: tests/test_exact_lossless.py's RULES).
+# penalty is proved lossless exactly in process: tests/engine/test_exact_lossless.py's RULES).
 @pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.3}, pytest.param({"presence_penalty": 1.0}, marks=pytest.mark.slow),
                                      pytest.param({"frequency_penalty": 0.7}, marks=pytest.mark.slow)])
 def test_penalties_change_the_output_and_stay_lossless(triton_server, penalty):

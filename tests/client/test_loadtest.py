@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # `loadtest` is a folder of the repository, not an installed package
 
 from loadtest import run, scenarios, timings  # noqa: E402
@@ -64,7 +64,7 @@ def test_aggregated_row_counts_real_requests_only(tmp_path):
     """Locust's Aggregated row (its CSV, and a master's total from a worker's report) counts
     one per request, failures included; the timings have rows of their own."""
     requests = 8  # 2 of them fail (every 4th)
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "locust_probe.py"), str(REPO), str(tmp_path), str(requests)],
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "locust_probe.py"), str(REPO), str(tmp_path), str(requests)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
@@ -100,7 +100,7 @@ def test_locust_workers_send_prompts_in_different_orders(tmp_path):
     prompts = [f"prompt {i}" for i in range(32)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "locust_workers_probe.py"), str(REPO), str(data), "3"],
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "locust_workers_probe.py"), str(REPO), str(data), "3"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])

@@ -304,7 +304,7 @@ class _CountingEagle3(Eagle3Drafter):
 
 
 # Sampled checks by chi-square (make test-all, ~4 min on 2 cores): the same paths at their
-# shipped settings are proved exactly in make test by tests/test_exact_lossless.py, which
+# shipped settings are proved exactly in make test by tests/engine/test_exact_lossless.py, which
 # enumerates every random outcome instead of sampling (power 1 against the controls there).
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [pytest.param("chain", id="chain_sampled"), "dynamic_tree", "sampled_tree"])
@@ -597,11 +597,11 @@ def test_shipped_head_greedy_identity_on_sharegpt(smol_model, smol_tokenizer):
     assert len(accepted) == 5 and all(n > 0 for n in accepted), accepted
 
 
-@pytest.mark.slow  # chi-square, as above: tests/test_exact_lossless.py proves eagle3-hybrid exactly in make test
+@pytest.mark.slow  # chi-square, as above: tests/engine/test_exact_lossless.py proves eagle3-hybrid exactly in make test
 @pytest.mark.parametrize("variant", ["shipped", "dynamic_tree", "sampled_tree"])
 def test_hybrid_sampling_is_lossless(toy_eagle, monkeypatch, variant):
     """The real eagle3-hybrid drafter (Eagle3Drafter with hybrid_ngram and the planner), not
-    tests/toy.py's BigramDrafter copy, drafting for a toy target (the shipped head's
+    tests/support/toy.py's BigramDrafter copy, drafting for a toy target (the shipped head's
     576-wide taps and 49k vocabulary cannot pair with a 12-token target, so a head in the
     published layout sized for it stands in). "shipped": model_repository/specdec.json's
     eagle3-hybrid settings as they are; sampled requests draft the head's sampled chains

@@ -1,6 +1,6 @@
 """Losslessness computed exactly, for every drafting method that ships, over two steps.
 
-tests/exact.py runs the real engine (its drafters, planner, verification and logits
+tests/support/exact.py runs the real engine (its drafters, planner, verification and logits
 processing) once per combination of its random outcomes and weighs each output by its
 probability, so the output distribution is known exactly, not sampled. One request: its
 prefill (the first token sampled, the first tree drafted) and TWO speculative steps, the
@@ -9,7 +9,7 @@ compacted to the accepted path, EAGLE-3's pending pairs of taps and tokens, the 
 model's KV committed in place, Medusa's last tap, the logits rules' context, the planner's
 updated estimates). Criterion: after every emitted prefix s, the next emitted token is
 distributed as the target's processed distribution after prompt + s (computed with the
-numpy processing of tests/test_speculative.py, not the engine's). That is exactly the
+numpy processing of tests/engine/test_speculative.py, not the engine's). That is exactly the
 condition for the whole stream to be the target's: a token not emitted in these steps
 comes from a fresh step, itself drawn from the target.
 
@@ -131,7 +131,7 @@ ONE_STEP_SHIPPED = [
 
 def test_every_shipped_method_is_covered():
     """A method added to specdec.json must join TWO_STEPS (draft_model-colocated drafts
-    exactly what draft_model does: the same drafter; tests/test_exact_apart.py runs
+    exactly what draft_model does: the same drafter; tests/serving/test_exact_apart.py runs
     draft_model served apart, as it ships)."""
     assert set(served_methods()) - {"draft_model-colocated"} == set(TWO_STEPS)
 
@@ -269,7 +269,7 @@ def test_a_drafter_sharing_the_verifiers_random_stream_is_caught(toy, monkeypatc
     specdec/engine/drafters/service.py). With no offset, its draws are the verifier's: the
     first draft token is drawn with the very number that drew the first token, and the
     second with the one that accepts or rejects the first. The enumeration honours streams
-    (tests/exact.py), so the proof fails; the enumeration before it (every draw independent)
+    (tests/support/exact.py), so the proof fails; the enumeration before it (every draw independent)
     passed the same bug. Seeded with the offset, the same case passes."""
     seeded = dataclasses.replace(PARAMS, seed=7)
     assert deviation(toy, method, seeded, budget=2) < TOLERANCE

@@ -8,7 +8,7 @@ Triton server: the ensemble over gRPC (every method family, the drafter served a
 included, greedy and T=0.7), a regex over HTTP's generate endpoint, and bad guides refused
 naming the field over gRPC and HTTP with the server still serving. The exact proof of
 losslessness under a grammar (sampled chain, tree, hybrid, draft model) is in
-tests/test_exact_lossless.py."""
+tests/engine/test_exact_lossless.py."""
 from __future__ import annotations
 
 import json

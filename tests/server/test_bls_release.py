@@ -29,7 +29,7 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 # stub in 5 of 5 `drop` runs and never in `keep` ones.
 pytestmark = pytest.mark.slow
 
-REPOSITORY = Path(__file__).parent / "fixtures" / "bls_repository"
+REPOSITORY = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "bls_repository"
 BACKLOG_LINES = 300  # x 1 KB: several times a pipe's 64 KiB buffer
 
 

@@ -25,7 +25,7 @@ def _kernel(t: torch.Tensor) -> torch.Tensor:
 
 # The kernels' outputs are bfloat16 (8 significant bits): within 2^-8 of the exact product of
 # what they were given, relative to the output's scale, and a wrong code, scale or group is off
-# by far more (tests/test_quantized.py's dense comparison below sees 1e-2 from int8 rounding).
+# by far more (tests/engine/test_quantized.py's dense comparison below sees 1e-2 from int8 rounding).
 BF16_OUTPUT = 2 ** -8
 
 

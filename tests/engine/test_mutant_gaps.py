@@ -1,5 +1,5 @@
 """Behaviour no other `make test` test held, found by mutants that survived it (`make
-mutants`, tests/mutants.toml names the mutant each test kills).
+mutants`, tests/support/mutants.toml names the mutant each test kills).
 
 Seeds: a seeded request draws from a stream of its own (alone or batched), and its drafter
 from another. top-k and top-p keep exactly the reference set. Stop strings: several
@@ -97,7 +97,7 @@ def test_the_drafter_does_not_draw_from_the_stream_the_target_starts_from(tiny):
     SamplingParams(temperature=0.9, top_p=0.5),
 ], ids=["top_k", "top_k_1", "top_k_top_p", "top_p"])
 def test_top_k_and_top_p_keep_the_reference_set(params):
-    """The engine's processing against tests/test_speculative.py's numpy reference."""
+    """The engine's processing against tests/engine/test_speculative.py's numpy reference."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     ours = logits_to_probs(logits, params).double().numpy()
     for row in range(len(logits)):

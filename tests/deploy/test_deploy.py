@@ -36,7 +36,7 @@ from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_NONE, Model
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.launcher.serve import _build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -1,12 +1,12 @@
-"""Losslessness computed exactly (tests/exact.py) for a request's options on branching
+"""Losslessness computed exactly (tests/support/exact.py) for a request's options on branching
 trees, over two speculative steps: top-k and top-p; TensorRT-LLM's logits rules
 (repetition, presence and frequency penalties, min_length on the end ids, bad words) with
-the end id ending the request (a grammar's: tests/test_exact_lossless.py). Each on trees whose
+the end id ending the request (a grammar's: tests/engine/test_exact_lossless.py). Each on trees whose
 drafts are sampled from q (EAGLE-3 `sampled_tree`: the i.i.d. rule) and on trees drafted
 as a function of the context (top-k, trie and frequency trees: the one-hot rule), so every
 tree row is processed with its own path's context, not only a chain's.
 
-The criterion is tests/test_exact_lossless.py's: after every emitted prefix, the next token
+The criterion is tests/engine/test_exact_lossless.py's: after every emitted prefix, the next token
 (the end token included, when it ends the request) is distributed as the target's processed
 distribution after prompt + prefix, from the numpy reference."""
 from __future__ import annotations

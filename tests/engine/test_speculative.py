@@ -254,7 +254,7 @@ CASES["chain_one_hot_logits_rules"] = dict(CASES["chain_one_hot"], params=datacl
 
 # These chi-square checks run in make test-all (slow): make test proves the same schemes
 # (draft probabilities and one-hot, chains and trees, logits rules, top-p, the draft model)
-# exactly at every shipped method's settings in tests/test_exact_lossless.py, which
+# exactly at every shipped method's settings in tests/engine/test_exact_lossless.py, which
 # enumerates the engine's random outcomes instead of sampling them.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
@@ -274,7 +274,7 @@ def toy_draft_dir(tmp_path_factory):
                         num_hidden_layers=1, initializer_range=0.15, seed=12, eos_token_id=0, bos_token_id=0)
 
 
-@pytest.mark.slow  # chi-square; exact in make test (tests/test_exact_lossless.py, draft_model)
+@pytest.mark.slow  # chi-square; exact in make test (tests/engine/test_exact_lossless.py, draft_model)
 @pytest.mark.parametrize("tree", [pytest.param(False, id="chain_with_draft_probs"), pytest.param(True, id="tree_one_hot")])
 def test_sampling_with_a_draft_model_is_lossless(toy_pair, toy_draft_dir, tree):
     """method draft_model: sampled chains carry the draft LM's processed distribution q

@@ -20,7 +20,7 @@ import specdec.launcher as L
 from specdec.launcher import install as L_install
 from specdec.launcher import processes as L_processes
 
-FIXTURE_REPO = Path(__file__).parent / "fixtures" / "echo_repository"
+FIXTURE_REPO = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "echo_repository"
 READY_TIMEOUT = 120
 
 

@@ -3,7 +3,7 @@ distribution: a toy target (six-token vocabulary, so the exact distribution of t
 three tokens has 216 cells) is served by the same model repository, thousands of seeded
 requests go through `speculative_loop`, and the counts are compared (chi-square) with the
 exact distribution computed with transformers and a processing written independently of
-the engine's (tests/test_speculative.py's numpy reference).
+the engine's (tests/engine/test_speculative.py's numpy reference).
 
 Each request emits its first token at prefill and the next two in one verification step
 (max_tokens 4 leaves room for two draft tokens), so the scored tokens 2 and 3 went through
@@ -16,7 +16,7 @@ seed ignored, draft probabilities lost or misaligned across the wire, a distribu
 the wrong context), which moves whole cells; the negative control below shows two such
 alternatives rejected at p < 1e-6 with these very counts. It cannot see a 2% bias in one
 step of acceptance: that is proven exactly, for every shipped method, in
-tests/test_exact_lossless.py (deterministic, with such biases as its controls)."""
+tests/engine/test_exact_lossless.py (deterministic, with such biases as its controls)."""
 from __future__ import annotations
 
 import itertools
@@ -35,7 +35,7 @@ from test_speculative import chi_square_p, reference_probs
 
 # make test-all only (~80 s with its own server): in make test, sampling through the server is
 # held by test_serving's seeded requests equal to the in-process engine's draws, and the
-# engine's distribution is proved exactly (tests/test_exact_lossless.py).
+# engine's distribution is proved exactly (tests/engine/test_exact_lossless.py).
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 VOCAB = 6
