@@ -16,7 +16,7 @@ from specdec.errors import ConfigError, InvalidRequestError
 
 # Architectures the decoder implements (HF `model_type` -> notes). All are Llama-shaped:
 # RMSNorm, RoPE, GQA, SwiGLU; qwen2 adds a bias on q/k/v.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 import specdec_wire as P
 from specdec_wire import METHOD_NONE  # the baseline: one name, defined by the wire contract
@@ -74,6 +74,8 @@ class ModelConfig:
     sliding_window: int | None = None
     # MLA targets (DeepSeek) carry kv_lora_rank; we only record it to refuse dynamic trees.
     kv_lora_rank: int | None = None
+    # Qwen3: an RMSNorm over each head's query and key before RoPE (q_norm, k_norm)
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -98,8 +100,8 @@ class ModelConfig:
             if kind in ("default", None):
                 rope_scaling = None
         sliding_window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding_window = None  # Qwen2 carries the key but leaves it off.
+        if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 and Qwen3 carry the key but leave it off.
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return ModelConfig(
@@ -120,6 +122,7 @@ class ModelConfig:
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             sliding_window=int(sliding_window) if sliding_window else None,
             kv_lora_rank=raw.get("kv_lora_rank"),
+            qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
@@ -444,8 +447,10 @@ class EngineConfig:
     # The target's weights (issue 44; specdec/engine/models/quantized.py): None = dense in
     # `dtype`; "float32" / "bfloat16" dense in that type; "int8" one int8 scale per output row
     # of the float weights; "gguf" the GGUF file's own quantization as stored (Q4_1, Q8_0),
-    # multiplied by PyTorch's CPU weight-only kernels. The quantized formats run on CPU with
-    # float32 activations.
+    # multiplied by PyTorch's CPU weight-only kernels on bfloat16-rounded inputs, with the
+    # batch-invariant attention (greedy identity by construction; docs/serving.md#weight-formats).
+    # The quantized formats run on CPU (dtype float32 for everything else). The served settings
+    # (model_repository/specdec.json) choose int8; None here keeps library callers dense.
     weight_format: str | None = None
     # EAGLE-3 head linears: a draft pass streams its ~9M weights per token, so bfloat16
     # halves the bytes (the target's output, hence losslessness, does not depend on it).

@@ -50,7 +50,7 @@ def pbtxt_tensors(config, section: str) -> dict[str, tuple]:
 
 def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random tiny HF checkpoint (config.json + safetensors) with transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
@@ -61,6 +61,12 @@ def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) ->
     common.update(overrides)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": common["hidden_size"] // common["num_attention_heads"], **common}))
+        with torch.no_grad():  # q/k norm weights start at 1: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Random init has tiny logits spread; scale the head so sampling tests see real distributions.

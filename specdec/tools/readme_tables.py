@@ -56,13 +56,19 @@ def provenance(path: str) -> tuple[str, str, str]:
 
 # Sources measured before a change that moves their figures, with the command that refreshes
 # them: the table stays (it is what was measured) and says so.
+INT8_DEFAULT = "the int8 weight default (float32 weights then)"
 HISTORY = {
-    "results/bench/matrix-greedy/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-matrix"),
-    "results/bench/heads-greedy/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-heads"),
-    "results/bench/heads-t07/summary.json": ("in-flight batching (979e861) and the v5 head", "make bench-heads"),
-    "results/bench/v5-greedy/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
-    "results/bench/v5-t07/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
-    "results/bench/v5-t10/summary.json": ("in-flight batching (979e861)", "make bench-v5"),
+    "results/bench/matrix-greedy/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-matrix"),
+    "results/bench/heads-greedy/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
+    "results/bench/heads-t07/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
+    "results/bench/v5-greedy/summary.json": (f"in-flight batching (979e861) and {INT8_DEFAULT}", "make bench-v5"),
+    "results/bench/v5-t07/summary.json": (f"in-flight batching (979e861) and {INT8_DEFAULT}", "make bench-v5"),
+    "results/bench/v5-t10/summary.json": (f"in-flight batching (979e861) and {INT8_DEFAULT}", "make bench-v5"),
+    "results/bench/structured/summary.json": (INT8_DEFAULT, "make bench-structured"),
+    "results/bench/conversations/summary.json": (INT8_DEFAULT, "make bench-conversations"),
+    "results/bench/suffix/summary.json": (INT8_DEFAULT, "make bench-suffix"),
+    "results/bench/load/in_flight.json": (INT8_DEFAULT, "make bench-load"),
+    "results/bench/load/closed_greedy/summary.json": (INT8_DEFAULT, "make bench-load-sweep"),
 }
 
 

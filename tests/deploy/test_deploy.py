@@ -783,7 +783,7 @@ def _verifier_max_batch_size() -> int:
 
 
 @pytest.mark.parametrize("name, device, dtype", [("cpu", "cpu", None), ("gpu", "cuda", "bfloat16")])
-def test_settings_files_differ_from_the_repository_settings_only_in_device_and_dtype(name, device, dtype):
+def test_settings_files_differ_from_the_repository_settings_only_in_device_dtype_and_weights(name, device, dtype):
     path = DEPLOY / "settings" / f"{name}.json"
     settings = ServingConfig.from_file(path)
     assert settings.engine.device == device
@@ -792,9 +792,12 @@ def test_settings_files_differ_from_the_repository_settings_only_in_device_and_d
     ours = json.loads(path.read_text())
     if dtype:
         assert ours["engine"]["dtype"] == dtype
+    # the quantized weight formats are CPU kernels: the CPU file serves the repository's, a GPU file none
+    assert ours["engine"].get("weight_format") == (reference["engine"].get("weight_format") if device == "cpu" else None)
     for raw in (reference, ours):
         raw["engine"].pop("device", None)
         raw["engine"].pop("dtype", None)
+        raw["engine"].pop("weight_format", None)
         for method in raw["methods"].values():  # load controls are tuned per machine (compute to spare differs)
             method.pop("max_concurrency", None)
             method.pop("draft_len_schedule", None)

@@ -37,6 +37,8 @@ def test_smollm2_logits_match_transformers(smol_dir, smol_model):
     "arch,overrides",
     [
         ("qwen2", {}),  # GQA + q/k/v bias
+        ("qwen3", {}),  # q/k norm per head before RoPE
+        ("qwen3", {"attention_bias": True, "head_dim": 24}),  # biases, a head_dim apart from hidden / heads
         ("llama", {"attention_bias": True}),  # Llama bias also on o_proj
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),

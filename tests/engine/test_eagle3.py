@@ -526,12 +526,12 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     drafts = DraftService(engine.drafts.drafters)
 
     class Scheduled(Speculator):
-        """Budgets only the steps `schedule` picks (counted from the prefill's decision)."""
+        """Budgets only the steps `drafts_at` picks (counted from the prefill's decision)."""
 
-        schedule, decisions = (lambda step: True), 0
+        drafts_at, decisions = (lambda step: True), 0
 
         def _decide_budget(self, seq):
-            budget = super()._decide_budget(seq) if self.schedule(self.decisions) else 0
+            budget = super()._decide_budget(seq) if self.drafts_at(self.decisions) else 0
             self.decisions += 1
             seq.budget = budget
             return budget
@@ -563,12 +563,12 @@ def test_run_loop_hands_skipped_steps_to_a_separate_drafter_merged(tiny):
     for p in ps:
         plain = run_all(engine, [p], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
         backend = Separate()
-        speculator.schedule, speculator.decisions = (lambda step: step % 3 == 0), 0
+        speculator.drafts_at, speculator.decisions = (lambda step: step % 3 == 0), 0
         assert _loop_generate(backend, p, "eagle3", colocated=False) == plain
         assert backend.drafted and max(backend.drafted) >= 3  # three steps' tokens arrived at once
     # Never drafting, but a keep-alive of 0 s: the drafter still hears of every step.
     backend = Separate()
-    speculator.schedule = lambda step: False
+    speculator.drafts_at = lambda step: False
     out = _loop_generate(backend, ps[0], "eagle3", keepalive=0.0, colocated=False)
     assert out == run_all(engine, [ps[0]], SamplingParams(max_tokens=24, ignore_eos=True), "none", 0, 1)[0]
     assert len(backend.drafted) == 22 and set(backend.drafted) == {1}  # 23 verify steps, the first one after start_drafter

@@ -41,6 +41,7 @@ import torch
 import specdec.engine.acceptance as acceptance
 import specdec.engine.drafters.service as draft_service
 import specdec.engine.planner as planner
+from toy import argmax_path
 from exact import (END, MAX_TOKENS, VOCAB, Outcomes, Request, exact_outcomes, flat_cost, make_engine, request_outcomes,
                    staircase_cost, toy, worst_deviation)  # noqa: F401 - toy is a fixture
 from specdec.config import SamplingParams
@@ -233,17 +234,9 @@ def test_a_two_percent_tilt_of_the_residual_is_caught(toy, monkeypatch, method):
 def test_acceptance_by_argmax_is_caught(toy, monkeypatch):
     """Accepting a draft whenever it is the target's argmax (a common shortcut) is lossy."""
     def argmax_accept(tree, target_probs, generator):
-        row, path = 0, []
-        kids = tree.children()
-        while kids[row]:
-            best = int(target_probs[row].argmax())
-            match = next((c for c in kids[row] if tree.tokens[c] == best), None)
-            if match is None:
-                break
-            path.append(match)
-            row = match + 1
+        path, row = argmax_path(tree, target_probs)
         nxt = acceptance.sample(target_probs[row], generator)
-        return acceptance.VerifyResult(path, [tree.tokens[i] for i in path], nxt, not kids[row])
+        return acceptance.VerifyResult(path, [tree.tokens[i] for i in path], nxt, not tree.children()[row])
 
     import specdec.engine.target as target_module
 

@@ -20,7 +20,7 @@ from specdec.engine.models.loading import load_transformer
 from specdec.engine.acceptance import VerifyResult
 
 from conftest import save_tiny_hf
-from toy import BigramDrafter, ScriptedDrafter
+from toy import BigramDrafter, ScriptedDrafter, argmax_path
 
 VOCAB = 96
 
@@ -56,6 +56,15 @@ def run_all(engine: SpecEngine, prompt_list, params, method, k, concurrent: int)
 
 
 def test_greedy_speculative_equals_plain_tiny(tiny_target):
+    greedy_speculative_equals_plain(tiny_target)
+
+
+def test_greedy_speculative_equals_plain_tiny_qwen3(tmp_path):
+    """The same on a Qwen3 target (q/k norm before RoPE), issue 46."""
+    greedy_speculative_equals_plain(load_transformer(save_tiny_hf(tmp_path, arch="qwen3", initializer_range=0.3, seed=3)))
+
+
+def greedy_speculative_equals_plain(tiny_target):
     ps = prompts(24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     cfg = EngineConfig(max_batch_size=8, max_seq_len=128, max_num_draft_tokens=8)
@@ -298,17 +307,9 @@ def test_chi_square_detects_a_wrong_rule(toy_pair, monkeypatch):
     target, table = toy_pair
 
     def wrong_verify(tree, target_probs, generator):
-        path, row = [], 0
-        kids = tree.children()
-        while kids[row]:
-            best = int(target_probs[row].argmax())
-            match = next((c for c in kids[row] if tree.tokens[c] == best), None)
-            if match is None:
-                break
-            path.append(match)
-            row = match + 1
+        path, row = argmax_path(tree, target_probs)
         nxt = int(torch.multinomial(target_probs[row], 1, generator=generator))
-        return VerifyResult(path, [tree.tokens[i] for i in path], nxt, not kids[row])
+        return VerifyResult(path, [tree.tokens[i] for i in path], nxt, not tree.children()[row])
 
     monkeypatch.setattr(verifier_module, "verify_sampled", wrong_verify)
     counts = sample_first3(target, BigramDrafter(table, iid=False, branches=1, depth=4), PARAMS, seed0=1000)

@@ -98,3 +98,18 @@ class BigramDrafter(Drafter):
         if self.merge and not self.iid:
             tree = tree.merged(list(seq.prompt_ids[: max(1, budget - len(tree))]))
         return tree
+
+
+def argmax_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[int], int]:
+    """The lossy shortcut the acceptance tests' negative controls take: follow the draft while
+    its token is the target's argmax. Returns (the nodes kept, the row to sample the next token from)."""
+    row, path = 0, []
+    kids = tree.children()
+    while kids[row]:
+        best = int(target_probs[row].argmax())
+        match = next((c for c in kids[row] if tree.tokens[c] == best), None)
+        if match is None:
+            break
+        path.append(match)
+        row = match + 1
+    return path, row

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) with a batched ragged,
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) with a batched ragged,
 tree-masked forward over a slot KV cache. In the style of gpt-fast: one file, plain tensors.
 
 One forward takes B sequences; sequence b brings n_b new tokens with their own RoPE
@@ -162,6 +162,18 @@ class Attention(nn.Module):
         # in_features: EAGLE-3's layer attends over [embedding; hidden] (2H).
         self.wqkv = Linear(in_features or cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # fused q|k|v
         self.wo = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head's query and key normalized before RoPE
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def _roped(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """q and k of [..., heads, hd] rows (padded [B, N, ...] or packed [T, ...]), after RoPE."""
+        h, kvh = self.n_heads, self.n_kv
+        qk = qkv[..., : h + kvh, :]
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[..., :h, :]), self.k_norm(qk[..., h:, :])), dim=-2)
+        return apply_rope(qk, cos, sin)
 
     def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
         batch = step.batch
@@ -171,7 +183,7 @@ class Attention(nn.Module):
         if step.packing is not None:
             return self.wo(self._packed(qkv, step, cache))
         qkv = qkv.view(B, N, h + 2 * kvh, self.hd)
-        qk = apply_rope(qkv[:, :, : h + kvh], step.cos, step.sin)  # q and k together: [B, N, h+kvh, hd]
+        qk = self._roped(qkv, step.cos, step.sin)  # q and k together: [B, N, h+kvh, hd]
         q = qk[:, :, :h].transpose(1, 2)  # [B, h, N, hd]
         k = qk[:, :, h:].transpose(1, 2)  # [B, kvh, N, hd]
         v = qkv[:, :, h + kvh :].transpose(1, 2)
@@ -212,7 +224,7 @@ class Attention(nn.Module):
         h, kvh, hd = self.n_heads, self.n_kv, self.hd
         packing, batch = step.packing, step.batch
         qkv = qkv.view(-1, h + 2 * kvh, hd)
-        qk = apply_rope(qkv[:, : h + kvh], packing.cos, packing.sin)  # [T, h+kvh, hd]
+        qk = self._roped(qkv, packing.cos, packing.sin)  # [T, h+kvh, hd]
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
         k_cache[packing.token_slot, :, packing.token_position] = k
@@ -513,7 +525,7 @@ class Transformer(nn.Module):
         return out.index_fill_(0, torch.tensor(unused, dtype=torch.long, device=x.device), 0.0).view(B, width, logits.shape[-1])
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
-        """Map HF Llama/Mistral/Qwen2 weight names onto this module's fused layout."""
+        """Map HF Llama/Mistral/Qwen2/Qwen3 weight names onto this module's fused layout."""
         cfg = self.cfg
 
         def take(name: str) -> Tensor:
@@ -530,6 +542,9 @@ class Transformer(nn.Module):
             if cfg.qkv_bias:
                 own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
             own[f"layers.{i}.attn.wo.weight"] = take(a + "o_proj.weight")
+            if cfg.qk_norm:
+                own[f"layers.{i}.attn.q_norm.weight"] = take(a + "q_norm.weight")
+                own[f"layers.{i}.attn.k_norm.weight"] = take(a + "k_norm.weight")
             if cfg.o_bias:
                 own[f"layers.{i}.attn.wo.bias"] = take(a + "o_proj.bias")
             own[f"layers.{i}.mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
