@@ -385,13 +385,18 @@ class SpeculativeConfig:
         elif self.max_total_draft_tokens is None:
             object.__setattr__(self, "max_total_draft_tokens", self.max_draft_len)
 
-    def check_target(self, target: ModelConfig) -> "SpeculativeConfig":
-        """Refuse combinations the target cannot support (TensorRT-LLM documents the same)."""
-        if self.use_dynamic_tree and target.sliding_window:
+    def check_target(self, target: ModelConfig, trtllm: bool = False) -> "SpeculativeConfig":
+        """Refuse combinations the target cannot support. trtllm: for a TensorRT-LLM deployment,
+        which also refuses dynamic trees on sliding-window targets (its sliding-window KV cache
+        cannot hold siblings that share positions). Our engine serves them: its KV cache keeps
+        every committed position and the window is a mask, so each tree node attends to the
+        window relative to its own position over the committed context and its ancestors
+        (tests/engine/test_decoder.py, tests/engine/test_speculative.py)."""
+        if trtllm and self.use_dynamic_tree and target.sliding_window:
             raise ConfigError(
                 "use_dynamic_tree",
-                f"dynamic tree is unsupported for sliding-window attention targets (sliding_window={target.sliding_window}): "
-                "a tree's siblings share positions, which a sliding-window KV cache cannot hold",
+                f"TensorRT-LLM does not serve dynamic trees on sliding-window attention targets (sliding_window={target.sliding_window}): "
+                "a tree's siblings share positions, which its sliding-window KV cache cannot hold",
             )
         if self.use_dynamic_tree and target.kv_lora_rank:
             raise ConfigError(

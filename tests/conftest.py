@@ -50,7 +50,8 @@ def pbtxt_tensors(config, section: str) -> dict[str, tuple]:
 
 def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random tiny HF checkpoint (config.json + safetensors) with transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(
@@ -61,6 +62,8 @@ def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) ->
     common.update(overrides)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":  # sliding-window attention: pass sliding_window
+        model = MistralForCausalLM(MistralConfig(**common))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": common["hidden_size"] // common["num_attention_heads"], **common}))
         with torch.no_grad():  # q/k norm weights start at 1: make them matter

@@ -173,7 +173,7 @@ class TrtllmDeployment:
                         f"TensorRT-LLM's Eagle3 decoding serves {expected!r} for use_dynamic_tree={spec.use_dynamic_tree}, "
                         f"got {spec.method!r}",
                     )
-            spec.check_target(self.target)
+            spec.check_target(self.target, trtllm=True)
         drafts_apart = any(spec is not None and spec.method == METHOD_DRAFT_MODEL for spec in self.variants.values())
         if drafts_apart and self.draft_target is not None:  # after the variants' own rules, which name their fields
             self.target.check_draft_pairing(self.draft_target, self.draft_target_model)

@@ -24,7 +24,7 @@ def hf_logits(model_dir, ids):
 def our_prefill_logits(model, ids):
     cache = model.new_cache(2, 256, 16)
     slot = cache.allocate()
-    return model(build_batch([slot], [0], [ids]), cache).logits[0]
+    return model(build_batch([slot], [0], [ids], sliding_window=model.cfg.sliding_window), cache).logits[0]
 
 
 def test_smollm2_logits_match_transformers(smol_dir, smol_model):
@@ -38,6 +38,7 @@ def test_smollm2_logits_match_transformers(smol_dir, smol_model):
     [
         ("qwen2", {}),  # GQA + q/k/v bias
         ("qwen3", {}),  # q/k norm per head before RoPE
+        ("mistral", {"sliding_window": 8}),  # sliding-window attention, the 37-token prompt 4.6 windows long
         ("qwen3", {"attention_bias": True, "head_dim": 24}),  # biases, a head_dim apart from hidden / heads
         ("llama", {"attention_bias": True}),  # Llama bias also on o_proj
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -57,18 +58,24 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
     return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
 
 
-def test_tree_forward_equals_sequential_paths(tiny_llama_dir):
-    model = load_transformer(tiny_llama_dir)
+@pytest.mark.parametrize("window", [None, 6])
+def test_tree_forward_equals_sequential_paths(tiny_llama_dir, tmp_path, window):
+    """Every root-to-leaf path of a draft tree gets the logits a prefill of that path gets. With
+    a sliding window shorter than the prefix (issue 46), each node attends to the window
+    relative to its own position over the committed context and its ancestors only: siblings
+    share positions, and what lies past a node's window, or on another branch, is never read."""
+    model = load_transformer(tiny_llama_dir if window is None else save_tiny_hf(tmp_path, arch="mistral", sliding_window=window))
+    assert model.cfg.sliding_window == window
     rng = random.Random(0)
     prefix = [rng.randrange(96) for _ in range(11)]
     for trial in range(4):
         tree = random_tree(rng, 9, 96)
         cache = model.new_cache(2, 128, 16)
         slot = cache.allocate()
-        model(build_batch([slot], [0], [prefix]), cache)
+        model(build_batch([slot], [0], [prefix], sliding_window=window), cache)
         cache.commit(slot, range(len(prefix)))
         tokens, depths, mask = tree.input_rows(root_token=5)
-        tree_logits = model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask]), cache).logits[0]
+        tree_logits = model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask], sliding_window=window), cache).logits[0]
         for leaf in range(len(tree)):
             path = tree.path_to(leaf)
             seq = prefix + [5] + [tree.tokens[i] for i in path]

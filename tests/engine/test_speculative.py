@@ -64,6 +64,14 @@ def test_greedy_speculative_equals_plain_tiny_qwen3(tmp_path):
     greedy_speculative_equals_plain(load_transformer(save_tiny_hf(tmp_path, arch="qwen3", initializer_range=0.3, seed=3)))
 
 
+def test_greedy_speculative_equals_plain_tiny_sliding_window(tmp_path):
+    """The same on a sliding-window target (Mistral, a 6-token window: every sequence outgrows
+    it), with chains and dynamic trees, alone and batched (issue 46)."""
+    target = load_transformer(save_tiny_hf(tmp_path, arch="mistral", sliding_window=6, initializer_range=0.3, seed=3))
+    assert target.cfg.sliding_window == 6
+    greedy_speculative_equals_plain(target)
+
+
 def greedy_speculative_equals_plain(tiny_target):
     ps = prompts(24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -349,9 +357,10 @@ def test_speculative_config_rules():
     base = dict(model_type="mistral", vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                 num_attention_heads=2)
     swa = ModelConfig.from_hf_dict({**base, "sliding_window": 4096})
-    with pytest.raises(ConfigError, match="use_dynamic_tree.*sliding"):
-        SpeculativeConfig(use_dynamic_tree=True).check_target(swa)
-    SpeculativeConfig(use_dynamic_tree=False).check_target(swa)  # linear drafting is fine
+    with pytest.raises(ConfigError, match="use_dynamic_tree.*TensorRT-LLM.*sliding"):
+        SpeculativeConfig(use_dynamic_tree=True).check_target(swa, trtllm=True)
+    SpeculativeConfig(use_dynamic_tree=False).check_target(swa, trtllm=True)  # linear drafting is fine there
+    SpeculativeConfig(use_dynamic_tree=True).check_target(swa)  # our engine serves trees on a window
     mla = ModelConfig.from_hf_dict({**base, "model_type": "llama", "kv_lora_rank": 512})
     with pytest.raises(ConfigError, match="MLA"):
         SpeculativeConfig(use_dynamic_tree=True).check_target(mla)
