@@ -42,7 +42,7 @@ import specdec.engine.acceptance as acceptance
 import specdec.engine.drafters.service as draft_service
 import specdec.engine.planner as planner
 from toy import argmax_path
-from exact import (END, MAX_TOKENS, VOCAB, Outcomes, Request, exact_outcomes, flat_cost, make_engine, request_outcomes,
+from exact import (build_toy, END, MAX_TOKENS, VOCAB, Outcomes, Request, exact_outcomes, flat_cost, make_engine, request_outcomes,
                    staircase_cost, toy, worst_deviation)  # noqa: F401 - toy is a fixture
 from specdec.config import SamplingParams
 from specdec.engine.planner import VerifyCost
@@ -157,6 +157,22 @@ def test_the_exact_output_distribution_is_the_targets(toy, method, case, resumes
     spec = served_methods()[method]
     if case.budget is None and case.cost is flat_cost:  # the shipped budget whole, in each step
         assert max(s[1].draft_tokens for s in outcomes.steps() if len(s) > 1) == spec.max_total_draft_tokens
+
+
+@pytest.fixture(scope="module", params=["qwen3", "mistral-window-4"])
+def family_toy(request, tmp_path_factory):
+    """The toy in another decoder family: Qwen3 (q/k norm), Mistral with a 4-token sliding
+    window (the 7-token prompt and every later position outgrow it), issue 46."""
+    arch, family = {"qwen3": ("qwen3", {}), "mistral-window-4": ("mistral", {"sliding_window": 4})}[request.param]
+    toy = build_toy(tmp_path_factory.mktemp(request.param), arch=arch, **family)
+    assert toy.target.cfg.model_type == arch
+    return toy
+
+
+@pytest.mark.parametrize("method", ["eagle3-tree", "ngram-tree", "eagle3-hybrid"])
+def test_other_decoder_families_keep_the_exact_distribution(family_toy, method):
+    """Sampled chains and dynamic trees (a sliding window included) over two steps."""
+    check(family_toy, method, TWO_STEPS[method])
 
 
 @pytest.mark.slow

@@ -318,14 +318,15 @@ class Toy:
     draft_dir: Path
 
 
-def build_toy(root: Path) -> Toy:
+def build_toy(root: Path, arch: str = "llama", **family) -> Toy:
+    """arch and family (e.g. sliding_window): another decoder family for the same toy (issue 46)."""
     from conftest import save_tiny_hf
     from test_eagle3 import random_published_checkpoint
     from test_medusa import random_heads
 
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, initializer_range=0.15, eos_token_id=END,
-                 bos_token_id=0)
-    target_dir = save_tiny_hf(root / "target", num_hidden_layers=2, seed=11, **shape)
+                 bos_token_id=0, **family)
+    target_dir = save_tiny_hf(root / "target", arch=arch, num_hidden_layers=2, seed=11, **shape)
     target = load_transformer(target_dir)
     sd = random_published_checkpoint(root / "head", hidden=32, inter=64, heads=4, kv=2, vocab=VOCAB,
                                      draft_vocab=VOCAB - 1, taps=(0, 1, 1))
@@ -554,7 +555,8 @@ def target_conditionals(target: Transformer, params: SamplingParams, prefixes, p
     cache = target.new_cache(len(prefixes), len(prompt) + longest + 1, 4)
     slots = [cache.allocate() for _ in prefixes]
     rows = [list(prompt) + list(p) for p in prefixes]
-    logits = target(build_batch(slots, [0] * len(rows), rows), cache, last_only=True).logits[:, 0]
+    logits = target(build_batch(slots, [0] * len(rows), rows, sliding_window=target.cfg.sliding_window), cache,
+                    last_only=True).logits[:, 0]
     out = {}
     for i, p in enumerate(prefixes):
         ruled = reference_rules(logits[i].double().numpy(), params, p, list(prompt))
