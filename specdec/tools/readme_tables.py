@@ -58,7 +58,6 @@ def provenance(path: str) -> tuple[str, str, str]:
 # them: the table stays (it is what was measured) and says so.
 INT8_DEFAULT = "the int8 weight default (float32 weights then)"
 HISTORY = {
-    "results/bench/matrix-greedy/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-matrix"),
     "results/bench/heads-greedy/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
     "results/bench/heads-t07/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
     "results/bench/v5-greedy/summary.json": (f"in-flight batching (979e861) and {INT8_DEFAULT}", "make bench-v5"),
