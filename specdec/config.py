@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 from specdec.errors import ConfigError, InvalidRequestError
 
-# Architectures the decoder implements (HF `model_type` -> notes). All are Llama-shaped:
-# RMSNorm, RoPE, GQA, SwiGLU; qwen2 adds a bias on q/k/v.
+# Architectures the decoder implements. All are Llama-shaped: RMSNorm, RoPE, GQA, SwiGLU;
+# mistral may add a sliding window, qwen2 a bias on q/k/v, qwen3 a norm on each head's q and k.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 import specdec_wire as P

@@ -39,6 +39,7 @@ PYTORCH_BACKEND = "pytorch"
 # a TorchLlmArgs field the TensorRT backend's LLM refuses as an invalid argument.
 TENSORRT_BACKEND = "tensorrt"
 
+
 def supports_dynamic_tree(trtllm_version: str) -> bool:
     try:
         return Version(trtllm_version) >= Version(DYNAMIC_TREE_SINCE)

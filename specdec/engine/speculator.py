@@ -31,7 +31,7 @@ import specdec_wire as P
 from specdec.config import METHOD_NONE, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.drafters.service import DraftService, union_of_layers
-from specdec.errors import ConfigError, InvalidRequestError
+from specdec.errors import InvalidRequestError
 from specdec.engine.models.llama import Transformer
 from specdec.engine.grammar import Grammars
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.tools.bench_engine import env_record, run_requests
+from specdec.tools.bench_engine import env_record
+from specdec.tools.engine_runs import run_requests
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine

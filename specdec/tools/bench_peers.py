@@ -7,9 +7,9 @@ point puts them all in the same interleaved blocks of the same prompts, with lla
 as the baseline, so every ratio in the report is measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
 
 Our server runs once per weight format asked (`--weight-formats`, engine.weight_format):
-float32 (the de-quantized weights, our served default) and gguf (the file's own Q4_1/Q8_0
-codes through PyTorch's weight-only kernels), each its own Triton server, both in the same
-blocks. The engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
+float32 (the de-quantized weights), int8 (the served default) and gguf (the file's own
+Q4_1/Q8_0 codes through PyTorch's weight-only kernels), each its own Triton server, all in the
+same blocks. The engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
 its own kernels and 8-bit activations), so greedy outputs may part between engines while each
 is exact for its own weights: identity is counted within each engine and format.
 """
@@ -39,7 +39,8 @@ LLAMA_PLAIN, OURS_PLAIN = "llama.cpp", "ours"  # each engine's plain decoding, t
 
 
 def ours_label(method: str, weight_format: str = "float32") -> str:
-    """ours, ours-eagle3-hybrid (the served default float32); ours-gguf, ours-gguf-eagle3-hybrid."""
+    """ours, ours-eagle3-hybrid for float32 (the labels before the int8 default); ours-int8,
+    ours-int8-eagle3-hybrid and so on for the other formats."""
     engine = OURS_PLAIN if weight_format == "float32" else f"{OURS_PLAIN}-{weight_format}"
     return engine if method == "none" else f"{engine}-{method}"
 
@@ -182,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--ours", type=lambda s: [m for m in s.split(",") if m], default=["eagle3-hybrid", "suffix"],
                         help="our methods beside our baseline")
-    parser.add_argument("--weight-formats", type=lambda s: [f for f in s.split(",") if f], default=["float32", "gguf"],
+    parser.add_argument("--weight-formats", type=lambda s: [f for f in s.split(",") if f], default=["float32", "int8", "gguf"],
                         help="our server once per engine.weight_format")
     parser.add_argument("--prompts", type=int, default=16, help="prompts at c=1")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per slot at c>1")

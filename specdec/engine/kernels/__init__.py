@@ -115,7 +115,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Ten
     q [B, H, N, D]; k, v [B, KVH, C, D] (views of the cache are fine: only the last dimension
     must be contiguous, and k and v strided alike); allowed [B, N, C'] bool with C' >= C (columns
     past C are never read). Returns a contiguous float32 [B, H, N, D]."""
-    library = _load()
+    library = _library or _load()  # loaded once; every layer of every forward calls here
     if library is None:
         raise RuntimeError(f"batch-invariant attention unavailable: {_failure}")
     B, H, N, D = q.shape

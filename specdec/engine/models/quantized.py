@@ -13,8 +13,7 @@ keep the file's codes and multiply with PyTorch's CPU weight-only kernels:
   multiply per group of 32 columns, each with its group's scales as the row scales, summed
   (`Int8GroupLinear`).
 - `int8` (from float weights, any checkpoint): one symmetric scale per output row
-  (`Int8RowLinear`). Not the file's numbers: its greedy identity is a measurement
-  (`specdec greedy-margin --weight-format int8`), not a property.
+  (`Int8RowLinear`). Not the file's numbers: a new quantization of the float weights.
 
 Where the file is not kept exactly: the codes are, but both kernels are fast on CPU only with
 bfloat16 activations and scales (measured on the 2-core EPYC at one row: 22-27 us for the
@@ -37,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from specdec.config import QUANTIZED_WEIGHT_FORMATS
 
 GROUP = 32  # Q4_1 and Q8_0 block size: weights per scale along the input dimension
 KERNEL_DTYPE = torch.bfloat16  # the activations and scales PyTorch's CPU int4/int8 kernels are fast with (see above)
@@ -219,17 +220,17 @@ def quantize(model: nn.Module, weight_format: str | None, model_dir: Path) -> nn
     """The target in engine.weight_format: quantized in place for int8 and gguf (the GGUF file
     the model directory was prepared from), as loaded otherwise. A quantized target attends with
     the batch-invariant kernel (engine/kernels), so its whole forward is row-invariant."""
+    if weight_format not in QUANTIZED_WEIGHT_FORMATS:
+        return model
     if weight_format == "int8":
         model = quantize_int8(model)
-    elif weight_format == "gguf":
+    else:
         source = gguf_source(model_dir)
         if source is None:
             from specdec.errors import ConfigError
 
             raise ConfigError("weight_format", f"gguf needs the GGUF file {model_dir} was prepared from; none is recorded there")
         model = quantize_gguf(model, source)
-    else:
-        return model
     from specdec.engine import kernels
 
     model.batch_invariant = kernels.available()  # else SDPA: identity is then a measurement only (logged)

@@ -1,7 +1,7 @@
 import subprocess, sys, torch
 from specdec.config import SamplingParams, ServingConfig, resolve_model_dir
 from specdec.serving.runtime import encode_prompt, load_tokenizer
-from specdec.tools.bench_engine import run_requests
+from specdec.tools.engine_runs import run_requests
 from specdec.tools.bench_serving import in_process_engine
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY
