@@ -212,8 +212,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     return_log_probs: bool = False
-    # The same rules at token level, resolved by request.resolve_token_rules (the verifier
-    # has no tokenizer): the ids that end a sequence, and each bad word as token ids.
+    # The same rules at token level, resolved once by request.resolve_token_rules (the
+    # engine's logits rules see ids): the ids that end a sequence, and each bad word as token ids.
     end_ids: tuple[int, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # Structured output (TensorRT-LLM's guided decoding; specdec/engine/grammar.py): the

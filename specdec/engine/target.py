@@ -18,7 +18,6 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.errors import CapacityError, InvalidRequestError
 from specdec.engine.logits_processing import apply_rules, token_log_probs
 from specdec.engine.models.llama import Transformer, build_batch
-from specdec.engine.sequences import check_prompt_ids
 from specdec.engine.sampling import logits_to_probs, make_generator, sample
 from specdec.engine.sequences import KeyedSequences
 from specdec.engine.tree import DraftTree
@@ -112,9 +111,6 @@ class TargetPass(KeyedSequences[_TargetSequence]):
     def context_len(self, seq_id: Hashable) -> int:
         return self.cache.lengths[self._get(seq_id).slot]
 
-    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        check_prompt_ids(prompt_ids, self.config.max_seq_len, self.target.cfg.vocab_size)
-
     def prefilling(self, seq_id: Hashable) -> bool:
         """Admitted, its prompt not all in the cache yet (no first token)."""
         return bool(self._get(seq_id).unprefilled)
@@ -123,8 +119,8 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         """Give each sequence a slot; its prompt is prefilled by run() (in chunks, possibly
         over several calls), after the longest prefix the cache holds (needs_taps: ids whose
         prefill must return the taps of the whole prompt: a reused prefix is then one whose
-        taps are held too). Prompts were checked at the trust boundary (check_prompt: the
-        request parser in process, the verifier's START in Triton). Raises before changing
+        taps are held too). Prompts were checked at the trust boundary (validate_request:
+        in process, or in the Triton loop in front of the verifier). Raises before changing
         anything if a sequence id is taken or slots run out."""
         for seq_id, _, _ in items:
             if seq_id in self._seqs:

@@ -64,7 +64,7 @@ class RoundInfo:
 
 @dataclass(frozen=True)
 class _Submit:
-    req: RequestState  # validated, its words tokenized, on the submitter's thread
+    req: RequestState  # validated, its words tokenized (validate_request), before it is posted
     sink: Sink
 
 
@@ -134,13 +134,15 @@ class EngineLoop:
 
     # ---- from any thread -----------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, method: str,
-               num_draft_tokens: int | None, sink: Sink) -> None:
+               num_draft_tokens: int | None, sink: Sink, validated: bool = False) -> None:
         """The request joins the next round; a bad field is answered through sink.fail.
-        Validated here, on the caller's thread: the prompt checks and the stop and bad words'
-        tokenizing cost what the client chose, so they stay off the thread that steps every
-        sequence (as guides do)."""
+        Validated here (validate_request), on the caller's thread: the prompt checks and the
+        stop and bad words' tokenizing cost what the client chose, so they stay off the thread
+        that steps every sequence (as guides do). validated: the request was validated
+        already (the Triton verifier's: by the loop in front of it), so only its record is made."""
         try:
-            req = self.engine.prepare_request(request_id, prompt_ids, params, method, num_draft_tokens)
+            make = self.engine.record if validated else self.engine.prepare_request
+            req = make(request_id, prompt_ids, params, method, num_draft_tokens)
         except Exception as exc:  # noqa: BLE001 - a bad request is answered alone
             sink.fail(exc)
             return

@@ -1,11 +1,15 @@
-"""What a generation request asks for, decided in one place: the draft-budget cut here,
-the request parser (one for every entry point) below."""
+"""What a generation request asks for, decided in one place: validate_request holds every
+check a request gets, and every entry point calls it once per request (the Triton loop and
+the TensorRT-LLM variant through parse_request, the in-process engine through
+SpecEngine.prepare_request). The verifier behind the loop trusts what the loop validated, as
+vLLM's engine core trusts its front end's requests: only a caller holding the server's
+internal key reaches it."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -15,28 +19,36 @@ from specdec.errors import InvalidRequestError
 from specdec.engine.sequences import check_prompt_ids, check_token_ids
 
 
-def resolve_token_rules(
-    params: SamplingParams, eos_ids: frozenset[int], vocab_size: int, tokenize: Callable[[str], list[int]] | None,
-) -> tuple[SamplingParams, frozenset[int]]:
-    """The request's rules at token level (the verifier has no tokenizer): the ids that end
-    the sequence (end_id, else the model's EOS ids) and each bad word's token ids (as
-    TensorRT-LLM's preprocessing encodes them: the word alone, no special tokens).
-    Returns (params with end_ids / bad_word_ids set, the ids that end the sequence)."""
+@dataclass(frozen=True)
+class TokenRules:
+    """What a server that applies a request's token-level rules itself knows of its model's
+    tokens (ours does; TensorRT-LLM's LLM API applies its own)."""
+
+    vocab_size: int
+    eos_ids: frozenset[int]
+    tokenize_word: Callable[[str], list[int]] | None  # None: an engine built without a tokenizer
+
+
+def resolve_token_rules(params: SamplingParams, tokens: TokenRules) -> SamplingParams:
+    """The request's rules at token level (the engine's logits rules see ids, not text): the
+    ids that end the sequence (end_id, else the model's EOS ids) and each bad word's token
+    ids (as TensorRT-LLM's preprocessing encodes them: the word alone, no special tokens)."""
     for name in (P.END_ID, P.PAD_ID):
         value = getattr(params, name)
         if value is not None:
-            check_token_ids(name, [value], vocab_size)
+            check_token_ids(name, [value], tokens.vocab_size)
     # Token-level rules given directly (in-process callers) stand; text ones are resolved.
-    end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or eos_ids
+    end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or tokens.eos_ids
     words = list(params.bad_word_ids)
+    if params.stop and tokens.tokenize_word is None:
+        raise InvalidRequestError(P.STOP_WORDS, "needs a tokenizer, and this engine was built without one")
     if params.bad_words:
-        if tokenize is None:
+        if tokens.tokenize_word is None:
             raise InvalidRequestError(P.BAD_WORDS, "needs a tokenizer, and this engine was built without one")
-        words += [tuple(tokenize(word)) for word in params.bad_words]
+        words += [tuple(tokens.tokenize_word(word)) for word in params.bad_words]
         if not all(words):
             raise InvalidRequestError(P.BAD_WORDS, "a bad word encodes to no tokens")
-    params = dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words))
-    return params, end_ids
+    return dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words))
 
 
 # ---- the request parser: every entry point (the Triton loop, the in-process CLI, the
@@ -53,9 +65,11 @@ class ServedOffer:
     apply_chat_template: bool = True
     max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES
     fixed: bool = False
-    # The context: a prompt of token ids is checked against it when parsed, naming input_ids
-    # (a text prompt once tokenized); None: checked later only.
+    # The context a prompt's tokens must fit (None: the engine behind checks, TensorRT-LLM's).
     max_seq_len: int | None = None
+    # The model's tokens, where this server applies token-level rules itself (None: the
+    # engine behind applies them, TensorRT-LLM's).
+    tokens: TokenRules | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ class ParsedRequest:
     """A request as the server understands it, after the one parser (names: the ensemble's)."""
 
     prompt: str | None  # text_input (None when input_ids came from preprocessing)
-    prompt_ids: tuple[int, ...] | None
+    prompt_ids: tuple[int, ...] | None  # input_ids as sent, or text_input tokenized (None: left to the engine behind)
     apply_chat_template: bool
     params: SamplingParams
     method: str  # METHOD_NONE when num_draft_tokens is 0: the matched baseline
@@ -78,14 +92,30 @@ class ParsedRequest:
     return_num_output_tokens: bool = False
 
 
-def served_offer(settings: ServingConfig) -> ServedOffer:
+def served_offer(settings: ServingConfig, tokens: TokenRules | None = None) -> ServedOffer:
     """What our model repository's settings offer a request."""
     return ServedOffer(
         methods={name: settings.default_draft_tokens(name) for name in settings.methods},
         default_method=settings.default_method, max_num_draft_tokens=settings.engine.max_num_draft_tokens,
         max_tokens_limit=settings.engine.max_tokens_limit, apply_chat_template=settings.apply_chat_template,
-        max_guide_bytes=settings.engine.max_guide_bytes, max_seq_len=settings.engine.max_seq_len,
+        max_guide_bytes=settings.engine.max_guide_bytes, max_seq_len=settings.engine.max_seq_len, tokens=tokens,
     )
+
+
+def validate_request(prompt_ids: Sequence[int] | None, params: SamplingParams, method: str | None,
+                     num_draft_tokens: int | None, offer: ServedOffer,
+                     prompt_field: str = P.TEXT_INPUT) -> tuple[SamplingParams, str, int]:
+    """Every check a request gets, in one place; a bad field raises InvalidRequestError
+    naming it. prompt_ids: the prompt's tokens (None: text the engine behind tokenizes);
+    prompt_field: the input they came in. Returns (params with the token-level rules
+    resolved where this server applies them, method, draft tokens per step)."""
+    if prompt_ids is not None:
+        check_prompt_ids(prompt_ids, offer.max_seq_len or math.inf,
+                         None if offer.tokens is None else offer.tokens.vocab_size, name=prompt_field)
+    params = params.validate(offer.max_tokens_limit, offer.max_guide_bytes)
+    if offer.tokens is not None:
+        params = resolve_token_rules(params, offer.tokens)
+    return (params, *resolve_method(method, num_draft_tokens, offer))
 
 
 def _values(inputs: Mapping[str, Any], name: str) -> list[Any] | None:
@@ -139,24 +169,26 @@ def resolve_method(method: str | None, num_draft_tokens: int | None, offer: Serv
     return method, k
 
 
-def parse_prompt(inputs: Mapping[str, Any], chat_default: bool,
-                 max_seq_len: int | None = None) -> tuple[str | None, tuple[int, ...] | None, bool]:
+def parse_prompt(inputs: Mapping[str, Any], chat_default: bool) -> tuple[str | None, tuple[int, ...] | None, bool]:
     """(text_input, input_ids, apply_chat_template): text, or token ids from preprocessing
-    (checked here, naming input_ids: an empty or too long list is the sender's)."""
+    (their length and range are validate_request's)."""
     prompt = _scalar(inputs, P.TEXT_INPUT, None, str)
     ids = inputs.get(P.INPUT_IDS)
     prompt_ids = None if prompt is not None or ids is None else tuple(int(t) for t in np.asarray(ids).reshape(-1))
-    if prompt_ids is not None:  # the sender's token ids: empty or too long, refused by their name
-        check_prompt_ids(prompt_ids, max_seq_len or math.inf, name=P.INPUT_IDS)
-    elif not (prompt or "").strip():
+    if prompt_ids is None and not (prompt or "").strip():
         raise InvalidRequestError(P.TEXT_INPUT, "the prompt is empty")
     return prompt, prompt_ids, _scalar(inputs, P.APPLY_CHAT_TEMPLATE, chat_default, bool)
 
 
-def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedRequest:
+def parse_request(inputs: Mapping[str, Any], offer: ServedOffer,
+                  encode: Callable[[str, bool], Sequence[int]] | None = None) -> ParsedRequest:
     """The ensemble's inputs (name -> array, absent = None) -> a validated request; a bad
-    field raises InvalidRequestError naming it."""
-    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template, offer.max_seq_len)
+    field raises InvalidRequestError naming it. encode(text, apply_chat_template): the
+    prompt's tokens, where this server tokenizes (None: a text prompt goes on as text)."""
+    prompt, prompt_ids, chat = parse_prompt(inputs, offer.apply_chat_template)
+    prompt_field = P.INPUT_IDS if prompt_ids is not None else P.TEXT_INPUT
+    if prompt_ids is None and encode is not None:
+        prompt_ids = tuple(encode(prompt, chat))
     max_tokens = _scalar(inputs, P.MAX_TOKENS, None, int)
     if max_tokens is None:
         raise InvalidRequestError(P.MAX_TOKENS, "is required")
@@ -179,8 +211,10 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer) -> ParsedReques
         guide_type=_scalar(inputs, P.GUIDED_DECODING_GUIDE_TYPE, "", str) or None,
         guide=_scalar(inputs, P.GUIDED_DECODING_GUIDE, "", str) or None,
         cache_salt=_scalar(inputs, P.CACHE_SALT, "", str) or None,
-    ).validate(offer.max_tokens_limit, offer.max_guide_bytes)
-    method, k = resolve_method(_scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int), offer)
+    )
+    params, method, k = validate_request(
+        prompt_ids, params, _scalar(inputs, P.SPECULATIVE_METHOD, "", str), _scalar(inputs, P.NUM_DRAFT_TOKENS, None, int),
+        offer, prompt_field)
     parsed = ParsedRequest(
         prompt=prompt, prompt_ids=prompt_ids,
         apply_chat_template=chat, params=params, method=method, num_draft_tokens=k,

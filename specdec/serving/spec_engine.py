@@ -24,7 +24,7 @@ from specdec.serving.detok import IncrementalDetokenizer
 from specdec.engine.drafters.base import Drafter
 from specdec.errors import CapacityError, InvalidRequestError, UnknownSequenceError
 from specdec.serving.stats import SpecStats
-from specdec.serving.request import ServedOffer, resolve_method, resolve_token_rules
+from specdec.serving.request import ServedOffer, TokenRules, validate_request
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.grammar import UNPRODUCIBLE, Grammars
@@ -109,7 +109,11 @@ class SpecEngine:
         a budget of 0, or no method, is the baseline."""
         methods = {name: spec.max_total_draft_tokens for name, spec in self.speculator.methods.items()}
         methods.update({name: d.config.max_total_draft_tokens if d.config is not None else 0 for name, d in self.drafts.drafters.items()})
-        return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit)
+        tokenizer = self.tokenizer
+        tokens = TokenRules(self.target_pass.target.cfg.vocab_size, self.eos_token_ids,
+                            None if tokenizer is None else (lambda word: tokenizer.encode(word, add_special_tokens=False)))
+        return ServedOffer(methods, METHOD_NONE, self.config.max_num_draft_tokens, self.config.max_tokens_limit,
+                           max_guide_bytes=self.config.max_guide_bytes, max_seq_len=self.config.max_seq_len, tokens=tokens)
 
     def add_request(
         self,
@@ -130,20 +134,20 @@ class SpecEngine:
         method: str = METHOD_NONE,
         num_draft_tokens: int | None = None,
     ) -> RequestState:
-        """Validate a request into its state without changing the engine; add_state queues it.
-        A bad field raises, naming it."""
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(P.STOP_WORDS, "needs a tokenizer, and this engine was built without one")
+        """Validate a request (validate_request, the one place) into its record without
+        changing the engine; add_state queues it. A bad field raises, naming it."""
         prompt_ids = [int(t) for t in prompt_ids]
-        self.target_pass.check_prompt(prompt_ids)
-        params.validate(self.config.max_tokens_limit, self.config.max_guide_bytes)
-        tokenize = (lambda word: self.tokenizer.encode(word, add_special_tokens=False)) if self.tokenizer is not None else None
-        params, end_ids = resolve_token_rules(params, self.eos_token_ids, self.target_pass.target.cfg.vocab_size, tokenize)
-        method, num_draft_tokens = resolve_method(method, num_draft_tokens, self.offer)
+        params, method, num_draft_tokens = validate_request(prompt_ids, params, method, num_draft_tokens, self.offer)
+        return self.record(request_id, prompt_ids, params, method, num_draft_tokens)
+
+    def record(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, method: str,
+               num_draft_tokens: int) -> RequestState:
+        """The record of a request validated already (validate_request: its token-level rules
+        resolved, params.end_ids set): what the Triton verifier makes of the loop's request."""
         return RequestState(
-            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], params=params,
             method=method, num_draft_tokens=num_draft_tokens,
-            max_seq_len=self.config.max_seq_len, eos_token_ids=end_ids,
+            max_seq_len=self.config.max_seq_len, eos_token_ids=frozenset(params.end_ids),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
 

@@ -23,9 +23,10 @@ DRAFT_PARENTS = "draft_parents"
 DRAFT_PROBS = "draft_probs"
 HIDDEN_STATES = "hidden_states"
 RETURN_HIDDEN = "return_hidden"
-# A generation handed to the verifier: the request's SamplingParams (the one parser's, text
-# rules unresolved: the verifier resolves them with its tokenizer) as JSON, beside input_ids,
-# speculative_method and num_draft_tokens; the correlation id names the sequence.
+# A generation handed to the verifier: the request's SamplingParams as the loop validated them
+# (validate_request: token-level rules resolved, end_ids set) as JSON, beside input_ids,
+# speculative_method and num_draft_tokens; the correlation id names the sequence. The verifier
+# trusts them (only the loop holds the internal key) and reads only the wire's form.
 GENERATION = "generation"
 # A request to the verifier that ends the sequence of its correlation id (a client that
 # cancelled or went away); answered at once, the sequence's own stream ends `cancelled`.

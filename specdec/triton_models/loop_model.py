@@ -23,13 +23,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
-from specdec.config import SamplingParams
 from specdec.triton_models import contract as C
 from specdec.serving.spec_engine import eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
 from specdec.serving.loop import LoopUpdate
-from specdec.engine.sequences import check_prompt_ids
-from specdec.serving.request import parse_request, resolve_token_rules, served_offer
+from specdec.serving.request import TokenRules, parse_request, served_offer
 from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
 from specdec.serving.runtime import encode_prompt, load_tokenizer
@@ -61,11 +59,10 @@ class VerifierStream:
     verifier's scheduler does the rest (in-flight batching); nothing here runs per step
     but relaying."""
 
-    def __init__(self, cid: int, key: bytes | None, req: RequestState, params: SamplingParams, rounds: bool = True):
-        """req: the loop's record of the request (ids, log probs, stats, end); params: the
-        request's settings as parsed (the verifier resolves their text rules itself);
-        rounds: a response per round (a streamed request), else one with every round."""
-        self.cid, self.req, self.params, self.rounds = cid, req, params, rounds
+    def __init__(self, cid: int, key: bytes | None, req: RequestState, rounds: bool = True):
+        """req: the loop's record of the request, validated (its ids, settings, log probs,
+        stats, end); rounds: a response per round (a streamed request), else one with every round."""
+        self.cid, self.req, self.rounds = cid, req, rounds
         self.key = None if key is None else np.array([key], dtype=np.object_)
         self.outputs = VERIFIER_OUT + [P.OUTPUT_LOG_PROBS] if req.params.return_log_probs else VERIFIER_OUT
 
@@ -90,7 +87,7 @@ class VerifierStream:
         """The sequence's updates until it finishes; a cancelled client stops it (STOP) and
         hears the `cancelled` end."""
         req = self.req
-        inputs = {P.INPUT_IDS: np.int32(req.prompt_ids), C.GENERATION: C.encode_generation(self.params),
+        inputs = {P.INPUT_IDS: np.int32(req.prompt_ids), C.GENERATION: C.encode_generation(req.params),
                   P.SPECULATIVE_METHOD: np.array([req.method.encode()], dtype=np.object_),
                   C.NUM_DRAFT_TOKENS: np.int32([req.num_draft_tokens]), C.ROUNDS: np.bool_([self.rounds])}
         stopping, quiet_since = False, time.monotonic()
@@ -191,9 +188,8 @@ class TritonPythonModel:
         model_dir = resolve_model_dir(self.settings.model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         target_cfg = read_model_config(model_dir)
-        self.eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
-        self.vocab_size = target_cfg.vocab_size
-        self.offer = served_offer(self.settings)
+        eos_ids = eos_ids_of_config(target_cfg, self.tokenizer)
+        self.offer = served_offer(self.settings, TokenRules(target_cfg.vocab_size, eos_ids, self._tokenize_word))
         self.key = internal_key()
         self.metrics = Metrics(P.LOOP_METRICS)
         self.name = args["model_name"]
@@ -216,16 +212,14 @@ class TritonPythonModel:
         self.metrics.close()
 
     def _parse(self, request):
-        """The one request parser (specdec.serving.request), then the prompt's tokens."""
-        req = parse_request(inputs_of(request, self.inputs), self.offer)
-        prompt = list(req.prompt_ids) if req.prompt_ids is not None else encode_prompt(
-            self.tokenizer, req.prompt, chat=req.apply_chat_template)
-        limit = self.settings.engine.max_seq_len
-        check_prompt_ids(prompt, limit, self.vocab_size)
-        params, end_ids = resolve_token_rules(req.params, self.eos_ids, self.vocab_size, self._tokenize_word)
+        """The one request parser (specdec.serving.request): the request validated, its
+        prompt tokenized and its token-level rules resolved, once; the verifier takes it as is."""
+        req = parse_request(inputs_of(request, self.inputs), self.offer,
+                            encode=lambda text, chat: encode_prompt(self.tokenizer, text, chat=chat))
         state = RequestState(
-            request_id=str(self._new_cid()), prompt_ids=prompt, params=params, method=req.method,
-            num_draft_tokens=req.num_draft_tokens, max_seq_len=limit, eos_token_ids=end_ids,
+            request_id=str(self._new_cid()), prompt_ids=list(req.prompt_ids), params=req.params, method=req.method,
+            num_draft_tokens=req.num_draft_tokens, max_seq_len=self.settings.engine.max_seq_len,
+            eos_token_ids=frozenset(req.params.end_ids),
         )
         return req, state
 
@@ -291,7 +285,7 @@ class TritonPythonModel:
     async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
         pieces = []
-        verifier = VerifierStream(int(req.request_id), self.key, req, parsed.params, rounds=stream)
+        verifier = VerifierStream(int(req.request_id), self.key, req, rounds=stream)
         finished = False
         try:
             updates = verifier.updates(request.is_cancelled)

@@ -144,14 +144,16 @@ class TritonPythonModel:
                     self.scheduler.cancel(request_id)
                     sender.send(pb_utils.InferenceResponse([]), flags=FINAL)
                     continue
+                # The loop validated this request (validate_request) and only the loop holds
+                # the key: what is read here is the wire's form, not the request's fields.
                 params = C.decode_generation(array(request, C.GENERATION))
                 prompt = array(request, P.INPUT_IDS)
                 if prompt is None or prompt.size == 0:
-                    raise InvalidRequestError(P.INPUT_IDS, "the prompt is empty")
+                    raise InvalidRequestError(P.INPUT_IDS, "is required")
                 method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
-                budget = scalar(request, C.NUM_DRAFT_TOKENS, None, int)
+                budget = scalar(request, C.NUM_DRAFT_TOKENS, 0, int)
                 sink = SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences, scalar(request, C.ROUNDS, True, bool))
-                self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink)
+                self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink, validated=True)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
         return None

@@ -1,5 +1,6 @@
 """Every request is answered, and one bad request never touches another's state: malformed
-strings, malformed generations sent straight to the verifier (the real Triton server)."""
+strings, bad fields refused by the loop, malformed generations sent straight to the verifier
+(the real Triton server)."""
 from __future__ import annotations
 
 import json
@@ -63,19 +64,38 @@ def test_malformed_strings_get_an_answer_naming_the_field(triton_server, model, 
     assert urllib.request.urlopen(triton_server.endpoints.http_url + "/v2/health/ready").status == 200
 
 
-def test_a_malformed_generation_is_refused_alone_and_changes_nothing(triton_server, grpc_client):
-    """Straight to the verifier: a generation with a drafting budget out of range, unreadable
-    sampling settings, an out-of-vocabulary prompt or an unknown method is answered with an
-    error naming the field, takes no slot, and ordinary requests are served."""
+def test_a_bad_field_is_refused_by_the_loop_and_never_reaches_the_verifier(triton_server, grpc_client):
+    """The loop validates every request, once (validate_request): a drafting budget out of
+    range, an unknown method, an out-of-vocabulary prompt or one longer than the context is
+    answered with an error naming the field, takes no verifier sequence, and ordinary
+    requests are served."""
+    active = _active_verifier_sequences(triton_server)
+    ids = lambda *tokens: np.int32(list(tokens))  # noqa: E731
+    for inputs, field in (({P.NUM_DRAFT_TOKENS: np.int32([10**6]), P.SPECULATIVE_METHOD: np.array([b"ngram"], dtype=object)},
+                           P.NUM_DRAFT_TOKENS),
+                          ({P.SPECULATIVE_METHOD: np.array([b"lookahead"], dtype=object)}, P.SPECULATIVE_METHOD),
+                          ({P.INPUT_IDS: ids(10**8)}, P.INPUT_IDS),
+                          ({P.INPUT_IDS: ids(*[1] * 10**5)}, P.INPUT_IDS)):
+        error = _stream_error(triton_server, "speculative_loop", {P.INPUT_IDS: ids(1, 2, 3, 4), P.MAX_TOKENS: np.int32([2]), **inputs})
+        assert error is not None and field in error and "Traceback" not in error, (field, error)
+    assert _active_verifier_sequences(triton_server) == active
+    assert grpc_client.generate(_request()).text
+
+
+def test_a_malformed_generation_is_refused_by_the_verifier_alone_and_changes_nothing(triton_server, grpc_client):
+    """Straight to the verifier, with the server's key (what only the loop holds): the
+    verifier trusts the loop's validated fields but not the wire's form. An unreadable
+    generation or one without its prompt is refused naming the field, takes no slot, and
+    ordinary requests are served."""
     verifier = _VerifierCaller(triton_server, key=TEST_INTERNAL_KEY)
     active = _active_verifier_sequences(triton_server)
-    good = C.encode_generation(SamplingParams(max_tokens=2)).tolist()
-    for inputs, field in (({C.NUM_DRAFT_TOKENS: [10**6], P.SPECULATIVE_METHOD: ["ngram"]}, C.NUM_DRAFT_TOKENS),
-                          ({C.GENERATION: [b"{not json"]}, C.GENERATION),
-                          ({P.INPUT_IDS: [10**8]}, P.INPUT_IDS),
-                          ({P.SPECULATIVE_METHOD: ["lookahead"], C.NUM_DRAFT_TOKENS: [2]}, P.SPECULATIVE_METHOD)):
+    good = C.encode_generation(SamplingParams(max_tokens=2, end_ids=(2,))).tolist()
+    for inputs, field in (({C.GENERATION: [b"{not json"]}, C.GENERATION),
+                          ({C.GENERATION: [json.dumps({"max_tokens": 2, "no_such_field": 1}).encode()]}, C.GENERATION)):
         answers = verifier.generate(4242, {P.INPUT_IDS: [1, 2, 3, 4], C.GENERATION: good, **inputs})
         assert len(answers) == 1 and isinstance(answers[0], Exception) and field in str(answers[0]), (field, answers)
+    answers = verifier.generate(4244, {C.GENERATION: good})
+    assert len(answers) == 1 and isinstance(answers[0], Exception) and P.INPUT_IDS in str(answers[0]), answers
     assert _active_verifier_sequences(triton_server) == active
     tokens = verifier.generate(4243, {P.INPUT_IDS: [1, 2, 3, 4], C.GENERATION: good})
     assert sum(len(r.as_numpy(P.OUTPUT_IDS).reshape(-1)) for r in tokens) == 2  # the round stream: 2 tokens in all

@@ -9,7 +9,7 @@ from specdec.triton_models import contract as C
 from specdec.config import METHOD_NONE, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.engine.sequences import check_prompt_ids, draft_budget
-from specdec.serving.request import ServedOffer, parse_request, resolve_method, resolve_token_rules
+from specdec.serving.request import ServedOffer, TokenRules, parse_request, resolve_method, resolve_token_rules
 from specdec.triton_models.contract import decode_generation, decode_sampling, encode_generation, encode_sampling
 
 OFFER = ServedOffer({"eagle3": 5, "ngram": 4}, "eagle3", max_num_draft_tokens=16, max_tokens_limit=512)
@@ -110,14 +110,18 @@ def test_logits_rules_travel_to_the_verifier_only():
 
 def test_token_rules_resolve_end_ids_and_bad_words():
     tokenize = {"bad": [11, 12], " bad": [13]}.get
-    params, end = resolve_token_rules(SamplingParams(bad_words=("bad", " bad")), frozenset({2, 3}), 50, tokenize)
-    assert end == {2, 3} and params.end_ids == (2, 3) and params.bad_word_ids == ((11, 12), (13,))
-    params, end = resolve_token_rules(SamplingParams(end_id=9, pad_id=0), frozenset({2}), 50, tokenize)
-    assert end == {9} and params.end_ids == (9,)
+    params = resolve_token_rules(SamplingParams(bad_words=("bad", " bad")), TokenRules(50, frozenset({2, 3}), tokenize))
+    assert params.end_ids == (2, 3) and params.bad_word_ids == ((11, 12), (13,))
+    params = resolve_token_rules(SamplingParams(end_id=9, pad_id=0), TokenRules(50, frozenset({2}), tokenize))
+    assert params.end_ids == (9,)
     for bad, field in ((SamplingParams(end_id=50), P.END_ID), (SamplingParams(pad_id=-1), P.PAD_ID),
                        (SamplingParams(bad_words=("x",)), P.BAD_WORDS)):
         with pytest.raises(InvalidRequestError) as err:
-            resolve_token_rules(bad, frozenset({2}), 50, lambda word: [])
+            resolve_token_rules(bad, TokenRules(50, frozenset({2}), lambda word: []))
+        assert err.value.field == field
+    for needs_tokenizer, field in ((SamplingParams(stop=("x",)), P.STOP_WORDS), (SamplingParams(bad_words=("x",)), P.BAD_WORDS)):
+        with pytest.raises(InvalidRequestError) as err:
+            resolve_token_rules(needs_tokenizer, TokenRules(50, frozenset({2}), None))
         assert err.value.field == field
 
 
