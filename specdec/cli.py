@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from specdec.config import METHOD_NONE, EngineConfig
 from specdec.errors import SpecDecError
@@ -48,6 +49,13 @@ def request_inputs(args: argparse.Namespace) -> dict:
         P.EXCLUDE_INPUT_IN_OUTPUT: np.bool_([True]),  # the CLI prints the answer only
     }
     return {name: value for name, value in inputs.items() if value is not None}
+
+
+def cmd_export_head(args: argparse.Namespace) -> int:
+    from specdec.engine.models.eagle3_head import export_speculators
+
+    print(export_speculators(Path(args.head_dir), Path(args.out_dir), args.verifier))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -133,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("export-head", help="write an EAGLE-3 head in vLLM speculators' format (same tensors, speculators' names)")
+    p.add_argument("head_dir", help="the head (research / SpecForge layout, or speculators')")
+    p.add_argument("out_dir")
+    p.add_argument("--format", choices=["speculators"], default="speculators")
+    p.add_argument("--verifier", default=None, help="speculators_config.verifier.name_or_path: the target's name or path")
+    p.set_defaults(func=cmd_export_head)
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("train-medusa", help="train Medusa heads for the target (see: specdec train-medusa --help)")

@@ -1,4 +1,4 @@
-"""Per-sequence bookkeeping the engine's parts share: what a drafter sees of a sequence,
+"""Per-sequence bookkeeping the engine's parts share: one record per sequence, what a drafter sees of it,
 records keyed by sequence id with an idle timeout, and how many tokens a sequence may still
 emit (so no part drafts more than could be kept)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Generic, Hashable, Sequence, TypeVar
 import torch
 
 import specdec_wire as P
-from specdec.config import SamplingParams
+from specdec.config import METHOD_NONE, SamplingParams
 from specdec.errors import InvalidRequestError, UnknownSequenceError
 
 T = TypeVar("T")
@@ -45,18 +45,19 @@ def check_prompt_ids(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: in
 
 
 @dataclass
-class SequenceState:
-    """What a drafter sees of one sequence."""
+class SequenceRecord:
+    """One sequence as the engine's parts in one process share it (the speculator, the target
+    pass, the drafters beside the target): what it asked for and every token it has emitted.
+    The parts hold this record, not copies of it; its tokens are appended in one place, the
+    target pass, as it commits them (TargetPass: _TargetSequence.emitted). A drafter's service
+    appends them itself only where it is served apart, with no target beside it."""
 
-    request_id: str
+    seq_id: Hashable
     prompt_ids: list[int]
     params: SamplingParams
-    method: str
-    generator: torch.Generator
+    method: str = METHOD_NONE  # none: plain decoding (the baseline)
+    num_draft_tokens: int = 0  # the request's most per step
     output_ids: list[int] = field(default_factory=list)
-    # Drafter-owned state (e.g. the EAGLE head's cache slot).
-    drafter_state: dict[str, Any] = field(default_factory=dict)
-    last_used: float = 0.0
 
     @property
     def root_token(self) -> int:
@@ -67,6 +68,47 @@ class SequenceState:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+
+@dataclass
+class SequenceState:
+    """What a drafter sees of one sequence: the shared record, and the drafter's own state."""
+
+    record: SequenceRecord
+    generator: torch.Generator | None
+    # Drafter-owned state (e.g. the EAGLE head's cache slot).
+    drafter_state: dict[str, Any] = field(default_factory=dict)
+    last_used: float = 0.0
+    # Whether the service appends the tokens it is told of (served apart) or the record's
+    # owner beside it already has (the target pass).
+    appends_tokens: bool = True
+
+    @property
+    def request_id(self) -> str:
+        return str(self.record.seq_id)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.record.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.record.output_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.record.params
+
+    @property
+    def method(self) -> str:
+        return self.record.method
+
+    @property
+    def root_token(self) -> int:
+        return self.record.root_token
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.record.all_ids
 
 
 class KeyedSequences(Generic[T]):

@@ -36,7 +36,7 @@ from specdec.engine.models.llama import Transformer
 from specdec.engine.grammar import Grammars
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
 from specdec.engine.sequences import draft_budget
-from specdec.engine.sequences import KeyedSequences
+from specdec.engine.sequences import KeyedSequences, SequenceRecord
 from specdec.engine.tree import DraftTree
 from specdec.engine.target import TargetPass
 
@@ -86,14 +86,14 @@ class ScheduledBatch:
 
 @dataclass
 class _Sequence:
-    method: str
-    prompt_len: int
-    max_tokens: int
-    num_draft_tokens: int  # the request's most per step
-    generated: int = 0
+    record: SequenceRecord  # held by the target pass and the drafter beside it too: one record
     budget: int = 0  # decided for the next tree
     next_tree: DraftTree = field(default_factory=DraftTree)
     start: StartItem | None = None  # until the prompt is prefilled (its first token sampled)
+
+    @property
+    def method(self) -> str:
+        return self.record.method
 
 
 class Speculator(KeyedSequences[_Sequence]):
@@ -137,7 +137,8 @@ class Speculator(KeyedSequences[_Sequence]):
                 return
             ids = [("calibration", n) for n in range(sequences)]
             for repeat in range(2):  # the first round warms up
-                self.target_pass.prefill([(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params) for i in ids])
+                self.target_pass.prefill([SequenceRecord(i, [(7 * j + 11) % vocab for j in range(min(prompt_len, room))], params)
+                                          for i in ids])
                 try:
                     for w in widths:
                         tree = DraftTree.chain([(13 * j + 5) % vocab for j in range(w)])
@@ -162,8 +163,10 @@ class Speculator(KeyedSequences[_Sequence]):
         the true batch (every sequence holding a slot), cut to the room the sequence has left."""
         drafter = self.drafts.drafters.get(seq.method)
         spec = drafter.config if drafter is not None and drafter.config is not None else self.methods.get(seq.method)
-        wanted = seq.num_draft_tokens if spec is None else spec.scheduled_draft_tokens(seq.num_draft_tokens, self.active)
-        seq.budget = draft_budget(wanted, seq.max_tokens, self.config.max_seq_len, seq.prompt_len, seq.generated)
+        record = seq.record
+        wanted = record.num_draft_tokens if spec is None else spec.scheduled_draft_tokens(record.num_draft_tokens, self.active)
+        seq.budget = draft_budget(wanted, record.params.max_tokens, self.config.max_seq_len, len(record.prompt_ids),
+                                  len(record.output_ids))
         return seq.budget
 
     # ---- the calls ---------------------------------------------------------------------------
@@ -187,13 +190,14 @@ class Speculator(KeyedSequences[_Sequence]):
         prompts go at once. A prompt not finished in this call answers no tokens
         (StepResult.emitted == []): its caller sends another step. New sequences are all or
         nothing: on error none of them holds a slot anywhere."""
-        self.target_pass.admit([(i.seq_id, i.prompt_ids, i.params) for i in starts],
-                               frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method)))
+        records = []
         for item in starts:
             speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
-            self._seqs[item.seq_id] = _Sequence(item.method if speculative else METHOD_NONE, len(item.prompt_ids),
-                                                item.params.max_tokens, item.num_draft_tokens if speculative else 0,
-                                                start=item)
+            records.append(SequenceRecord(item.seq_id, list(item.prompt_ids), item.params, item.method if speculative else METHOD_NONE,
+                                          item.num_draft_tokens if speculative else 0))
+        self.target_pass.admit(records, frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method)))
+        for item, record in zip(starts, records):
+            self._seqs[item.seq_id] = _Sequence(record, start=item)
         try:
             return self._run(starts, steps)
         except Exception:
@@ -246,9 +250,9 @@ class Speculator(KeyedSequences[_Sequence]):
                 by_id[item.seq_id] = StepResult([], 0, verify_seconds=t1 - t0)
                 continue
             seq = self._seqs[item.seq_id]
-            seq.start, seq.generated = None, 1
+            seq.start = None
             if seq.method != METHOD_NONE and seq.method in self.drafts.drafters:
-                self.drafts.start(item.seq_id, item.prompt_ids, out.first_token, item.params, seq.method, out.hidden)
+                self.drafts.start(seq.record, out.hidden, appends_tokens=False)  # the target pass appends them
             result = StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
                                 verify_seconds=t1 - t0, log_probs=out.log_probs, cached_tokens=out.cached_tokens)
             by_id[item.seq_id] = result
@@ -258,7 +262,6 @@ class Speculator(KeyedSequences[_Sequence]):
         results = []
         for item, seq, tree, out in zip(decoding, seqs, trees, outs):
             emitted, accepted = out.emitted, len(out.result.accepted_nodes)
-            seq.generated += len(emitted)
             if seq.method in self.adaptive:
                 self.planner.observe_accepts(seq.method, item.seq_id, tree, out.result.accepted_nodes)
             if item.seq_id in self.drafts and not out.dead_end:  # every step, drafting or not: the drafter sees every token once

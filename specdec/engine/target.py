@@ -19,7 +19,7 @@ from specdec.errors import CapacityError, InvalidRequestError
 from specdec.engine.logits_processing import apply_rules, token_log_probs
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.sampling import logits_to_probs, make_generator, sample
-from specdec.engine.sequences import KeyedSequences
+from specdec.engine.sequences import KeyedSequences, SequenceRecord
 from specdec.engine.tree import DraftTree
 from specdec.engine.acceptance import VerifyResult, verify_greedy, verify_sampled
 from specdec.engine.grammar import Grammars, GuidedSequence, masked_draft_probs, open_dead_ends
@@ -28,15 +28,10 @@ from specdec.engine.prefix_cache import PrefixCacheCounters
 
 @dataclass
 class _TargetSequence:
+    record: SequenceRecord  # the sequence's one record: its settings, and its tokens (appended here)
     slot: int
-    params: SamplingParams
     generator: torch.Generator
-    prompt_len: int = 0
-    root_token: int = -1
     last_used: float = 0.0
-    # prompt + every emitted token (the root last), kept only when the request's logits
-    # rules need the context (specdec/engine/logits_processing.py)
-    context: list[int] | None = None
     # while the prompt is prefilled in chunks: its tokens not in the cache yet, and the
     # hidden taps of those that are (handed to the drafter with the first token)
     unprefilled: list[int] = field(default_factory=list)
@@ -44,21 +39,32 @@ class _TargetSequence:
     guide: GuidedSequence | None = None  # the request's grammar, at the committed context
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
+    @property
+    def params(self) -> SamplingParams:
+        return self.record.params
+
+    @property
+    def root_token(self) -> int:
+        return self.record.root_token
+
     def processed(self, logits: Tensor, tree: DraftTree | None = None, bitmask: Tensor | None = None) -> Tensor:
         """The target's logits as plain decoding would use them at each tree row: the
         request's logits rules, then its grammar's mask (bitmask: this tree's, from
         GuidedSequence.masks; computed here when not given)."""
-        ruled = logits if self.context is None else apply_rules(logits, self.params, self.prompt_len, self.context, tree)
+        # the rules that read the context (specdec/engine/logits_processing.py): prompt +
+        # every emitted token, the root last
+        shaped = self.params.shapes_logits
+        record = self.record
+        ruled = apply_rules(logits, self.params, len(record.prompt_ids), record.all_ids, tree) if shaped else logits
         if self.guide is None:
             return ruled
         if bitmask is None:
             bitmask = self.guide.masks(tree)
-        return self.guide.apply(ruled, bitmask, unruled=None if self.context is None else logits)
+        return self.guide.apply(ruled, bitmask, unruled=logits if shaped else None)
 
     def emitted(self, tokens: list[int]) -> None:
-        self.root_token = tokens[-1]
-        if self.context is not None:
-            self.context.extend(tokens)
+        """Tokens committed: the one place a sequence's emitted tokens are counted."""
+        self.record.output_ids.extend(tokens)
         if self.guide is not None:
             self.guide.advance(tokens)
 
@@ -115,25 +121,25 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         """Admitted, its prompt not all in the cache yet (no first token)."""
         return bool(self._get(seq_id).unprefilled)
 
-    def admit(self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], needs_taps: frozenset = frozenset()) -> None:
-        """Give each sequence a slot; its prompt is prefilled by run() (in chunks, possibly
+    def admit(self, records: Sequence[SequenceRecord], needs_taps: frozenset = frozenset()) -> None:
+        """Give each sequence (its record: held, not copied) a slot; its prompt is prefilled by run() (in chunks, possibly
         over several calls), after the longest prefix the cache holds (needs_taps: ids whose
         prefill must return the taps of the whole prompt: a reused prefix is then one whose
         taps are held too). Prompts were checked at the trust boundary (validate_request:
         in process, or in the Triton loop in front of the verifier). Raises before changing
         anything if a sequence id is taken or slots run out."""
-        for seq_id, _, _ in items:
-            if seq_id in self._seqs:
-                raise InvalidRequestError("sequence_id", f"sequence {seq_id!r} is already running")
-        if len(items) > self.cache.num_free:
+        for record in records:
+            if record.seq_id in self._seqs:
+                raise InvalidRequestError("sequence_id", f"sequence {record.seq_id!r} is already running")
+        if len(records) > self.cache.num_free:
             raise CapacityError(f"no free KV-cache slot: {self.cache.max_slots} slots (max_batch_size) in use")
-        guides = [self._start_guide(params) for _, _, params in items]
+        guides = [self._start_guide(record.params) for record in records]
         now = time.monotonic()
-        for (seq_id, prompt, params), guide in zip(items, guides):
+        for record, guide in zip(records, guides):
+            seq_id, prompt, params = record.seq_id, record.prompt_ids, record.params
             slot, reused = self._claim_slot(prompt, params.cache_salt, seq_id in needs_taps)
             seq = self._seqs[seq_id] = _TargetSequence(
-                slot, params, make_generator(params.seed), len(prompt), last_used=now,
-                context=list(prompt) if params.shapes_logits else None, unprefilled=list(prompt[reused:]), guide=guide,
+                record, slot, make_generator(params.seed), last_used=now, unprefilled=list(prompt[reused:]), guide=guide,
                 cached_tokens=reused,
             )
             if reused and seq_id in needs_taps:
@@ -184,13 +190,12 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         guide = self._get(seq_id).guide
         return tree if guide is None else guide.draft(tree, budget, forced)
 
-    def prefill(
-        self, items: Sequence[tuple[Hashable, Sequence[int], SamplingParams]], want_hidden: bool = False
-    ) -> list[PrefillOutput]:
+    def prefill(self, records: Sequence[SequenceRecord], want_hidden: bool = False) -> list[PrefillOutput]:
         """Start sequences and prefill their whole prompts in one forward (admit + run)."""
-        self.admit(items, frozenset(seq_id for seq_id, _, _ in items) if want_hidden else frozenset())
-        done, _ = self.run([seq_id for seq_id, _, _ in items], [], want_hidden)
-        return [done[seq_id] for seq_id, _, _ in items]
+        ids = [record.seq_id for record in records]
+        self.admit(records, frozenset(ids) if want_hidden else frozenset())
+        done, _ = self.run(ids, [], want_hidden)
+        return [done[seq_id] for seq_id in ids]
 
     def verify(self, items: Sequence[tuple[Hashable, DraftTree]], want_hidden: bool = False) -> list[VerifyOutput]:
         return self.run([], items, want_hidden)[1]

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from specdec.config import SamplingParams
 from specdec.engine.drafters.service import DraftService
+from specdec.engine.sequences import SequenceRecord
 from specdec.serving.loop import LoopBackend
 from specdec.engine.speculator import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
@@ -27,7 +28,7 @@ class InProcessBackend(LoopBackend):
 
     async def start_drafter(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams, method: str,
                             hidden: Tensor | None, num_draft_tokens: int) -> DraftTree:
-        self.drafts.start(self.seq_id, prompt_ids, first_token, params, method, hidden)
+        self.drafts.start(SequenceRecord(self.seq_id, list(prompt_ids), params, method, output_ids=[first_token]), hidden)
         return self.drafts.propose([(self.seq_id, num_draft_tokens)])[0]
 
     async def draft(self, last: StepResult, num_draft_tokens: int) -> DraftTree:

@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.engine.drafters.service import DraftService
+from specdec.engine.sequences import SequenceRecord
 from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.triton_models.contract import decode_sampling
 from specdec.engine.models.loading import read_model_config
@@ -86,7 +87,8 @@ class TritonPythonModel:
             raise InvalidRequestError(P.INPUT_IDS, "START needs the prompt followed by the first generated token")
         ids = ids.reshape(-1).tolist()
         method = (strings(request, P.SPECULATIVE_METHOD) or [""])[0]
-        self.drafts.start(seq_id, ids[:-1], ids[-1], decode_sampling(lambda name: array(request, name)), method, self._hidden(request))
+        params = decode_sampling(lambda name: array(request, name))
+        self.drafts.start(SequenceRecord(seq_id, ids[:-1], params, method, output_ids=ids[-1:]), self._hidden(request))
 
     @staticmethod
     def _hidden(request):

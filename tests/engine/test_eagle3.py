@@ -31,7 +31,7 @@ from specdec.engine.tree import DraftTree
 from specdec.errors import ConfigError
 from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from specdec.engine.models.loading import load_transformer
-from specdec.engine.sequences import SequenceState
+from specdec.engine.sequences import SequenceRecord, SequenceState
 
 
 def random_published_checkpoint(path, hidden=64, inter=128, heads=4, kv=2, vocab=96, draft_vocab=40, taps=(0, 1, 2)):
@@ -258,7 +258,7 @@ def test_dynamic_tree_matches_hand_checked_tree(tiny):
     spec = SpeculativeConfig(method="eagle3-tree", max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2)
     assert spec.max_total_draft_tokens == 6
     drafter = Eagle3Drafter(head, spec, 2, 64)
-    seq = SequenceState("s", [1, 2], SamplingParams(), "eagle3-tree", torch.Generator(), output_ids=[7])
+    seq = SequenceState(SequenceRecord("s", [1, 2], SamplingParams(), "eagle3-tree", output_ids=[7]), torch.Generator())
     state = _HeadState(drafter.cache.allocate(), last_hidden=torch.zeros(64), last_logits=torch.tensor([.6, .3, .1, eps, eps, eps]).log())
     seq.drafter_state["eagle3"] = state
     # Depth 1: 0 (.6), 1 (.3). Depth 2: 3|0 (.42), 4|1 (.15), 4|0 (.12), 5|1 (.12) -> frontier 3|0, 4|1.

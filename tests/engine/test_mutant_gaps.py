@@ -185,9 +185,9 @@ def prompt_taps(engine: SpecEngine) -> dict[str, torch.Tensor]:
     drafts = engine.speculator.drafts
     start = drafts.start
 
-    def recording(seq_id, prompt_ids, first_token, params, method, hidden=None):
-        seen[seq_id] = hidden
-        return start(seq_id, prompt_ids, first_token, params, method, hidden)
+    def recording(record, hidden=None, **kwargs):
+        seen[record.seq_id] = hidden
+        return start(record, hidden, **kwargs)
 
     drafts.start = recording
     return seen

@@ -22,7 +22,7 @@ from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.suffix import SEPARATOR, SuffixCorpora, frequency_tree, match_occurrences, suffix_tree
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixIndex
-from specdec.engine.sequences import SequenceState
+from specdec.engine.sequences import SequenceRecord, SequenceState
 from specdec.errors import InvalidRequestError
 from specdec_client import GenerateRequest, ServerError
 
@@ -132,7 +132,7 @@ def test_suffix_drafts_only_from_its_own_salt():
     corpora.add("a", [11, 12, 13, 14, 15, 16])
 
     def seq(salt):
-        return SequenceState("r", [40, 11, 12], SamplingParams(cache_salt=salt), "suffix", None, output_ids=[13])
+        return SequenceState(SequenceRecord("r", [40, 11, 12], SamplingParams(cache_salt=salt), "suffix", output_ids=[13]), None)
 
     assert suffix_tree(corpora, spec, seq("a"), 8).first_path() == [14, 15, 16]
     assert len(suffix_tree(corpora, spec, seq("b"), 8)) == 0
@@ -244,7 +244,7 @@ def test_arctic_suffix_drafts_when_installed_and_is_refused_by_name_when_not():
             ArcticSuffixDrafter(spec)
         return
     drafter = ArcticSuffixDrafter(spec)
-    seq = SequenceState("r", [5, 6, 7, 8, 5, 6], SamplingParams(), "arctic_suffix", None, output_ids=[7])
+    seq = SequenceState(SequenceRecord("r", [5, 6, 7, 8, 5, 6], SamplingParams(), "arctic_suffix", output_ids=[7]), None)
     drafter.on_prefill(seq, None)
     tree = drafter.propose([seq], [8])[0]
     assert tree.tokens and tree.tokens[0] == 8  # what followed 5 6 7 in the prompt

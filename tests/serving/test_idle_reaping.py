@@ -13,6 +13,7 @@ import specdec.engine.sequences
 import specdec.engine.target
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.service import DraftService
+from specdec.engine.sequences import SequenceRecord
 from specdec.errors import UnknownSequenceError
 from specdec.serving.runtime import build_drafters
 
@@ -58,8 +59,8 @@ def test_the_drafter_reaps_an_abandoned_sequence_and_frees_its_draft_slot(clock,
     drafter = build_drafters(read_model_config(target_dir), {"dm": spec}, engine, target_dir)["dm"]
     drafts = DraftService({"dm": drafter})
     params = SamplingParams(max_tokens=16)
-    drafts.start(11, PROMPT, 5, params, "dm")
-    drafts.start(12, PROMPT, 5, params, "dm")
+    drafts.start(SequenceRecord(11, list(PROMPT), params, "dm", output_ids=[5]))
+    drafts.start(SequenceRecord(12, list(PROMPT), params, "dm", output_ids=[5]))
     assert drafter.cache.num_free == 0
 
     clock.now += IDLE_S - 1

@@ -251,7 +251,7 @@ def _build(spec: SpeculativeConfig, ctx: BuildContext) -> Eagle3Drafter:
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
     raw = json.loads((head_dir(spec) / "config.json").read_text())
-    return tuple(Eagle3Config.from_hf_dict(raw, target).tap_layers)
+    return tuple(Eagle3Config.from_config_file(raw, target).tap_layers)
 
 
 # One drafter: `eagle3-tree` is the same head with use_dynamic_tree (the name stays accepted).

@@ -1,8 +1,8 @@
 """The draft side: per-sequence drafter state keyed by sequence id, drafts batched per method.
 
-Like the target pass it can live in its own process (the Triton `drafter` model). It keeps
-each sequence's tokens (prompt + emitted) because n-gram lookup needs them and EAGLE needs
-to know which tokens its hidden states belong to.
+Like the target pass it can live in its own process (the Triton `drafter` model). Its
+drafters read each sequence's tokens (prompt + emitted) from the sequence's record, because
+n-gram lookup needs them and EAGLE needs to know which tokens its hidden states belong to.
 """
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Hashable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from specdec.config import SamplingParams
 from specdec.engine.drafters.base import Drafter
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.engine.sampling import make_generator
-from specdec.engine.sequences import KeyedSequences, SequenceState
+from specdec.engine.sequences import KeyedSequences, SequenceRecord, SequenceState
 from specdec.engine.tree import DraftTree
 
 # Draft randomness uses its own stream so it never shifts the verifier's acceptance draws.
@@ -58,19 +57,16 @@ class DraftService(KeyedSequences[SequenceState]):
         drafter = self.drafters.get(method)
         return bool(drafter and drafter.tap_layers)
 
-    def start(
-        self, seq_id: Hashable, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
-        method: str, hidden: Tensor | None = None,
-    ) -> None:
-        if method not in self.drafters:
-            raise InvalidRequestError("method", f"no drafter {method!r}; available: {', '.join(self.drafters)}")
-        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
-        seq = SequenceState(
-            request_id=str(seq_id), prompt_ids=list(prompt_ids), output_ids=[first_token], params=params,
-            method=method, generator=make_generator(seed), last_used=time.monotonic(),
-        )
-        self._seqs[seq_id] = seq
-        self.drafters[method].on_prefill(seq, self._hidden_for(self.drafters[method], hidden))
+    def start(self, record: SequenceRecord, hidden: Tensor | None = None, appends_tokens: bool = True) -> None:
+        """A sequence whose first token is emitted (record.output_ids == [first]).
+        appends_tokens: this service appends the tokens advance() is told of (served apart);
+        False: the record is the target pass's beside it, which has appended them."""
+        if record.method not in self.drafters:
+            raise InvalidRequestError("method", f"no drafter {record.method!r}; available: {', '.join(self.drafters)}")
+        seed = None if record.params.seed is None else record.params.seed + _DRAFT_SEED_OFFSET
+        seq = SequenceState(record, make_generator(seed), last_used=time.monotonic(), appends_tokens=appends_tokens)
+        self._seqs[record.seq_id] = seq
+        self.drafters[record.method].on_prefill(seq, self._hidden_for(self.drafters[record.method], hidden))
 
     def propose(self, items: Sequence[tuple[Hashable, int]], cut_for=None) -> list[DraftTree]:
         """items: (seq_id, budget). Each drafter is called once for all of its sequences.
@@ -99,7 +95,8 @@ class DraftService(KeyedSequences[SequenceState]):
         """Tell the drafter what the verifier kept: `accepted` draft tokens, then the
         bonus/recovered token, i.e. `emitted` (accepted + 1 tokens)."""
         seq = self._get(seq_id)
-        seq.output_ids.extend(emitted)
+        if seq.appends_tokens:
+            seq.output_ids.extend(emitted)
         seq.last_used = time.monotonic()
         drafter = self.drafters[seq.method]
         drafter.on_verified(seq, list(emitted), accepted, self._hidden_for(drafter, hidden))

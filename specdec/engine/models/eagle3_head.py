@@ -7,8 +7,13 @@ h = h + mlp(post_attention_layernorm(h))
 draft logits = lm_head(norm(h)) over a reduced vocabulary; target id = draft id + d2t[draft id]
 
 A pair (hidden of position t, embedding of token t+1) predicts token t+2. The embedding
-matrix is the target's (frozen, not stored in the checkpoint). Checkpoints use the
-published layout: config.json + weights `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`.
+matrix is the target's (frozen, not stored in the checkpoint). Checkpoints load in two
+layouts: the research / SpecForge one (config.json with `eagle_config`; weights `fc`,
+`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), which is what we save, and vLLM's
+`speculators` one (config.json with `speculators_model_type: eagle3`,
+`transformer_layer_config`, `speculators_config`; the decoder layer's weights under
+`layers.0.*`), which `export_speculators` writes. norm_before_residual (speculators'): the
+residual around the attention starts from hidden_norm(hidden) instead of hidden.
 """
 from __future__ import annotations
 
@@ -24,11 +29,17 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specdec.config import ModelConfig
-from specdec.errors import ModelLoadError
+from specdec.errors import ConfigError, ModelLoadError
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.models.llama import (
     MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, last_tokens, onednn_supports, prepare_step, rope_inv_freq, rope_tables,
 )
+
+
+# The speculators release whose EAGLE-3 format export_speculators writes (PyPI `speculators`).
+SPECULATORS_VERSION = "0.9.0"
+# speculators' name for the decoder layer's weights -> the research layout's
+SPECULATORS_LAYER, RESEARCH_LAYER = "layers.0.", "midlayer."
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class Eagle3Config:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs are concatenated
+    norm_before_residual: bool = False  # the residual is hidden_norm(hidden) (speculators' flag)
 
     @staticmethod
     def for_target(target: ModelConfig, draft_vocab_size: int, tap_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
@@ -61,9 +73,86 @@ class Eagle3Config:
         """The published EAGLE-3 config.json (LlamaForCausalLMEagle3) plus our tap layers."""
         d = asdict(self)
         taps = d.pop("tap_layers")
+        if not d["norm_before_residual"]:  # the research layout's meaning without the key
+            d.pop("norm_before_residual")
         d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps)})
         return d
+
+    def to_speculators_dict(self, verifier: str | None = None) -> dict[str, Any]:
+        """vLLM speculators' config.json (Eagle3SpeculatorConfig) for this head."""
+        layer = {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        }
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
+            "norm_before_residual": self.norm_before_residual, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": list(self.tap_layers),
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0,
+                                      "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+
+    @staticmethod
+    def from_speculators_dict(raw: dict[str, Any], target: ModelConfig | None = None) -> "Eagle3Config":
+        """A speculators-format config (speculators_model_type eagle3). Flags this head does
+        not implement are refused by their key, never ignored."""
+        if raw.get("speculators_model_type") != "eagle3":
+            raise ConfigError("speculators_model_type", f"this loader reads eagle3 heads, got {raw.get('speculators_model_type')!r}")
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):  # EAGLE-3.1's
+            if raw.get(flag):
+                raise ConfigError(flag, "EAGLE-3.1's extra norms are not implemented by this engine's head yet")
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ConfigError("transformer_layer_config", "is required (the draft decoder layer's config)")
+        if layer.get("num_hidden_layers", 1) != 1:
+            raise ConfigError("transformer_layer_config.num_hidden_layers", f"this head has one layer, got {layer.get('num_hidden_layers')}")
+        target_hidden = raw.get("target_hidden_size")
+        if target_hidden is not None and target_hidden != layer.get("hidden_size"):
+            raise ConfigError("target_hidden_size", f"a head wider or narrower than its target ({target_hidden} vs "
+                                                    f"{layer.get('hidden_size')}) is not implemented")
+        taps = raw.get("eagle_aux_hidden_state_layer_ids")
+        if not taps:
+            if target is None:
+                raise ConfigError("eagle_aux_hidden_state_layer_ids", "is required without a target")
+            taps = target.eagle3_tap_layers()
+        heads = layer["num_attention_heads"]
+        return Eagle3Config(
+            hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
+            num_key_value_heads=layer.get("num_key_value_heads") or heads,
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // heads, vocab_size=layer["vocab_size"],
+            draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"], rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
+            rope_theta=layer.get("rope_theta", 10000.0), rope_scaling=layer.get("rope_scaling"),
+            max_position_embeddings=layer.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        )
+
+    @staticmethod
+    def from_config_file(raw: dict[str, Any], target: ModelConfig | None = None) -> "Eagle3Config":
+        """Either layout's config.json."""
+        if "speculators_model_type" in raw:
+            return Eagle3Config.from_speculators_dict(raw, target)
+        return Eagle3Config.from_hf_dict(raw, target)
+
+    def check_fits(self, target: ModelConfig, speculators: bool) -> None:
+        """A head made for another target is refused, naming the key that differs."""
+        prefix = "transformer_layer_config." if speculators else ""
+        for key, ours, theirs in (("hidden_size", self.hidden_size, target.hidden_size), ("vocab_size", self.vocab_size, target.vocab_size)):
+            if ours != theirs:
+                raise ConfigError(prefix + key, f"the head has {ours}, the target {theirs}")
+        if not self.tap_layers or any(not 0 <= layer < target.num_layers for layer in self.tap_layers):
+            key = "eagle_aux_hidden_state_layer_ids" if speculators else "eagle_config.eagle_aux_hidden_state_layer_ids"
+            raise ConfigError(key, f"must be layers of the target's {target.num_layers}, got {list(self.tap_layers)}")
 
     @staticmethod
     def from_hf_dict(raw: dict[str, Any], target: ModelConfig | None = None) -> "Eagle3Config":
@@ -80,6 +169,7 @@ class Eagle3Config:
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
             rope_theta=raw.get("rope_theta", 10000.0), rope_scaling=raw.get("rope_scaling"),
             max_position_embeddings=raw.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
         )
 
     def as_model_config(self) -> ModelConfig:
@@ -147,7 +237,7 @@ class Eagle3Head(DraftVocabulary):
         return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
 
     def _residual(self, hidden: Tensor, attn_out: Tensor) -> Tensor:
-        h = hidden + attn_out
+        h = (self.hidden_norm(hidden) if self.cfg.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h)).float()
 
     def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
@@ -281,15 +371,11 @@ def save_eagle3(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.floa
     (out_dir / "config.json").write_text(json.dumps({**head.cfg.to_hf_dict(), **(extra or {})}, indent=2))
 
 
-def load_eagle3(head_dir: Path, target_embed: nn.Embedding, target_cfg: ModelConfig | None = None) -> Eagle3Head:
-    """Load a head in the published layout (safetensors or pytorch_model.bin)."""
-    head_dir = Path(head_dir)
+def _read_head(head_dir: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config.json, weights) of a head directory, in whichever layout it was saved."""
     cfg_path = head_dir / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"missing file: {cfg_path}")
-    cfg = Eagle3Config.from_hf_dict(json.loads(cfg_path.read_text()), target_cfg)
-    if target_cfg is not None and (cfg.hidden_size != target_cfg.hidden_size or cfg.vocab_size != target_cfg.vocab_size):
-        raise ModelLoadError(f"EAGLE-3 head {head_dir} does not fit the target (hidden/vocab mismatch)")
     weights = head_dir / "model.safetensors"
     if weights.is_file():
         sd = load_file(str(weights))
@@ -297,9 +383,41 @@ def load_eagle3(head_dir: Path, target_embed: nn.Embedding, target_cfg: ModelCon
         sd = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ModelLoadError(f"no model.safetensors or pytorch_model.bin in {head_dir}")
+    return json.loads(cfg_path.read_text()), sd
+
+
+def _research_names(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """speculators' weight names -> the research layout's (its embed_tokens is the target's: dropped)."""
+    return {(RESEARCH_LAYER + k[len(SPECULATORS_LAYER):] if k.startswith(SPECULATORS_LAYER) else k): v
+            for k, v in sd.items() if k != "embed_tokens.weight"}
+
+
+def load_eagle3(head_dir: Path, target_embed: nn.Embedding, target_cfg: ModelConfig | None = None) -> Eagle3Head:
+    """Load a head in either layout (research / SpecForge, or vLLM speculators); one made
+    for another target is refused naming the key that differs."""
+    head_dir = Path(head_dir)
+    raw, sd = _read_head(head_dir)
+    speculators = "speculators_model_type" in raw
+    cfg = Eagle3Config.from_config_file(raw, target_cfg)
+    if target_cfg is not None:
+        cfg.check_fits(target_cfg, speculators)
     head = Eagle3Head(cfg, target_embed)
-    head.load_published(sd)
+    head.load_published(_research_names(sd) if speculators else sd)
     return head.eval()
+
+
+def export_speculators(head_dir: Path, out_dir: Path, verifier: str | None = None) -> Path:
+    """Write a head (either layout) in vLLM speculators' format: its config.json, and the same
+    tensors bit for bit under speculators' names (the decoder layer as layers.0.*)."""
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    raw, sd = _read_head(head_dir)
+    cfg = Eagle3Config.from_config_file(raw)
+    tensors = {(SPECULATORS_LAYER + k[len(RESEARCH_LAYER):] if k.startswith(RESEARCH_LAYER) else k): v.contiguous()
+               for k, v in _research_names(sd).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_speculators_dict(verifier), indent=2) + "\n")
+    return out_dir
 
 
 def mapped_logits(head: Eagle3Head, draft_logits: Tensor) -> Tensor:

@@ -1,0 +1,118 @@
+"""EAGLE-3 heads in the public formats: our shipped head exported in vLLM speculators' format
+(`specdec export-head`) loads back with the same tensors, the same draft logits and the same
+acceptance at every step; a speculators config made for another target, or with a flag this
+head does not implement, is refused naming its key; speculators' norm_before_residual is
+honoured."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec.cli import main as specdec_main
+from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.engine.drafters.eagle3 import DEFAULT_HEAD
+from specdec.engine.models.eagle3_head import load_eagle3
+from specdec.errors import ConfigError
+from specdec.serving.runtime import build_drafters, encode_prompt
+from specdec.serving.spec_engine import SpecEngine
+
+PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime.",
+           "What is the capital of France? Answer in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("heads") / "speculators"
+    assert specdec_main(["export-head", str(DEFAULT_HEAD), str(out), "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 0
+    return out
+
+
+def test_the_export_is_in_the_speculators_layout(exported):
+    config = json.loads((exported / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    assert config["transformer_layer_config"]["hidden_size"] == 576 and config["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    from safetensors import safe_open
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+
+
+def test_the_export_loads_back_with_identical_tensors_and_head_passes(exported, smol_model):
+    shipped = load_eagle3(DEFAULT_HEAD, smol_model.embed, smol_model.cfg)
+    again = load_eagle3(exported, smol_model.embed, smol_model.cfg)
+    assert again.cfg == shipped.cfg
+    ours, theirs = shipped.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    taps = torch.randn(2, 5, 3 * 576, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 49152, (2, 5), generator=torch.Generator().manual_seed(1))
+    mixed = [head._residual(head.fuse(taps), torch.zeros(2, 5, 576)) for head in (shipped, again)]
+    assert torch.equal(mixed[0], mixed[1])
+    assert torch.equal(shipped._mix(shipped.fuse(taps), tokens), again._mix(again.fuse(taps), tokens))
+
+
+def _steps(engine: SpecEngine, prompt_ids: list[int], method: str) -> list[list[int]]:
+    """The tokens each engine step emitted for one greedy request (accepted drafts + 1 each)."""
+    engine.add_request("r", prompt_ids, SamplingParams(max_tokens=40, ignore_eos=True), method, 4)
+    steps = []
+    while engine.sequences:
+        for out in engine.step():
+            if out.new_token_ids:
+                steps.append(list(out.new_token_ids))
+    return steps
+
+
+def test_the_export_drafts_with_the_same_acceptance_at_every_step(exported, smol_model, smol_tokenizer):
+    cfg = EngineConfig(max_batch_size=1, max_seq_len=512, max_num_draft_tokens=4)
+    methods = {"shipped": SpeculativeConfig(method="eagle3", max_draft_len=4),
+               "exported": SpeculativeConfig(method="eagle3", max_draft_len=4, speculative_model=str(exported))}
+    engine = SpecEngine(smol_model, cfg, tokenizer=smol_tokenizer,
+                        drafters=build_drafters(smol_model.cfg, methods, cfg, embed=smol_model.embed))
+    accepted_somewhere = False
+    for prompt in PROMPTS:
+        ids = encode_prompt(smol_tokenizer, prompt)
+        shipped, again = _steps(engine, ids, "shipped"), _steps(engine, ids, "exported")
+        assert again == shipped  # the same tokens, cut into the same steps: the same acceptance per step
+        accepted_somewhere |= any(len(step) > 1 for step in shipped)
+    assert accepted_somewhere  # the comparison saw real accepted drafts
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda c: c["transformer_layer_config"].update(hidden_size=512), "transformer_layer_config.hidden_size"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size=32000), "transformer_layer_config.vocab_size"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]), "eagle_aux_hidden_state_layer_ids"),
+    (lambda c: c.update(target_hidden_size=1024), "target_hidden_size"),
+    (lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
+    (lambda c: c.update(fc_norm=True), "fc_norm"),
+    (lambda c: c.update(norm_output=True), "norm_output"),
+    (lambda c: c.update(speculators_model_type="eagle"), "speculators_model_type"),
+])
+def test_a_head_that_does_not_fit_is_refused_naming_the_key(exported, smol_model, tmp_path, edit, key):
+    head = tmp_path / "head"
+    shutil.copytree(exported, head)
+    config = json.loads((head / "config.json").read_text())
+    edit(config)
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_eagle3(head, smol_model.embed, smol_model.cfg)
+    assert err.value.field == key
+
+
+def test_norm_before_residual_starts_the_residual_from_the_normed_hidden(exported, smol_model, tmp_path):
+    head = tmp_path / "head"
+    shutil.copytree(exported, head)
+    config = json.loads((head / "config.json").read_text())
+    config["norm_before_residual"] = True
+    (head / "config.json").write_text(json.dumps(config))
+    plain, normed = load_eagle3(exported, smol_model.embed, smol_model.cfg), load_eagle3(head, smol_model.embed, smol_model.cfg)
+    assert normed.cfg.norm_before_residual and not plain.cfg.norm_before_residual
+    hidden, attn_out = torch.randn(1, 3, 576), torch.randn(1, 3, 576)
+    expected = normed.hidden_norm(hidden) + attn_out
+    expected = expected + normed.mlp(normed.post_attention_layernorm(expected)).float()
+    assert torch.equal(normed._residual(hidden, attn_out), expected)
+    assert not torch.equal(plain._residual(hidden, attn_out), expected)  # control: the flag changes the pass
