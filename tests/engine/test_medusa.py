@@ -4,9 +4,11 @@ beside EAGLE-3 in one engine) and statistical losslessness of sampled chains and
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_eagle3 import tiny  # noqa: F401  (the fixture: a tiny target and an EAGLE-3 head for it)
 from test_speculative import PARAMS, TOY_VOCAB, chi_square_p, exact_first3, prompts, run_all, sample_first3
 
@@ -17,7 +19,7 @@ from specdec.engine.drafters.medusa import MedusaDrafter
 from specdec.engine.models.eagle3_head import load_eagle3
 from specdec.engine.models.llama import build_batch
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, load_medusa, save_medusa
-from specdec.errors import ModelLoadError
+from specdec.errors import ConfigError, ModelLoadError
 from specdec.engine.tree import DraftTree
 from specdec.serving.spec_engine import SpecEngine
 
@@ -49,8 +51,61 @@ def test_checkpoint_round_trips_in_medusa_names(tiny, tmp_path):  # noqa: F811
     assert torch.equal(again(x), heads(x)) and again(x).shape == (3, 5, heads.cfg.draft_vocab_size)
     assert heads.cfg.source_layer == target.cfg.num_layers - 1
     bigger = dataclasses.replace(target.cfg, hidden_size=target.cfg.hidden_size * 2)
-    with pytest.raises(ModelLoadError, match="do not fit"):
+    with pytest.raises(ConfigError) as err:
         load_medusa(tmp_path / "m", bigger)
+    assert err.value.field == "hidden_size"
+
+
+def write_medusa_project(path, target_cfg, num_heads: int = 3, layers: int = 1, pt: bool = False, seed: int = 0) -> dict:
+    """Random heads saved as the Medusa project saves them: config.json and
+    medusa_lm_head.{safetensors,pt} with `{k}.{j}.linear.*` and each head's lm_head `{k}.{layers}.weight`."""
+    g = torch.Generator().manual_seed(seed)
+    H, V = target_cfg.hidden_size, target_cfg.vocab_size
+    sd = {}
+    for k in range(num_heads):
+        for j in range(layers):
+            sd[f"{k}.{j}.linear.weight"] = torch.randn(H, H, generator=g) * 0.3
+            sd[f"{k}.{j}.linear.bias"] = torch.randn(H, generator=g) * 0.3
+        sd[f"{k}.{layers}.weight"] = torch.randn(V, H, generator=g) * 8.0 / H**0.5
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": layers,
+                                                  "base_model_name_or_path": "tiny-target"}))
+    if pt:
+        torch.save(sd, path / "medusa_lm_head.pt")
+    else:
+        save_file(sd, str(path / "medusa_lm_head.safetensors"))
+    return sd
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_heads_in_the_medusa_projects_layout_load_and_draft(tiny, tmp_path, layers):  # noqa: F811
+    """The Medusa project's own files: each head's residual blocks and full-vocabulary
+    lm_head on the target's final norm, as Medusa computes them; the .pt file the same; a
+    head for another vocabulary refused naming it; greedy drafting with them equals plain."""
+    target, head_dir, _ = tiny
+    target_dir = head_dir.parent / "target"
+    sd = write_medusa_project(tmp_path / "st", target.cfg, layers=layers)
+    heads = load_medusa(tmp_path / "st", target.cfg, target_dir)
+    assert heads.cfg.own_lm_heads and heads.cfg.num_layers == layers and heads.cfg.source_layer == target.cfg.num_layers - 1
+    x = torch.randn(5, target.cfg.hidden_size)
+    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), target.norm.weight, target.cfg.rms_norm_eps)
+    for k in range(3):
+        guess = h
+        for j in range(layers):
+            guess = guess + torch.nn.functional.silu(guess @ sd[f"{k}.{j}.linear.weight"].T + sd[f"{k}.{j}.linear.bias"])
+        assert torch.allclose(heads(x)[k], guess @ sd[f"{k}.{layers}.weight"].T, atol=1e-5), k
+    write_medusa_project(tmp_path / "pt", target.cfg, layers=layers, pt=True)
+    assert torch.equal(load_medusa(tmp_path / "pt", target.cfg, target_dir)(x), heads(x))
+    other = write_medusa_project(tmp_path / "other", dataclasses.replace(target.cfg, vocab_size=target.cfg.vocab_size + 7))
+    assert other
+    with pytest.raises(ConfigError) as err:
+        load_medusa(tmp_path / "other", target.cfg, target_dir)
+    assert err.value.field == "vocab_size"
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=128, max_num_draft_tokens=8)
+    engine = SpecEngine(target, cfg, drafters={"medusa": MedusaDrafter(heads, SpeculativeConfig(method="medusa", max_draft_len=3))})
+    ps, params = prompts(6, seed=7), SamplingParams(max_tokens=16, ignore_eos=True)
+    assert run_all(engine, ps, params, "medusa", 3, concurrent=4) == run_all(engine, ps, params, "none", 0, concurrent=1)
+    assert engine.stats.accepted_tokens > 0
 
 
 def engine_with_both(target, head_dir, heads, max_batch=8):

@@ -10,7 +10,6 @@ the one-hot rule under sampling. The node budget, the planner's cut, is the tree
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +21,7 @@ from specdec.engine.drafters.base import Drafter, KeepDrafting
 from specdec.engine.drafters.registry import BuildContext, DrafterKind, register, resolve_path
 from specdec.engine.drafters.tree_search import Expansion, dynamic_trees
 from specdec.engine.models.eagle3_head import cast_linears, draft_log_probs, mapped_logits
-from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, load_medusa
+from specdec.engine.models.medusa_heads import MedusaHeads, heads_config, load_medusa
 from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import DraftTree
@@ -98,12 +97,12 @@ def heads_dir(spec: SpeculativeConfig) -> Path:
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> MedusaDrafter:
     # Weight-only bf16 for the heads' linears, as for the EAGLE-3 head (engine.draft_dtype): drafts only.
-    heads = load_medusa(heads_dir(spec), ctx.target_cfg).to(ctx.engine.device)
+    heads = load_medusa(heads_dir(spec), ctx.target_cfg, ctx.target_dir).to(ctx.engine.device)
     return MedusaDrafter(cast_linears(heads, getattr(torch, ctx.engine.draft_dtype)), spec)
 
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
-    return (MedusaConfig.from_hf_dict(json.loads((heads_dir(spec) / "config.json").read_text())).source_layer,)
+    return (heads_config(heads_dir(spec), target).source_layer,)
 
 
 register(DrafterKind(methods=(METHOD_MEDUSA,), build=_build, tap_layers=_tap_layers))

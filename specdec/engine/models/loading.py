@@ -96,11 +96,10 @@ def transformer_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dty
     return model.eval()
 
 
-def load_embedding(model_dir: Path) -> torch.nn.Embedding:
-    """Only the token embedding (what an EAGLE-3 head shares with its target)."""
+def load_target_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    """One tensor of an HF checkpoint, float32, without loading the rest."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
-    name = "model.embed_tokens.weight"
     if index.is_file():
         files = [json.loads(index.read_text())["weight_map"][name]]
     else:
@@ -108,9 +107,13 @@ def load_embedding(model_dir: Path) -> torch.nn.Embedding:
     for file in files:
         with safe_open(str(model_dir / file), "pt") as handle:
             if name in handle.keys():
-                weight = handle.get_tensor(name).float()
-                return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+                return handle.get_tensor(name).float()
     raise ModelLoadError(f"{model_dir}: no {name} in the checkpoint")
+
+
+def load_embedding(model_dir: Path) -> torch.nn.Embedding:
+    """Only the token embedding (what an EAGLE-3 head shares with its target)."""
+    return torch.nn.Embedding.from_pretrained(load_target_tensor(model_dir, "model.embed_tokens.weight"), freeze=True)
 
 
 def _inv_freq(model: Transformer) -> torch.Tensor:
