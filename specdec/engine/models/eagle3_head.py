@@ -121,7 +121,13 @@ class Eagle3Config:
         if target_hidden is not None and target_hidden != layer.get("hidden_size"):
             raise ConfigError("target_hidden_size", f"a head wider or narrower than its target ({target_hidden} vs "
                                                     f"{layer.get('hidden_size')}) is not implemented")
-        taps = raw.get("eagle_aux_hidden_state_layer_ids")
+        return Eagle3Config._from_dicts(layer, raw, raw.get("eagle_aux_hidden_state_layer_ids"), target)
+
+    @staticmethod
+    def _from_dicts(layer: dict[str, Any], raw: dict[str, Any], taps: Sequence[int] | None,
+                    target: ModelConfig | None) -> "Eagle3Config":
+        """layer: the decoder layer's shape keys (the whole config in the research layout);
+        raw: the config's top level; taps: its aux layer ids (None: the target's default)."""
         if not taps:
             if target is None:
                 raise ConfigError("eagle_aux_hidden_state_layer_ids", "is required without a target")
@@ -156,21 +162,8 @@ class Eagle3Config:
 
     @staticmethod
     def from_hf_dict(raw: dict[str, Any], target: ModelConfig | None = None) -> "Eagle3Config":
-        heads = raw["num_attention_heads"]
-        taps = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not taps:
-            if target is None:
-                raise ModelLoadError("EAGLE-3 config has no eagle_aux_hidden_state_layer_ids and no target was given")
-            taps = target.eagle3_tap_layers()
-        return Eagle3Config(
-            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=raw["vocab_size"],
-            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0), rope_scaling=raw.get("rope_scaling"),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
-            norm_before_residual=bool(raw.get("norm_before_residual", False)),
-        )
+        """The research / SpecForge config.json (shape keys at the top level)."""
+        return Eagle3Config._from_dicts(raw, raw, (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), target)
 
     def as_model_config(self) -> ModelConfig:
         """The shapes Attention / MLP / RMSNorm take."""
