@@ -19,7 +19,7 @@ from specdec.engine.drafters.medusa import MedusaDrafter
 from specdec.engine.models.eagle3_head import load_eagle3
 from specdec.engine.models.llama import build_batch
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, load_medusa, save_medusa
-from specdec.errors import ConfigError, ModelLoadError
+from specdec.errors import ConfigError
 from specdec.engine.tree import DraftTree
 from specdec.serving.spec_engine import SpecEngine
 
