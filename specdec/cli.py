@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that own their flags: name -> (module, function taking the remaining argv).
 OWN_FLAGS = {
-    "serve": ("specdec.launcher", "serve_main"),  # the launcher passes extras to tritonserver
+    "serve": ("specdec.tools.user_model", "serve_main"),  # --model and heads here, the rest to the launcher (extras to tritonserver)
     "train-eagle3": ("specdec.tools.train_eagle3", "main"),
     "train-medusa": ("specdec.tools.train_medusa", "main"),
     "distill-answers": ("specdec.tools.distill_answers", "main"),
