@@ -16,7 +16,9 @@ from specdec.errors import ConfigError, InvalidRequestError
 
 # Architectures the decoder implements. All are Llama-shaped: RMSNorm, RoPE, GQA, SwiGLU;
 # mistral may add a sliding window, qwen2 a bias on q/k/v, qwen3 a norm on each head's q and k.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA3 = "gemma3_text"
+SLIDING_ATTENTION = "sliding_attention"  # a layer_types entry (Gemma 3's local layers)
 
 import specdec_wire as P
 from specdec_wire import METHOD_NONE  # the baseline: one name, defined by the wire contract
@@ -52,6 +54,28 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     return Path(model_dir) if model_dir else default_model_dir()
 
 
+def _gemma3_fields(raw: Mapping[str, Any], hidden: int) -> dict[str, Any]:
+    """Gemma 3 (text)'s own keys, as ModelConfig fields; the soft-capping it can carry is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ConfigError(key, "logit soft-capping is not implemented (Gemma 3 leaves it off)")
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if not types:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers)]
+    if len(types) != layers or any(t not in (SLIDING_ATTENTION, "full_attention") for t in types):
+        raise ConfigError("layer_types", f"must name sliding_attention or full_attention for each of the {layers} layers")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError("hidden_activation", f"unsupported {act!r} (gelu_pytorch_tanh is Gemma 3's)")
+    return dict(
+        layer_types=tuple(types), local_window=int(raw.get("sliding_window") or 4096),
+        local_rope_theta=float(raw.get("rope_local_base_freq", 10000.0)), sandwich_norms=True,
+        embed_scale=hidden ** 0.5, hidden_act="gelu_tanh", query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+    )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The target (or draft) decoder's shape, read from an HF `config.json`."""
@@ -76,6 +100,17 @@ class ModelConfig:
     kv_lora_rank: int | None = None
     # Qwen3: an RMSNorm over each head's query and key before RoPE (q_norm, k_norm)
     qk_norm: bool = False
+    # Gemma 3: local sliding-window layers beside global ones (layer_types, a window of
+    # local_window tokens and RoPE base local_rope_theta on the local layers), norms after the
+    # attention and the MLP as well as before, embeddings scaled by sqrt(hidden_size), GELU
+    # (tanh), queries scaled by query_pre_attn_scalar ** -0.5.
+    layer_types: tuple[str, ...] | None = None
+    local_window: int | None = None
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -104,6 +139,9 @@ class ModelConfig:
             sliding_window = None  # Qwen2 and Qwen3 carry the key but leave it off.
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        gemma = _gemma3_fields(raw, hidden) if model_type == GEMMA3 else {}
+        if gemma:
+            sliding_window = None  # a window on some layers only: local_window
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -116,20 +154,26 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta", 10000.0)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == GEMMA3)),  # each family's own default
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             sliding_window=int(sliding_window) if sliding_window else None,
             kv_lora_rank=raw.get("kv_lora_rank"),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", GEMMA3),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **gemma,
         )
 
     @staticmethod
     def from_file(path: Path) -> "ModelConfig":
         return ModelConfig.from_hf_dict(json.loads(Path(path).read_text()))
+
+    @property
+    def any_window(self) -> int | None:
+        """The attention window of any layer (all of them: sliding_window; some: local_window)."""
+        return self.sliding_window or self.local_window
 
     def check_draft_pairing(self, draft: "ModelConfig", source: str) -> None:
         """What a draft model's config.json must agree on with this target's for the draft to
@@ -392,10 +436,10 @@ class SpeculativeConfig:
         every committed position and the window is a mask, so each tree node attends to the
         window relative to its own position over the committed context and its ancestors
         (tests/engine/test_decoder.py, tests/engine/test_speculative.py)."""
-        if trtllm and self.use_dynamic_tree and target.sliding_window:
+        if trtllm and self.use_dynamic_tree and target.any_window:
             raise ConfigError(
                 "use_dynamic_tree",
-                f"TensorRT-LLM does not serve dynamic trees on sliding-window attention targets (sliding_window={target.sliding_window}): "
+                f"TensorRT-LLM does not serve dynamic trees on sliding-window attention targets (sliding_window={target.any_window}): "
                 "a tree's siblings share positions, which its sliding-window KV cache cannot hold",
             )
         if self.use_dynamic_tree and target.kv_lora_rank:

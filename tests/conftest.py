@@ -64,6 +64,17 @@ def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) ->
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "mistral":  # sliding-window attention: pass sliding_window
         model = MistralForCausalLM(MistralConfig(**common))
+    elif arch == "gemma3":  # local sliding-window layers beside a global one, sandwich norms, GELU, scaled embeddings
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        gemma = {"head_dim": common["hidden_size"] // common["num_attention_heads"], "sliding_window": 8,
+                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"][: common["num_hidden_layers"]],
+                 "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**gemma, **common}))
+        with torch.no_grad():  # Gemma's norms scale by (1 + w) and start at w = 0: make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": common["hidden_size"] // common["num_attention_heads"], **common}))
         with torch.no_grad():  # q/k norm weights start at 1: make them matter

@@ -31,7 +31,7 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     embed = model.embed.weight
     lm_head_weight = getattr(model.lm_head, "weight", None)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in seen or name == "inv_freq" or (t is embed and t is not lm_head_weight):
+        if id(t) in seen or name.endswith("inv_freq") or (t is embed and t is not lm_head_weight):
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()

@@ -44,6 +44,10 @@ def test_smollm2_logits_match_transformers(smol_dir, smol_model):
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
         ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+        # Gemma 3: two local layers (8-token window, their own RoPE base) around a global one,
+        # the 37-token prompt past the window; tied embeddings, as Gemma ships them
+        ("gemma3", {"tie_word_embeddings": True}),
+        ("gemma3", {"tie_word_embeddings": True, "sliding_window": 5, "num_hidden_layers": 2}),
     ],
 )
 def test_tiny_configs_match_transformers(tmp_path, arch, overrides):

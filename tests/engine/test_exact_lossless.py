@@ -159,13 +159,17 @@ def test_the_exact_output_distribution_is_the_targets(toy, method, case, resumes
         assert max(s[1].draft_tokens for s in outcomes.steps() if len(s) > 1) == spec.max_total_draft_tokens
 
 
-@pytest.fixture(scope="module", params=["qwen3", "mistral-window-4"])
+@pytest.fixture(scope="module", params=["qwen3", "mistral-window-4", "gemma3-window-4"])
 def family_toy(request, tmp_path_factory):
     """The toy in another decoder family: Qwen3 (q/k norm), Mistral with a 4-token sliding
-    window (the 7-token prompt and every later position outgrow it), issue 46."""
-    arch, family = {"qwen3": ("qwen3", {}), "mistral-window-4": ("mistral", {"sliding_window": 4})}[request.param]
+    window (the 7-token prompt and every later position outgrow it), Gemma 3 with a 4-token
+    window on its local layer beside a global one, issue 46."""
+    arch, family, model_type = {
+        "qwen3": ("qwen3", {}, "qwen3"), "mistral-window-4": ("mistral", {"sliding_window": 4}, "mistral"),
+        "gemma3-window-4": ("gemma3", {"sliding_window": 4, "tie_word_embeddings": True}, "gemma3_text"),
+    }[request.param]
     toy = build_toy(tmp_path_factory.mktemp(request.param), arch=arch, **family)
-    assert toy.target.cfg.model_type == arch
+    assert toy.target.cfg.model_type == model_type
     return toy
 
 

@@ -72,6 +72,15 @@ def test_greedy_speculative_equals_plain_tiny_sliding_window(tmp_path):
     greedy_speculative_equals_plain(target)
 
 
+def test_greedy_speculative_equals_plain_tiny_gemma3(tmp_path):
+    """The same on a Gemma 3 target: two local layers with a 6-token window (every sequence
+    outgrows it) around a global one, chains and dynamic trees, alone and batched (issue 46)."""
+    target = load_transformer(save_tiny_hf(tmp_path, arch="gemma3", sliding_window=6, tie_word_embeddings=True,
+                                           initializer_range=0.3, seed=3))
+    assert target.cfg.local_window == 6 and target.local_layers == {0, 2}
+    greedy_speculative_equals_plain(target)
+
+
 def greedy_speculative_equals_plain(tiny_target):
     ps = prompts(24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -11,6 +11,7 @@ real tokens, so padding costs no matmul work.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.config import ModelConfig
+from specdec.config import GEMMA3, SLIDING_ATTENTION, ModelConfig
 from specdec.engine.kernels import invariant_attention
 from specdec.engine.kv_cache import KVCache
 
@@ -74,13 +75,9 @@ def build_batch(
     cols = torch.arange(C)
     mask = (cols[None, None, :] < prefix[:, None, None]).expand(B, N, C).clone()  # the cached prefix
     mask.scatter_(2, write_index[:, None, :].expand(B, N, N), new_mask)  # the new tokens
-    if sliding_window:
-        col_pos = cols[None, :].expand(B, C).clone()
-        col_pos.scatter_(1, write_index, positions)
-        mask &= col_pos[:, None, :] > positions[:, :, None] - sliding_window
     slot_t = torch.tensor(slots, dtype=torch.long)
     contiguous = all(s == slots[0] + i for i, s in enumerate(slots))
-    return ForwardBatch(
+    batch = ForwardBatch(
         tokens=tok.to(device),
         positions=positions.to(device),
         slots=slot_t.to(device),
@@ -88,8 +85,20 @@ def build_batch(
         attn_mask=mask[:, None].to(device),
         num_new=n,
         slot_start=slots[0] if contiguous else None,
-        fresh_prompts=not any(prefix_lens) and depths is None and tree_masks is None and not sliding_window,
+        fresh_prompts=not any(prefix_lens) and depths is None and tree_masks is None,
     )
+    return windowed(batch, sliding_window) if sliding_window else batch
+
+
+def windowed(batch: ForwardBatch, window: int) -> ForwardBatch:
+    """The batch with each row attending only within `window` positions of its own (a
+    sliding-window layer): a column's position is its cache column for the committed
+    context, its node's position for the new tokens (tree siblings share one)."""
+    B, C = batch.attn_mask.shape[0], batch.attn_mask.shape[-1]
+    col_pos = torch.arange(C, device=batch.positions.device)[None, :].expand(B, C).clone()
+    col_pos.scatter_(1, batch.write_index, batch.positions)
+    allowed = batch.attn_mask[:, 0] & (col_pos[:, None, :] > batch.positions[:, :, None] - window)
+    return dataclasses.replace(batch, attn_mask=allowed[:, None], fresh_prompts=False)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -280,10 +289,11 @@ class MLP(nn.Module):
         super().__init__()
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's gate; SiLU otherwise
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate).mul_(up))
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up))
 
 
 class Block(nn.Module):
@@ -293,8 +303,16 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma's sandwich: the attention's and the MLP's outputs are normed too, before the residual
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        if self.sandwich:
+            x = x + self.attn_out_norm(self.attn(self.attn_norm(x), step, cache))
+            return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
         x = x + self.attn(self.attn_norm(x), step, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -442,10 +460,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Gemma 3's local (sliding-window) layers: their own window and RoPE base
+        self.local_layers = frozenset(i for i, kind in enumerate(cfg.layer_types or ()) if kind == SLIDING_ATTENTION)
+        self.reset_rope_tables()
         # Attention by kernels.invariant_attention: set with row-invariant weight kernels (the
         # quantized formats, quantized.py), whose forward is then batch-invariant as a whole.
         self.batch_invariant = False
+
+    def reset_rope_tables(self, device: torch.device | str | None = None) -> None:
+        """The RoPE frequencies (not in the checkpoint): again after a model built on the meta device."""
+        device = device or self.embed.weight.device
+        self.register_buffer("inv_freq", rope_inv_freq(self.cfg).to(device), persistent=False)
+        if self.local_layers:
+            local = dataclasses.replace(self.cfg, rope_theta=self.cfg.local_rope_theta, rope_scaling=None)
+            self.register_buffer("local_inv_freq", rope_inv_freq(local).to(device), persistent=False)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -480,12 +508,18 @@ class Transformer(nn.Module):
         every token. The logits are then [B, max(logits_rows), V], row b's in [:logits_rows[b]].
         pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
         step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack, invariant=self.batch_invariant)
+        local = None
+        if self.local_layers:  # the same tokens packed the same way, a windowed mask, the local RoPE
+            local = prepare_step(windowed(batch, self.cfg.local_window), self.local_inv_freq, self.act_dtype, pack=pack,
+                                 invariant=self.batch_invariant)
         packing = step.packing
         tokens = batch.tokens if packing is None else packing.pack(batch.tokens)
         x = self.embed(tokens).to(self.act_dtype)  # [B, N, H], or [T, H] packed
+        if self.cfg.embed_scale is not None:  # Gemma: sqrt(hidden_size), rounded to the activations' dtype
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, step, cache)
+            x = layer(x, local if i in self.local_layers else step, cache)
             if i in tap_layers:
                 taps[i] = x
         B, N = batch.tokens.shape
@@ -550,6 +584,25 @@ class Transformer(nn.Module):
             own[f"layers.{i}.mlp.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             own[f"layers.{i}.mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
             own[f"layers.{i}.attn_norm.weight"] = take(p + "input_layernorm.weight")
-            own[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            if cfg.sandwich_norms:  # Gemma: input, post-attention, pre- and post-feedforward norms
+                own[f"layers.{i}.attn_out_norm.weight"] = take(p + "post_attention_layernorm.weight")
+                own[f"layers.{i}.mlp_norm.weight"] = take(p + "pre_feedforward_layernorm.weight")
+                own[f"layers.{i}.mlp_out_norm.weight"] = take(p + "post_feedforward_layernorm.weight")
+            else:
+                own[f"layers.{i}.mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        if cfg.model_type == GEMMA3:
+            _gemma_norms(own, cfg)
         dtype = self.embed.weight.dtype
         self.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=True)
+
+
+def _gemma_norms(own: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Gemma stores each RMSNorm's weight as w and scales by (1 + w), in float32: ours scale by
+    the weight, so it becomes 1 + w. Its queries are scaled by query_pre_attn_scalar ** -0.5
+    where attention scales by head_dim ** -0.5: the ratio is folded into the query norm (a
+    per-channel scale before RoPE, which RoPE commutes with)."""
+    for name in [n for n in own if n.endswith("norm.weight")]:
+        own[name] = 1.0 + own[name].float()
+    ratio = (cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5
+    for i in range(cfg.num_layers):
+        own[f"layers.{i}.attn.q_norm.weight"] = own[f"layers.{i}.attn.q_norm.weight"] * ratio

@@ -84,7 +84,7 @@ def transformer_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dty
         if output_rows is not None:
             model.lm_head = Linear(cfg.hidden_size, output_rows, bias=False)
     model = model.to_empty(device=device).to(DTYPES[dtype])
-    model.inv_freq = _inv_freq(model)
+    model.reset_rope_tables()
     try:
         model.load_hf_state_dict(state)
     except KeyError as exc:
@@ -115,11 +115,6 @@ def load_embedding(model_dir: Path) -> torch.nn.Embedding:
     """Only the token embedding (what an EAGLE-3 head shares with its target)."""
     return torch.nn.Embedding.from_pretrained(load_target_tensor(model_dir, "model.embed_tokens.weight"), freeze=True)
 
-
-def _inv_freq(model: Transformer) -> torch.Tensor:
-    from specdec.engine.models.llama import rope_inv_freq
-
-    return rope_inv_freq(model.cfg).to(model.embed.weight.device)
 
 
 def load_gguf_as_hf(gguf_path: Path):
