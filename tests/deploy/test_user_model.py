@@ -50,7 +50,10 @@ def test_a_head_for_another_target_is_refused_naming_the_key(smol_dir, speculato
 def test_serve_hands_the_generated_settings_to_the_server(smol_dir, speculators_head, tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(user_model, "launcher_serve_main", lambda rest: seen.update(rest=rest, env=user_model.os.environ["SPECDEC_SETTINGS"]) or 0)
-    monkeypatch.delenv("SPECDEC_SETTINGS", raising=False)
+    # serve_main sets SPECDEC_SETTINGS for the server it starts: undone after the test (a
+    # leaked value once made a later fixture's server read these settings)
+    monkeypatch.setenv("SPECDEC_SETTINGS", "restored-after-the-test")
+    monkeypatch.delenv("SPECDEC_SETTINGS")
     out = tmp_path / "settings.json"
     assert user_model.serve_main(["--model", str(smol_dir), "--eagle3-head", str(speculators_head), "--settings-out", str(out),
                                   "--http-port", "18000"]) == 0
