@@ -77,15 +77,7 @@ def user_settings(model_dir: Path, eagle3_head: Path | None = None, medusa_heads
 
 def _check(settings: dict[str, Any], target: ModelConfig) -> None:
     """The settings as the server will read them, every method against this target."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(settings, f)
-    try:
-        config = ServingConfig.from_file(Path(f.name))
-    finally:
-        os.unlink(f.name)
-    for spec in config.methods.values():
+    for spec in ServingConfig.from_dict(settings).methods.values():
         spec.check_target(target)
 
 

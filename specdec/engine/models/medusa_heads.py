@@ -151,10 +151,11 @@ def load_medusa(heads_dir: Path, target_cfg: ModelConfig | None = None, target_d
         if target_cfg is None or target_dir is None:
             raise ModelLoadError(f"{heads_dir}: heads in the Medusa project's layout need their target (config and checkpoint)")
         return _load_medusa_project(heads_dir, project, target_cfg, target_dir)
-    weights = heads_dir / "model.safetensors"
-    if not weights.is_file():
-        raise ModelLoadError(f"missing file: {weights}")
-    cfg = MedusaConfig.from_hf_dict(json.loads((heads_dir / "config.json").read_text())) if target_cfg is None else heads_config(heads_dir, target_cfg)
+    cfg_path, weights = heads_dir / "config.json", heads_dir / "model.safetensors"
+    for path in (cfg_path, weights):
+        if not path.is_file():
+            raise ModelLoadError(f"missing file: {path}")
+    cfg = MedusaConfig.from_hf_dict(json.loads(cfg_path.read_text()))
     if target_cfg is not None:
         for key, ours, theirs in (("hidden_size", cfg.hidden_size, target_cfg.hidden_size), ("vocab_size", cfg.vocab_size, target_cfg.vocab_size)):
             if ours != theirs:
