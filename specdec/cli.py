@@ -25,9 +25,13 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from specdec.engine.models.loading import cache_is_valid, prepare_default_model
+    from specdec.config import GEMMA_MODEL_NAME
+    from specdec.engine.models.loading import cache_is_valid, prepare_default_model, prepare_gemma
 
-    path = prepare_default_model(args.model_dir, force=args.force)
+    if args.model == GEMMA_MODEL_NAME:
+        path = prepare_gemma(force=args.force)
+    else:
+        path = prepare_default_model(args.model_dir, force=args.force)
     print(f"model ready: {path} (verified: {cache_is_valid(path, full_hash=args.verify)})")
     return 0
 
@@ -119,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prepare", help="convert the embedded SmolLM2 GGUF into the model cache (once)")
+    p = sub.add_parser("prepare", help="convert the embedded SmolLM2 GGUF (or the opt-in Gemma 3 270M) into the model cache (once)")
+    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "gemma3-270m"],
+                   help="gemma3-270m: needs `make prepare-gemma`'s packages; its SHA256 is checked")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--force", action="store_true", help="rebuild even if the cache is valid")
     p.add_argument("--verify", action="store_true", help="also check every file's sha256")

