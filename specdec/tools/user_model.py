@@ -1,4 +1,4 @@
-"""`specdec serve --model DIR [--eagle3-head DIR] [--medusa-heads DIR] [--draft-model DIR]`:
+"""`specdec serve --model DIR_OR_GGUF [--eagle3-head DIR] [--medusa-heads DIR] [--draft-model DIR]`:
 serve a team's own model with the heads it brings, no hand-written JSON. The method table is
 built from what is given (the served settings' engine, n-gram and suffix always; EAGLE-3
 chain and dynamic tree with a head, its depth from the head's speculators config when it
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specdec.config import (
-    METHOD_DRAFT_MODEL, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_MEDUSA, METHOD_NGRAM, METHOD_SUFFIX, SERVED_SETTINGS, ModelConfig,
-    ServingConfig,
+    GEMMA_MODEL_NAME, METHOD_DRAFT_MODEL, METHOD_EAGLE3, METHOD_EAGLE3_TREE, METHOD_MEDUSA, METHOD_NGRAM, METHOD_SUFFIX, SERVED_SETTINGS,
+    ModelConfig, ServingConfig, gemma_model_dir,
 )
 from specdec.engine.models.eagle3_head import Eagle3Config
-from specdec.engine.models.loading import read_model_config
+from specdec.engine.models.loading import cache_is_valid, prepare_gguf, read_model_config
 from specdec.engine.models.medusa_heads import heads_config
 from specdec.errors import ConfigError, SpecDecError
 from specdec.launcher import serve_main as launcher_serve_main
@@ -41,9 +41,15 @@ def user_settings(model_dir: Path, eagle3_head: Path | None = None, medusa_heads
                   draft_model: Path | None = None, base: Path = SERVED_SETTINGS) -> dict[str, Any]:
     """The served settings (base: its engine, threads and the model-agnostic methods) for
     the given model and heads; a head that does not fit the target is refused naming the key."""
+    if str(model_dir) == GEMMA_MODEL_NAME:  # the opt-in embedded target by name
+        if not cache_is_valid(gemma_model_dir()):
+            raise ConfigError("--model", f"{GEMMA_MODEL_NAME} is not prepared (make prepare-gemma)")
+        model_dir = gemma_model_dir()
     model_dir = Path(model_dir).resolve()
+    if model_dir.suffix == ".gguf" and model_dir.is_file():  # converted once into the cache, then served as a directory
+        model_dir = prepare_gguf(model_dir)
     if not model_dir.is_dir():
-        raise ConfigError("--model", f"{model_dir} is not a model directory (config.json + safetensors + tokenizer)")
+        raise ConfigError("--model", f"{model_dir} is not a model directory (config.json + safetensors + tokenizer) or a .gguf file")
     target = read_model_config(model_dir)
     raw_base = json.loads(Path(base).read_text())
     engine = dict(raw_base["engine"], max_seq_len=min(raw_base["engine"]["max_seq_len"], target.max_position_embeddings))
@@ -84,11 +90,12 @@ def _check(settings: dict[str, Any], target: ModelConfig) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec serve", add_help=False,
                                 description="Serve your own model with the heads you bring (the rest: specdec serve's flags).")
-    p.add_argument("--model", type=Path, default=None, help="an HF model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--model", type=Path, default=None, help="an HF model directory (config.json, safetensors, tokenizer), a .gguf file, or gemma3-270m (make prepare-gemma)")
     p.add_argument("--eagle3-head", type=Path, default=None, help="an EAGLE-3 head (research / SpecForge or speculators layout)")
     p.add_argument("--medusa-heads", type=Path, default=None, help="Medusa heads (ours, or the Medusa project's layout)")
     p.add_argument("--draft-model", type=Path, default=None, help="an independent draft model (HF directory, the target's tokenizer)")
     p.add_argument("--settings-out", type=Path, default=None, help="where the generated settings go (default: under the cache dir)")
+    p.add_argument("--settings-only", action="store_true", help="write the settings and stop (for specdec-client bench --server-settings)")
     return p
 
 
@@ -115,4 +122,4 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     os.environ["SPECDEC_SETTINGS"] = str(out.resolve())
     print(f"specdec serve: {settings['model_dir']} with methods {', '.join(settings['methods'])} "
           f"(default {settings['default_method']}); settings: {out}", flush=True)
-    return launcher_serve_main(rest)
+    return 0 if args.settings_only else launcher_serve_main(rest)

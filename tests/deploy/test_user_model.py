@@ -81,3 +81,26 @@ def test_the_users_model_and_head_serve_through_triton(smol_dir, speculators_hea
                 assert spec.text == plain.text, method
                 accepted += spec.perf.get("total_accepted_draft_tokens", 0)
     assert accepted > 0  # the user's head drafted, and its drafts were kept
+
+
+def test_a_gguf_file_is_served_as_its_prepared_directory(smol_dir):
+    """--model FILE.gguf: converted once into the cache (the embedded target's own file maps
+    to its one prepared copy), then the same method table as for a directory."""
+    from specdec.engine.models.loading import default_gguf_path
+
+    settings = user_model.user_settings(default_gguf_path())
+    assert settings["model_dir"] == str(smol_dir.resolve()) and set(settings["methods"]) == {"ngram", "suffix"}
+
+
+def test_the_gemma_name_needs_its_download_and_settings_only_serves_nothing(smol_dir, tmp_path, monkeypatch):
+    """--model gemma3-270m is the opt-in target by name (refused, saying how to prepare it,
+    when it is not); --settings-only writes the settings for a benchmark and starts no server."""
+    monkeypatch.setattr(user_model, "gemma_model_dir", lambda: tmp_path / "not-prepared")
+    with pytest.raises(ConfigError, match="make prepare-gemma") as err:
+        user_model.user_settings("gemma3-270m")
+    assert err.value.field == "--model"
+    monkeypatch.setattr(user_model, "launcher_serve_main", lambda rest: pytest.fail("--settings-only started a server"))
+    monkeypatch.setenv("SPECDEC_SETTINGS", "restored-after-the-test")
+    out = tmp_path / "settings.json"
+    assert user_model.serve_main(["--model", str(smol_dir), "--settings-out", str(out), "--settings-only"]) == 0
+    assert json.loads(out.read_text())["methods"].keys() == {"ngram", "suffix"}

@@ -211,6 +211,8 @@ def prepare_gguf(gguf_path: Path) -> Path:
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file missing: {gguf_path}")
+    if importlib.util.find_spec(DEFAULT_GGUF_PACKAGE) and gguf_path.resolve() == default_gguf_path().resolve():
+        return prepare_default_model()  # the embedded target's file: its one prepared copy
     model_dir = cache_root() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
     return model_dir if cache_is_valid(model_dir) else convert_gguf(gguf_path, model_dir)
 
