@@ -87,9 +87,7 @@ def test_the_export_drafts_with_the_same_acceptance_at_every_step(exported, smol
     (lambda c: c["transformer_layer_config"].update(vocab_size=32000), "transformer_layer_config.vocab_size"),
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]), "eagle_aux_hidden_state_layer_ids"),
     (lambda c: c.update(target_hidden_size=1024), "target_hidden_size"),
-    (lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
-    (lambda c: c.update(fc_norm=True), "fc_norm"),
-    (lambda c: c.update(norm_output=True), "norm_output"),
+    (lambda c: c.update(norm_before_fc=True, fc_norm=True), "fc_norm"),  # exclusive, as speculators says
     (lambda c: c.update(speculators_model_type="eagle"), "speculators_model_type"),
 ])
 def test_a_head_that_does_not_fit_is_refused_naming_the_key(exported, smol_model, tmp_path, edit, key):
@@ -116,6 +114,58 @@ def test_norm_before_residual_starts_the_residual_from_the_normed_hidden(exporte
     expected = expected + normed.mlp(normed.post_attention_layernorm(expected)).float()
     assert torch.equal(normed._residual(hidden, attn_out), expected)
     assert not torch.equal(plain._residual(hidden, attn_out), expected)  # control: the flag changes the pass
+
+
+def _rms(x, weight, eps):
+    """RMSNorm written out (the reference the head's norms are checked against)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _with_flags(exported, tmp_path, flags: dict, tensors: dict):
+    from safetensors.torch import load_file, save_file
+
+    head = tmp_path / "_".join(flags) / "head"
+    shutil.copytree(exported, head)
+    config = json.loads((head / "config.json").read_text())
+    config.update(flags)
+    (head / "config.json").write_text(json.dumps(config))
+    save_file({**load_file(str(head / "model.safetensors")), **tensors}, str(head / "model.safetensors"))
+    return head
+
+
+def test_eagle31_norms_before_fc_per_tap_and_on_the_carried_hidden(exported, smol_model, tmp_path):
+    """EAGLE-3.1's flags as the speculators package defines them: norm_before_fc normalises the
+    concatenated taps, fc_norm each tap, norm_output carries norm(h) to the next step (same
+    logits); each checked against RMSNorm written out, with the plain head as the control."""
+    torch.manual_seed(0)
+    plain = load_eagle3(exported, smol_model.embed, smol_model.cfg)
+    eps, taps = plain.cfg.rms_norm_eps, torch.randn(1, 4, 3 * 576)
+    whole, per_tap = torch.rand(3 * 576) + 0.5, [torch.rand(576) + 0.5 for _ in range(3)]
+    before_fc = load_eagle3(_with_flags(exported, tmp_path, {"norm_before_fc": True}, {"input_norm.weight": whole}),
+                            smol_model.embed, smol_model.cfg)
+    assert torch.allclose(before_fc.fuse(taps), plain.fc(_rms(taps, whole, eps)).float(), atol=1e-5)
+    per = load_eagle3(_with_flags(exported, tmp_path, {"fc_norm": True}, {f"fc_norm.{i}.weight": w for i, w in enumerate(per_tap)}),
+                      smol_model.embed, smol_model.cfg)
+    expected = plain.fc(torch.cat([_rms(t, w, eps) for t, w in zip(taps.chunk(3, dim=-1), per_tap)], dim=-1)).float()
+    assert torch.allclose(per.fuse(taps), expected, atol=1e-5)
+    assert not torch.allclose(plain.fuse(taps), expected, atol=1e-3)  # control: the norms change the pass
+    output = load_eagle3(_with_flags(exported, tmp_path, {"norm_output": True}, {}), smol_model.embed, smol_model.cfg)
+    hidden, attn_out = plain.fuse(taps), torch.randn(1, 4, 576)
+    (h_plain, logits_plain), (h_out, logits_out) = plain._finish(hidden, attn_out), output._finish(hidden, attn_out)
+    assert torch.equal(logits_out, logits_plain) and torch.allclose(h_out, _rms(h_plain, plain.norm.weight, eps), atol=1e-5)
+    assert not torch.allclose(h_out, h_plain, atol=1e-3)
+
+
+def test_an_eagle31_head_exports_and_loads_back_with_its_norms(exported, smol_model, tmp_path):
+    from specdec.engine.models.eagle3_head import export_speculators
+
+    per_tap = {f"fc_norm.{i}.weight": torch.rand(576) + 0.5 for i in range(3)}
+    head = _with_flags(exported, tmp_path, {"fc_norm": True, "norm_output": True}, per_tap)
+    again = export_speculators(head, tmp_path / "again", "SmolLM2-135M-Instruct")
+    config = json.loads((again / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, False)
+    loaded = load_eagle3(again, smol_model.embed, smol_model.cfg)
+    assert all(torch.equal(norm.weight, per_tap[f"fc_norm.{i}.weight"]) for i, norm in enumerate(loaded.fc_norm))
 
 
 def test_the_speculators_package_reads_our_export(exported):

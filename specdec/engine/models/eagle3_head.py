@@ -13,7 +13,12 @@ layouts: the research / SpecForge one (config.json with `eagle_config`; weights 
 `speculators` one (config.json with `speculators_model_type: eagle3`,
 `transformer_layer_config`, `speculators_config`; the decoder layer's weights under
 `layers.0.*`), which `export_speculators` writes. norm_before_residual (speculators'): the
-residual around the attention starts from hidden_norm(hidden) instead of hidden.
+residual around the attention starts from hidden_norm(hidden) instead of hidden. EAGLE-3.1's
+flags (speculators'): norm_before_fc, one RMSNorm over the concatenated taps before fc
+(`input_norm.weight`, ones when absent, as speculators loads it); fc_norm, one RMSNorm per tap
+before the concatenation (`fc_norm.{i}.weight`; exclusive with norm_before_fc); norm_output,
+the hidden carried to the next draft step is norm(h), not h (the logits are lm_head(norm(h))
+either way).
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ from specdec.engine.models.llama import (
 SPECULATORS_VERSION = "0.9.0"
 # speculators' name for the decoder layer's weights -> the research layout's
 SPECULATORS_LAYER, RESEARCH_LAYER = "layers.0.", "midlayer."
+# EAGLE-3.1's norms (speculators' config keys), off in EAGLE-3
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,9 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     tap_layers: tuple[int, ...] = ()  # target layers whose outputs are concatenated
     norm_before_residual: bool = False  # the residual is hidden_norm(hidden) (speculators' flag)
+    norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the concatenated taps before fc
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm per tap before the concatenation
+    norm_output: bool = False  # EAGLE-3.1: the next step reads norm(h)
 
     @staticmethod
     def for_target(target: ModelConfig, draft_vocab_size: int, tap_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
@@ -73,8 +83,9 @@ class Eagle3Config:
         """The published EAGLE-3 config.json (LlamaForCausalLMEagle3) plus our tap layers."""
         d = asdict(self)
         taps = d.pop("tap_layers")
-        if not d["norm_before_residual"]:  # the research layout's meaning without the key
-            d.pop("norm_before_residual")
+        for flag in ("norm_before_residual", *EAGLE31_FLAGS):  # the research layout's meaning without the key
+            if not d[flag]:
+                d.pop(flag)
         d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps)})
         return d
@@ -93,7 +104,8 @@ class Eagle3Config:
         return {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": SPECULATORS_VERSION,
             "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
-            "norm_before_residual": self.norm_before_residual, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "norm_before_residual": self.norm_before_residual, "norm_before_fc": self.norm_before_fc, "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
             "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": list(self.tap_layers),
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -109,9 +121,8 @@ class Eagle3Config:
         not implement are refused by their key, never ignored."""
         if raw.get("speculators_model_type") != "eagle3":
             raise ConfigError("speculators_model_type", f"this loader reads eagle3 heads, got {raw.get('speculators_model_type')!r}")
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):  # EAGLE-3.1's
-            if raw.get(flag):
-                raise ConfigError(flag, "EAGLE-3.1's extra norms are not implemented by this engine's head yet")
+        if raw.get("norm_before_fc") and raw.get("fc_norm"):
+            raise ConfigError("fc_norm", "norm_before_fc and fc_norm are exclusive (one norm over the taps, or one per tap)")
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise ConfigError("transformer_layer_config", "is required (the draft decoder layer's config)")
@@ -141,6 +152,7 @@ class Eagle3Config:
             rope_theta=layer.get("rope_theta", 10000.0), rope_scaling=layer.get("rope_scaling"),
             max_position_embeddings=layer.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
             norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            **{flag: bool(raw.get(flag, False)) for flag in EAGLE31_FLAGS},
         )
 
     @staticmethod
@@ -206,6 +218,8 @@ class Eagle3Head(DraftVocabulary):
         H = cfg.hidden_size
         self.embed = embed  # the target's, frozen
         self.fc = Linear(len(cfg.tap_layers) * H, H, bias=False)
+        self.input_norm = RMSNorm(len(cfg.tap_layers) * H, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.tap_layers) if cfg.fc_norm else None
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.attn = Attention(mcfg, 0, in_features=2 * H)
@@ -222,8 +236,15 @@ class Eagle3Head(DraftVocabulary):
                        dtype=torch.float32, device=self.d2t.device)
 
     def fuse(self, hidden: Tensor) -> Tensor:
-        """Target taps (3H) go through fc; the head's own outputs (H) pass as they are."""
-        return self.fc(hidden).float() if hidden.shape[-1] != self.cfg.hidden_size else hidden
+        """Target taps (3H) go through fc (after EAGLE-3.1's norms, when on); the head's own
+        outputs (H) pass as they are."""
+        if hidden.shape[-1] == self.cfg.hidden_size:
+            return hidden
+        if self.input_norm is not None:
+            hidden = self.input_norm(hidden)
+        if self.fc_norm is not None:
+            hidden = torch.cat([norm(tap) for norm, tap in zip(self.fc_norm, hidden.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(hidden).float()
 
     def _mix(self, hidden: Tensor, tokens: Tensor) -> Tensor:
         emb = self.embed(tokens).float()
@@ -234,8 +255,12 @@ class Eagle3Head(DraftVocabulary):
         return h + self.mlp(self.post_attention_layernorm(h)).float()
 
     def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
-        h = self._residual(hidden, attn_out)
-        return h, self.lm_head(self.norm(h)).float()
+        return self._carry(self._residual(hidden, attn_out))
+
+    def _carry(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(the hidden the next draft step reads, draft logits) of the layer's output h."""
+        normed = self.norm(h)
+        return (normed if self.cfg.norm_output else h), self.lm_head(normed).float()
 
     @torch.inference_mode()
     def forward(self, hidden: Tensor, batch: ForwardBatch, cache: KVCache) -> tuple[Tensor, Tensor]:
@@ -261,8 +286,7 @@ class Eagle3Head(DraftVocabulary):
             hidden = torch.stack(list(rows)).float()  # equal lengths
         hidden = self.fuse(hidden)
         h = self._residual(hidden, self.attn(self._mix(hidden, tokens), step, cache).float())
-        last = last_tokens(h, batch, packing)
-        return last, self.lm_head(self.norm(last)).float()
+        return self._carry(last_tokens(h, batch, packing))
 
     # ---- training: training-time test (TTT) -------------------------------------------
     def ttt_forward(self, taps: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
@@ -312,7 +336,7 @@ class Eagle3Head(DraftVocabulary):
         gate, up = self.mlp.w13.weight.chunk(2)
         return {
             "fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
-            "d2t": self.d2t, "t2d": self.t2d,
+            "d2t": self.d2t, "t2d": self.t2d, **self._eagle31_norms(),
             "midlayer.hidden_norm.weight": self.hidden_norm.weight,
             "midlayer.input_layernorm.weight": self.input_layernorm.weight,
             "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
@@ -321,6 +345,12 @@ class Eagle3Head(DraftVocabulary):
             "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
             "midlayer.mlp.down_proj.weight": self.mlp.w2.weight,
         }
+
+    def _eagle31_norms(self) -> dict[str, Tensor]:
+        norms = {} if self.input_norm is None else {"input_norm.weight": self.input_norm.weight}
+        for i, norm in enumerate(self.fc_norm or ()):
+            norms[f"fc_norm.{i}.weight"] = norm.weight
+        return norms
 
     def load_published(self, sd: dict[str, Tensor]) -> None:
         def take(name: str) -> Tensor:
@@ -339,6 +369,9 @@ class Eagle3Head(DraftVocabulary):
             "mlp.w2.weight": take(m + "mlp.down_proj.weight"),
             "d2t": take("d2t").long(), "t2d": take("t2d").bool(),
         }
+        if self.input_norm is not None:  # speculators leaves it out when it was never trained (ones)
+            own["input_norm.weight"] = sd.get("input_norm.weight", torch.ones_like(self.input_norm.weight))
+        own.update({f"fc_norm.{i}.weight": take(f"fc_norm.{i}.weight") for i in range(len(self.fc_norm or ()))})
         missing, unexpected = self.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in own.items()}, strict=False)
         missing = [k for k in missing if not k.startswith("embed.")]
         if missing or unexpected:
