@@ -19,7 +19,7 @@ from specdec.config import (
     ModelConfig, ServingConfig, gemma_model_dir,
 )
 from specdec.engine.models.eagle3_head import Eagle3Config
-from specdec.engine.models.loading import cache_is_valid, prepare_gguf, read_model_config
+from specdec.engine.models.loading import cache_is_valid, check_same_tokenizer, prepare_gguf, read_model_config
 from specdec.engine.models.medusa_heads import heads_config
 from specdec.errors import ConfigError, SpecDecError
 from specdec.launcher import serve_main as launcher_serve_main
@@ -51,6 +51,9 @@ def user_settings(model_dir: Path, eagle3_head: Path | None = None, medusa_heads
     if not model_dir.is_dir():
         raise ConfigError("--model", f"{model_dir} is not a model directory (config.json + safetensors + tokenizer) or a .gguf file")
     target = read_model_config(model_dir)
+    for drafter_dir in (eagle3_head, medusa_heads, draft_model):
+        if drafter_dir is not None and Path(drafter_dir).is_dir():
+            check_same_tokenizer(Path(drafter_dir), model_dir)
     raw_base = json.loads(Path(base).read_text())
     engine = dict(raw_base["engine"], max_seq_len=min(raw_base["engine"]["max_seq_len"], target.max_position_embeddings))
     engine["max_tokens_limit"] = min(engine.get("max_tokens_limit", engine["max_seq_len"]), engine["max_seq_len"])

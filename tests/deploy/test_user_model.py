@@ -104,3 +104,27 @@ def test_the_gemma_name_needs_its_download_and_settings_only_serves_nothing(smol
     out = tmp_path / "settings.json"
     assert user_model.serve_main(["--model", str(smol_dir), "--settings-out", str(out), "--settings-only"]) == 0
     assert json.loads(out.read_text())["methods"].keys() == {"ngram", "suffix"}
+
+
+def test_a_head_shipping_another_tokenizer_is_refused_naming_the_key(smol_dir, speculators_head, tmp_path):
+    """A head (or draft) that carries a tokenizer must carry the target's: one extra token is
+    refused by the key `tokenizer`, at settings time and by the check every drafter build runs;
+    the target's own tokenizer beside the head is accepted."""
+    from transformers import AutoTokenizer
+
+    from specdec.engine.models.loading import check_same_tokenizer
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    for head in (same, other):
+        shutil.copytree(speculators_head, head)
+    tokenizer = AutoTokenizer.from_pretrained(str(smol_dir))
+    tokenizer.save_pretrained(str(same))
+    assert "eagle3" in user_model.user_settings(smol_dir, eagle3_head=same)["methods"]
+    tokenizer.add_tokens(["<not-the-targets>"])
+    tokenizer.save_pretrained(str(other))
+    with pytest.raises(ConfigError) as err:
+        user_model.user_settings(smol_dir, eagle3_head=other)
+    assert err.value.field == "tokenizer" and "<not-the-targets>" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        check_same_tokenizer(other, smol_dir)
+    assert err.value.field == "tokenizer"

@@ -28,7 +28,7 @@ from torch import Tensor
 from specdec.config import METHOD_DRAFT_MODEL, ModelConfig, SpeculativeConfig
 from specdec.errors import ConfigError, ModelLoadError
 from specdec.engine.models.llama import Transformer, build_batch
-from specdec.engine.models.loading import load_safetensors_dir, prepare_gguf, transformer_from_state
+from specdec.engine.models.loading import check_same_tokenizer, load_safetensors_dir, prepare_gguf, transformer_from_state
 from specdec.engine.sampling import logits_to_probs, sample
 from specdec.engine.sequences import SequenceState
 from specdec.engine.tree import DraftTree
@@ -231,27 +231,11 @@ def load_draft(path: Path, ctx: BuildContext, dtype: str) -> tuple[Transformer, 
 
 def check_compatible(path: Path, cfg: ModelConfig, ctx: BuildContext, draft_to_target: Tensor | None) -> None:
     """ModelConfig.check_draft_pairing, and when both directories carry a tokenizer, the same
-    tokens and special tokens."""
+    tokens and special tokens (check_same_tokenizer)."""
     ctx.target_cfg.check_draft_pairing(cfg, str(path))
     if draft_to_target is not None and (int(draft_to_target.min()) < 0 or int(draft_to_target.max()) >= ctx.target_cfg.vocab_size):
         raise ConfigError("speculative_model", f"{path}: d2t maps outside the target's vocabulary of {ctx.target_cfg.vocab_size}")
-    if ctx.target_dir is None or not _has_tokenizer(path) or not _has_tokenizer(ctx.target_dir):
-        return
-    from transformers import AutoTokenizer
-
-    mine, theirs = AutoTokenizer.from_pretrained(str(path)), AutoTokenizer.from_pretrained(str(ctx.target_dir))
-    a, b = mine.get_vocab(), theirs.get_vocab()
-    if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
-        raise ConfigError("speculative_model", f"{path}: the draft's tokenizer differs from the target's ({len(differ)} "
-                                               f"token/id pairs not shared, e.g. {differ[0]!r})")
-    for name in ("bos_token_id", "eos_token_id"):
-        if getattr(mine, name) != getattr(theirs, name):
-            raise ConfigError("speculative_model", f"{path}: tokenizer {name} {getattr(mine, name)} differs from the target's {getattr(theirs, name)}")
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer.model").is_file()
+    check_same_tokenizer(path, ctx.target_dir)
 
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> DraftModelDrafter:

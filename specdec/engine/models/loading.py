@@ -115,6 +115,29 @@ def load_target_tensor(model_dir: Path, name: str) -> torch.Tensor:
     raise ModelLoadError(f"{model_dir}: no {name} in the checkpoint")
 
 
+def _has_tokenizer(path: Path) -> bool:
+    return (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer.model").is_file()
+
+
+def check_same_tokenizer(drafter_dir: Path, target_dir: Path | None) -> None:
+    """A drafter (draft model, EAGLE-3 head, Medusa heads) that ships a tokenizer must ship
+    the target's: the same token/id pairs and the same BOS and EOS. Refused naming the key
+    `tokenizer`; nothing to compare when either directory has none."""
+    if target_dir is None or not _has_tokenizer(drafter_dir) or not _has_tokenizer(target_dir):
+        return
+    from transformers import AutoTokenizer
+
+    mine, theirs = AutoTokenizer.from_pretrained(str(drafter_dir)), AutoTokenizer.from_pretrained(str(target_dir))
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+        raise ConfigError("tokenizer", f"{drafter_dir}: its tokenizer differs from the target's ({len(differ)} "
+                                       f"token/id pairs not shared, e.g. {differ[0]!r})")
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ConfigError("tokenizer", f"{drafter_dir}: its {name} {getattr(mine, name)} differs from the target's {getattr(theirs, name)}")
+
+
 def load_embedding(model_dir: Path) -> torch.nn.Embedding:
     """Only the token embedding (what an EAGLE-3 head shares with its target)."""
     return torch.nn.Embedding.from_pretrained(load_target_tensor(model_dir, "model.embed_tokens.weight"), freeze=True)
