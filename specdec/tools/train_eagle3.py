@@ -14,6 +14,7 @@ Writes the head in the published layout plus train_log.json and README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -64,10 +65,17 @@ def feature_layers(cfg) -> tuple[int, ...]:
     return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
 
 
+def compact(features: Tensor) -> Tensor:
+    """fp16 halves the cache, but Gemma 3's residual stream passes fp16's range (its first
+    features held inf, and training went NaN): those keep bf16's range instead."""
+    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
+
+
 def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
-    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]), fp16."""
+    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
+    fp16 where it holds them (compact)."""
     H = hidden.shape[-1] // num_layers
-    return hidden[:, :-H].half().contiguous(), hidden[:, -H:].half().contiguous()
+    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
 
 
 class _TapRecorder(Drafter):
@@ -85,10 +93,10 @@ class _TapRecorder(Drafter):
         return [DraftTree() for _ in seqs]
 
     def on_prefill(self, seq, hidden):
-        seq.drafter_state[self.name] = [hidden.half()]
+        seq.drafter_state[self.name] = [hidden.float()]
 
     def on_verified(self, seq, emitted, accepted, hidden):
-        seq.drafter_state[self.name].append(hidden.half())
+        seq.drafter_state[self.name].append(hidden.float())
 
     def on_finish(self, seq):
         taps, last = split_features(torch.cat(seq.drafter_state.pop(self.name)), len(self.tap_layers))  # positions 0 .. len(all_ids) - 2
@@ -629,13 +637,13 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
     features = build_features(target, seqs, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
-        distill_dir = feature_dir.parent / f"selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
+        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
                                                         held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
     if args.answers:
         answers = Path(args.answers)
-        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"answers-{answers.name}", args.answers_from)
+        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}", args.answers_from)
     return seqs, n_held, train_set, held
 
 
@@ -649,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--soft-labels", action="store_true", help="learn the target's distribution (soft labels), not only its argmax")
+    p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1's per-tap RMSNorm before fc (targets whose taps differ "
+                                                          "in scale by orders of magnitude, as Gemma 3's do)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     target, tokenizer = target_and_tokenizer(args)
@@ -666,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
-        head = init_head(target, Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), vocab_ids, args.seed)
+        cfg = dataclasses.replace(Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), fc_norm=args.fc_norm)
+        head = init_head(target, cfg, vocab_ids, args.seed)
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     soft = SoftTargets(target, vocab_ids)
