@@ -554,6 +554,8 @@ def write_model_card(out: Path, record: dict) -> None:
     answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
                    "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
+    fc_norm_note = ("; with EAGLE-3.1's per-tap norms before `fc` (`fc_norm: true`, `fc_norm.{i}.weight`)"
+                    if record.get("fc_norm") else "")
     (out / "README.md").write_text(f"""# EAGLE-3 head for {record.get('target', 'SmolLM2-135M-Instruct')} (trained here)
 
 Trained on this repository's CPU by:
@@ -572,7 +574,7 @@ Trained on this repository's CPU by:
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
   {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}
-- layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16)
+- layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16){fc_norm_note}
 
 ## Held-out results
 
@@ -709,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
         "heldout_top1_by_position": top1, "heldout_sampled_overlap": sampled_overlap, "heldout_acceptance": acceptance,
-        "soft_labels": args.soft_labels, "init_head_heldout": before, "curve": log,
+        "soft_labels": args.soft_labels, "fc_norm": head.cfg.fc_norm, "init_head_heldout": before, "curve": log,
         "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
     (out / "train_log.json").write_text(json.dumps(record, indent=2))
