@@ -259,12 +259,17 @@ def v5() -> Table:
 
 def second_model() -> Table:
     """Gemma 3 270M beside SmolLM2 (make bench-gemma): the same methods, prompts and lengths at
-    c=1, each model against its own baseline on its own server."""
+    c=1, each model against its own baseline on its own server (prefix cache off: the modes
+    are named `<method>/no-cache`, shown by method)."""
     paths = {"Gemma 3 270M": "results/gemma/c1/summary.json", "SmolLM2-135M": "results/gemma/smollm2-c1/summary.json"}
-    indexed = {name: summary_index(path) for name, path in paths.items()}
+    indexed = {}
+    for name, path in paths.items():
+        runs, speedups, s = summary_index(path)
+        indexed[name] = ({(m.split("/")[0], lo): r for (m, lo), r in runs.items()},
+                         {(m.split("/")[0], lo): e for (m, lo), e in speedups.items()}, s)
     rows = [["baseline tok/s"] + [f"{runs[('baseline', 'c=1')]['output_tok_s']:.1f}" for runs, _, _ in indexed.values()]]
     for mode in dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")):
-        rows.append([mode] + [f"{ratio(speedups[(mode, 'c=1')])} ({accept_len(runs[(mode, 'c=1')])})" if (mode, "c=1") in speedups else "-"
+        rows.append([mode] + [f"{ratio(speedups[(mode, 'c=1')], blocks=False)} ({accept_len(runs[(mode, 'c=1')])})" if (mode, "c=1") in speedups else "-"
                               for runs, speedups, _ in indexed.values()])
     lossless = " ".join(f"{name}: {lossless_line(s)}" for name, (_, _, s) in indexed.items())
     return Table(table(["method (x its baseline, accept len), c=1", *paths], rows) + f"\n\n{lossless}", list(paths.values()))
