@@ -206,6 +206,9 @@ class ModelConfig:
 # stop_words and bad_words: the most strings, and the longest, a request may carry (a client
 # must not buy unbounded tokenizing and matching with one request)
 MAX_WORD_RULES = 64
+# logit_bias: OpenAI's range per token, and a cap on how many tokens one request biases
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_WORD_RULE_CHARS = 512
 MAX_CACHE_SALT_CHARS = 256
 
@@ -256,6 +259,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    # vLLM's min_p: after temperature, drop tokens less likely than min_p x the likeliest (0 = off)
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -268,6 +273,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL's: logits of tokens already in prompt or output / by it
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    # OpenAI's logit_bias: (token id, bias) pairs added to the target's logits at every row
+    logit_bias: tuple[tuple[int, float], ...] = ()
     return_log_probs: bool = False
     # The same rules at token level, resolved once by request.resolve_token_rules (the
     # engine's logits rules see ids): the ids that end a sequence, and each bad word as token ids.
@@ -296,7 +303,7 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether any rule changes the target's logits (else they are used as they come)."""
-        return self.min_length > 0 or bool(self.bad_word_ids) or self.penalized
+        return self.min_length > 0 or bool(self.bad_word_ids) or self.penalized or bool(self.logit_bias)
 
     def validate(self, max_tokens_limit: int, max_guide_bytes: int = DEFAULT_MAX_GUIDE_BYTES) -> "SamplingParams":
         """Every field in range, naming the first that is not. Cheap: the guide is only
@@ -310,6 +317,16 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError("logit_bias", f"biases at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {token!r}")
+            if not (isinstance(bias, (int, float)) and math.isfinite(bias) and low <= bias <= high):
+                raise InvalidRequestError("logit_bias", f"each bias must be in [{low:g}, {high:g}], got {bias!r} for token {token!r}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequestError("random_seed", f"must be in [0, 2**64), got {self.seed!r}")
         for field, words in (("stop_words", self.stop), ("bad_words", self.bad_words)):

@@ -13,7 +13,8 @@ positive logits and multiplies negative ones of every token already in the promp
 output; the presence penalty subtracts a constant from, and the frequency penalty
 subtracts its multiple of the count of, every token already in the output. A bad word
 bans its last token wherever the context ends with the rest of it; before min_length
-output tokens the end ids are banned. Penalties come first, then the bans.
+output tokens the end ids are banned. OpenAI's logit_bias adds its bias to its tokens at
+every row. Penalties come first, then the biases, then the bans.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def apply_rules(logits: Tensor, params: SamplingParams, prompt_len: int, context
     assert len(extras) == len(logits), f"{len(logits)} logit rows for {len(extras)} tree rows"
     if params.penalized:
         _penalize(logits, params, prompt_len, context, extras)
+    if params.logit_bias:  # the same at every row: it depends on no context
+        ids, biases = zip(*params.logit_bias)
+        logits[:, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     generated = len(context) - prompt_len
     if params.min_length and params.end_ids:
         for r, extra in enumerate(extras):

@@ -1,5 +1,5 @@
 """Logits -> probabilities -> tokens. The same processing is applied to target and draft
-distributions (temperature, then top-k, then top-p), which losslessness requires."""
+distributions (temperature, then min_p, top-k, then top-p), which losslessness requires."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,7 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature / top-k / top-p.
+    """[..., V] logits -> [..., V] float32 probabilities after temperature / min_p / top-k / top-p.
 
     Greedy (temperature 0) gives a one-hot on the argmax, so greedy is the limit of sampling.
     """
@@ -27,6 +27,9 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k and top-p
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

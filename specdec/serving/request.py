@@ -37,6 +37,8 @@ def resolve_token_rules(params: SamplingParams, tokens: TokenRules) -> SamplingP
         value = getattr(params, name)
         if value is not None:
             check_token_ids(name, [value], tokens.vocab_size)
+    if params.logit_bias:
+        check_token_ids("logit_bias", [token for token, _ in params.logit_bias], tokens.vocab_size)
     # Token-level rules given directly (in-process callers) stand; text ones are resolved.
     end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or tokens.eos_ids
     words = list(params.bad_word_ids)

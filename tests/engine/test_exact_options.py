@@ -1,5 +1,5 @@
 """Losslessness computed exactly (tests/support/exact.py) for a request's options on branching
-trees, over two speculative steps: top-k and top-p; TensorRT-LLM's logits rules
+trees, over two speculative steps: top-k, top-p and min_p; OpenAI's logit_bias; TensorRT-LLM's logits rules
 (repetition, presence and frequency penalties, min_length on the end ids, bad words) with
 the end id ending the request (a grammar's: tests/engine/test_exact_lossless.py). Each on trees whose
 drafts are sampled from q (EAGLE-3 `sampled_tree`: the i.i.d. rule) and on trees drafted
@@ -21,6 +21,10 @@ from test_exact_lossless import RULES, TOLERANCE, TOP_K_3, TOP_P
 
 # the rules and top-k together: a sampled tree under the rules, two ways per draw
 RULES_TOP_K = dataclasses.replace(RULES, top_k=2)
+# the sampling options peers accept (issue 47): min_p truncation, and OpenAI's logit_bias
+# raising one token and lowering another at every row
+MIN_P_BIAS = SamplingParams(max_tokens=RULES.max_tokens, temperature=1.0, min_p=0.15, logit_bias=((1, 1.5), (3, -2.0)),
+                            ignore_eos=True)
 
 # method, params, budget (None: shipped), verify cost (adaptive methods)
 CASES = [
@@ -38,6 +42,9 @@ CASES = [
     pytest.param("eagle3-tree-adaptive", RULES, None, flat_cost, id="eagle2-tree-rules"),
     pytest.param("ngram-tree", RULES, None, None, id="trie-rules"),
     pytest.param("suffix", RULES, None, flat_cost, id="suffix-tree-rules"),
+    # min_p and logit_bias, on a sampled tree and on a trie
+    pytest.param("eagle3-tree", MIN_P_BIAS, 2, None, id="sampled-tree-min_p-logit_bias"),
+    pytest.param("ngram-tree", MIN_P_BIAS, None, None, id="trie-min_p-logit_bias"),
 ]
 
 

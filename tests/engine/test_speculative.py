@@ -81,6 +81,23 @@ def test_greedy_speculative_equals_plain_tiny_gemma3(tmp_path):
     greedy_speculative_equals_plain(target)
 
 
+def test_greedy_with_logit_bias_and_min_p_equals_its_own_plain_decoding(tiny_target):
+    """OpenAI's logit_bias moves greedy output (the control: it differs from unbiased), and
+    speculation under it emits exactly what plain decoding under it emits (issue 47)."""
+    ps = prompts(8, seed=5)
+    cfg = EngineConfig(max_batch_size=8, max_seq_len=128, max_num_draft_tokens=8)
+    unbiased = run_all(SpecEngine(tiny_target, cfg), ps, SamplingParams(max_tokens=16, ignore_eos=True), "none", 0, concurrent=8)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, min_p=0.3, logit_bias=((7, 4.0), (9, 2.5), (unbiased[0][0], -100.0)))
+    plain = run_all(SpecEngine(tiny_target, cfg), ps, params, "none", 0, concurrent=8)
+    assert plain != unbiased and plain[0][0] != unbiased[0][0]
+    reference = {tuple(p): out for p, out in zip(ps, plain)}
+    drafters = {"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=5)), "tree": ScriptedDrafter(reference, VOCAB, tree=True)}
+    engine = SpecEngine(tiny_target, cfg, drafters=drafters)
+    for method in drafters:
+        assert run_all(engine, ps, params, method, 6, concurrent=8) == plain, method
+    assert engine.stats.accepted_tokens > 0
+
+
 def greedy_speculative_equals_plain(tiny_target):
     ps = prompts(24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -145,10 +162,15 @@ def toy_pair(tmp_path_factory):
 
 
 def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Temperature, then top-k, then top-p (the smallest most-likely prefix whose mass
+    """Temperature, then min_p (tokens below min_p x the likeliest dropped), then top-k, then
+    top-p (the smallest most-likely prefix whose mass
     reaches top_p), written here in numpy so that the reference does not share the
     engine's sampling code."""
     z = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0:
+        soft = np.exp(z - z.max())
+        soft /= soft.sum()
+        z = np.where(soft < params.min_p * soft.max(), -np.inf, z)
     if params.top_k and params.top_k < len(z):
         z = np.where(z < np.sort(z)[-params.top_k], -np.inf, z)
     p = np.exp(z - z.max())
@@ -167,7 +189,7 @@ def reference_rules(logits: np.ndarray, params: SamplingParams, prefix: tuple[in
                     prompt: list[int] = TOY_PROMPT) -> np.ndarray:
     """The logits rules for the row after prompt + prefix, written out per token (not
     the engine's vectorised per-tree code): CTRL repetition over prompt and output,
-    presence / frequency over the output, end ids banned before min_length, bad words."""
+    presence / frequency over the output, logit_bias, end ids banned before min_length, bad words."""
     z = logits.astype(np.float64).copy()
     context = list(prompt) + list(prefix)
     for token in range(len(z)):
@@ -175,6 +197,8 @@ def reference_rules(logits: np.ndarray, params: SamplingParams, prefix: tuple[in
         if token in context and params.repetition_penalty != 1.0:
             z[token] = z[token] / params.repetition_penalty if z[token] > 0 else z[token] * params.repetition_penalty
         z[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
+    for token, bias in params.logit_bias:
+        z[token] += bias
     if len(prefix) < params.min_length:
         z[list(params.end_ids)] = -np.inf
     for word in params.bad_word_ids:
