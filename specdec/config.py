@@ -274,7 +274,11 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     # OpenAI's logit_bias: (token id, bias) pairs added to the target's logits at every row
+    # (on the wire: embedding_bias_token_ids with embedding_bias_weights; errors name those)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # TensorRT-LLM's embedding_bias_words with their weights: folded into logit_bias (every
+    # token of a word gets its weight) by request.resolve_token_rules, which has the tokenizer
+    bias_words: tuple[tuple[str, float], ...] = ()
     return_log_probs: bool = False
     # The same rules at token level, resolved once by request.resolve_token_rules (the
     # engine's logits rules see ids): the ids that end a sequence, and each bad word as token ids.
@@ -318,15 +322,20 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 = off), got {self.min_p!r}")
+            raise InvalidRequestError(P.MIN_P, f"must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if len(self.bias_words) > MAX_WORD_RULES or any(not word or len(word) > MAX_WORD_RULE_CHARS for word, _ in self.bias_words):
+            raise InvalidRequestError(P.EMBEDDING_BIAS_WORDS, f"at most {MAX_WORD_RULES} non-empty strings of at most {MAX_WORD_RULE_CHARS} characters")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise InvalidRequestError("logit_bias", f"biases at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+            raise InvalidRequestError(P.EMBEDDING_BIAS_TOKEN_IDS, f"biases at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
         low, high = LOGIT_BIAS_RANGE
+        for word, bias in self.bias_words:
+            if not (isinstance(bias, (int, float)) and math.isfinite(bias) and low <= bias <= high):
+                raise InvalidRequestError(P.EMBEDDING_BIAS_WEIGHTS, f"each weight must be in [{low:g}, {high:g}], got {bias!r} for {word!r}")
         for token, bias in self.logit_bias:
             if isinstance(token, bool) or not isinstance(token, int):
-                raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {token!r}")
+                raise InvalidRequestError(P.EMBEDDING_BIAS_TOKEN_IDS, f"must be token ids (integers), got {token!r}")
             if not (isinstance(bias, (int, float)) and math.isfinite(bias) and low <= bias <= high):
-                raise InvalidRequestError("logit_bias", f"each bias must be in [{low:g}, {high:g}], got {bias!r} for token {token!r}")
+                raise InvalidRequestError(P.EMBEDDING_BIAS_WEIGHTS, f"each weight must be in [{low:g}, {high:g}], got {bias!r} for token {token!r}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidRequestError("random_seed", f"must be in [0, 2**64), got {self.seed!r}")
         for field, words in (("stop_words", self.stop), ("bad_words", self.bad_words)):

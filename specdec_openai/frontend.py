@@ -34,9 +34,10 @@ PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TO
                   P.NUM_DRAFT_TOKENS: "num_draft_tokens", P.TEXT_INPUT: "messages", P.INPUT_IDS: "messages",
                   P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
                   P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens",
-                  P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format", P.CACHE_SALT: "cache_salt"}
+                  P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format", P.CACHE_SALT: "cache_salt",
+                  P.MIN_P: "min_p", P.EMBEDDING_BIAS_TOKEN_IDS: "logit_bias", P.EMBEDDING_BIAS_WEIGHTS: "logit_bias"}
 # Accepted only at their neutral value (anything else would be silently different output).
-NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None,
+NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None,
            "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
 
 
@@ -88,6 +89,8 @@ class Job:
     guide_type: str | None = None  # from response_format (TensorRT-LLM's guided decoding)
     guide: str | None = None
     cache_salt: str | None = None  # vLLM's prefix-cache isolation
+    min_p: float = 0.0  # vLLM's extension
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's, token id -> bias
 
 
 # What an integer's Triton tensor holds (INT32; the seed's UINT64): Triton's JSON parser wraps a
@@ -145,6 +148,28 @@ def response_format(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
     raise OpenAIError(400, f"response_format.type must be text, json_object or json_schema; got {kind!r}", "response_format")
 
 
+def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object of token ids (as JSON strings) -> a bias; the range and
+    the vocabulary are the server's checks (refused naming logit_bias too)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "logit_bias must be an object of token ids to biases", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise OpenAIError(400, f"logit_bias values must be numbers, got {bias!r} for {key!r}", "logit_bias")
+        if not INT32_RANGE[0] <= token <= INT32_RANGE[1]:
+            raise OpenAIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
 def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     """Validate an OpenAI request body; every refusal names its parameter."""
     if not isinstance(body, dict):
@@ -193,7 +218,8 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
                include_usage=bool(stream_options.get("include_usage", False)),
                ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, which benchmark tools send
                presence_penalty=_number(body, "presence_penalty", 0.0), frequency_penalty=_number(body, "frequency_penalty", 0.0),
-               repetition_penalty=_number(body, "repetition_penalty", 1.0), min_tokens=_number(body, "min_tokens", 0, int))
+               repetition_penalty=_number(body, "repetition_penalty", 1.0), min_tokens=_number(body, "min_tokens", 0, int),
+               min_p=_number(body, "min_p", 0.0), logit_bias=logit_bias(body))
 
 
 def render_messages(messages: Any, tokenizer) -> str:
@@ -260,7 +286,8 @@ class Frontend:
                                ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
                                presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
                                repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None,
-                               guide_type=job.guide_type, guide=job.guide, cache_salt=job.cache_salt)
+                               guide_type=job.guide_type, guide=job.guide, cache_salt=job.cache_salt, min_p=job.min_p or None,
+                               logit_bias=job.logit_bias)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError

@@ -188,6 +188,10 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> TrtllmReq
             sampling[theirs] = getattr(params, ours)
     if params.bad_words:
         sampling["bad"] = list(params.bad_words)
+    if params.min_p:
+        sampling["min_p"] = params.min_p  # the LLM API's SamplingParams name
+    if params.logit_bias or params.bias_words:  # the LLM API takes a vocabulary-wide tensor; not mapped (nor tested on a GPU) yet
+        raise InvalidRequestError(P.EMBEDDING_BIAS_WEIGHTS, "is not served by the TensorRT-LLM variant of this ensemble yet")
     if params.return_log_probs:
         raise InvalidRequestError(P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
     if params.guided:  # the LLM API has GuidedDecodingParams; not mapped (nor tested on a GPU) yet

@@ -84,6 +84,10 @@ class GenerateRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     bad_words: tuple[str, ...] = ()
+    # vLLM's min_p, and OpenAI's logit_bias as (token id, bias) pairs (TensorRT-LLM's embedding
+    # bias, by token ids); None / empty = off
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output (TensorRT-LLM's guided decoding): "json", "json_schema", "regex" or
     # "ebnf_grammar", and the guide's text (none for "json").
     guide_type: str | None = None
@@ -104,13 +108,16 @@ class GenerateRequest:
             P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
             P.FREQUENCY_PENALTY: self.frequency_penalty, P.EXCLUDE_INPUT_IN_OUTPUT: self.exclude_input_in_output,
             P.GUIDED_DECODING_GUIDE_TYPE: self.guide_type, P.GUIDED_DECODING_GUIDE: self.guide,
-            P.CACHE_SALT: self.cache_salt,
+            P.CACHE_SALT: self.cache_salt, P.MIN_P: self.min_p,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:
             out[P.STOP_WORDS] = list(self.stop)
         if self.bad_words:
             out[P.BAD_WORDS] = list(self.bad_words)
+        if self.logit_bias:
+            out[P.EMBEDDING_BIAS_TOKEN_IDS] = [int(token) for token, _ in self.logit_bias]
+            out[P.EMBEDDING_BIAS_WEIGHTS] = [float(bias) for _, bias in self.logit_bias]
         return out
 
 

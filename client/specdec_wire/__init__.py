@@ -42,6 +42,14 @@ PAD_ID = "pad_id"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_LOG_PROBS = "return_log_probs"
 REPETITION_PENALTY = "repetition_penalty"
+# vLLM's min_p: after temperature, tokens less likely than min_p x the likeliest are dropped.
+MIN_P = "min_p"
+# TensorRT-LLM's embedding bias: each word's tokens get its weight added to their logits
+# (OpenAI's logit_bias by words); ours by token ids (what the OpenAI front end sends), with
+# the same weights tensor.
+EMBEDDING_BIAS_WORDS = "embedding_bias_words"
+EMBEDDING_BIAS_WEIGHTS = "embedding_bias_weights"
+EMBEDDING_BIAS_TOKEN_IDS = "embedding_bias_token_ids"
 PRESENCE_PENALTY = "presence_penalty"
 FREQUENCY_PENALTY = "frequency_penalty"
 # tensorrt_llm_bls's switch for logits-comparison drafting: accepted and ignored (the
@@ -126,6 +134,10 @@ REQUEST_INPUTS = (
     (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", (1,), True),
     (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
     *PENALTY_INPUTS,
+    (MIN_P, "TYPE_FP32", (1,), True),
+    (EMBEDDING_BIAS_WORDS, "TYPE_STRING", (-1,), True),
+    (EMBEDDING_BIAS_WEIGHTS, "TYPE_FP32", (-1,), True),
+    (EMBEDDING_BIAS_TOKEN_IDS, "TYPE_INT32", (-1,), True),
     (USE_DRAFT_LOGITS, "TYPE_BOOL", (1,), True),
     (RETURN_NUM_INPUT_TOKENS, "TYPE_BOOL", (1,), True),
     (RETURN_NUM_OUTPUT_TOKENS, "TYPE_BOOL", (1,), True),

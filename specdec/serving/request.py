@@ -38,7 +38,12 @@ def resolve_token_rules(params: SamplingParams, tokens: TokenRules) -> SamplingP
         if value is not None:
             check_token_ids(name, [value], tokens.vocab_size)
     if params.logit_bias:
-        check_token_ids("logit_bias", [token for token, _ in params.logit_bias], tokens.vocab_size)
+        check_token_ids(P.EMBEDDING_BIAS_TOKEN_IDS, [token for token, _ in params.logit_bias], tokens.vocab_size)
+    bias = list(params.logit_bias)
+    if params.bias_words:  # TensorRT-LLM's preprocessing: every token of a word gets its weight
+        if tokens.tokenize_word is None:
+            raise InvalidRequestError(P.EMBEDDING_BIAS_WORDS, "needs a tokenizer, and this engine was built without one")
+        bias += [(token, weight) for word, weight in params.bias_words for token in tokens.tokenize_word(word)]
     # Token-level rules given directly (in-process callers) stand; text ones are resolved.
     end_ids = frozenset([params.end_id]) if params.end_id is not None else frozenset(params.end_ids) or tokens.eos_ids
     words = list(params.bad_word_ids)
@@ -50,7 +55,7 @@ def resolve_token_rules(params: SamplingParams, tokens: TokenRules) -> SamplingP
         words += [tuple(tokens.tokenize_word(word)) for word in params.bad_words]
         if not all(words):
             raise InvalidRequestError(P.BAD_WORDS, "a bad word encodes to no tokens")
-    return dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words))
+    return dataclasses.replace(params, end_ids=tuple(sorted(end_ids)), bad_word_ids=tuple(words), logit_bias=tuple(bias), bias_words=())
 
 
 # ---- the request parser: every entry point (the Triton loop, the in-process CLI, the
@@ -209,6 +214,8 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer,
         repetition_penalty=_scalar(inputs, P.REPETITION_PENALTY, 1.0, float),
         presence_penalty=_scalar(inputs, P.PRESENCE_PENALTY, 0.0, float),
         frequency_penalty=_scalar(inputs, P.FREQUENCY_PENALTY, 0.0, float),
+        min_p=_scalar(inputs, P.MIN_P, 0.0, float),
+        **embedding_bias(inputs),
         return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
         guide_type=_scalar(inputs, P.GUIDED_DECODING_GUIDE_TYPE, "", str) or None,
         guide=_scalar(inputs, P.GUIDED_DECODING_GUIDE, "", str) or None,
@@ -230,6 +237,26 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer,
     # where it has them, which is what the flag switches on there.
     _scalar(inputs, P.USE_DRAFT_LOGITS, False, bool)
     return parsed
+
+
+def embedding_bias(inputs: Mapping[str, Any]) -> dict[str, tuple]:
+    """TensorRT-LLM's embedding_bias_words, or our embedding_bias_token_ids, each paired with
+    embedding_bias_weights (one weight per word or id) -> SamplingParams' bias fields."""
+    words = tuple(str(w) for w in _values(inputs, P.EMBEDDING_BIAS_WORDS) or ())
+    ids = inputs.get(P.EMBEDDING_BIAS_TOKEN_IDS)
+    ids = () if ids is None else tuple(int(t) for t in np.asarray(ids).reshape(-1))
+    weights = inputs.get(P.EMBEDDING_BIAS_WEIGHTS)
+    weights = () if weights is None else tuple(float(w) for w in np.asarray(weights, dtype=np.float64).reshape(-1))
+    if words and ids:
+        raise InvalidRequestError(P.EMBEDDING_BIAS_TOKEN_IDS, f"give {P.EMBEDDING_BIAS_WORDS} or token ids, not both")
+    keys = words or ids
+    if len(weights) != len(keys):  # named by what was sent: the words or ids without their weights, or the weights
+        field = P.EMBEDDING_BIAS_WEIGHTS if weights else P.EMBEDDING_BIAS_WORDS if words else P.EMBEDDING_BIAS_TOKEN_IDS
+        raise InvalidRequestError(field, f"needs one {P.EMBEDDING_BIAS_WEIGHTS} value per biased word or token id: {len(keys)} "
+                                         f"given, {len(weights)} weights")
+    if words:  # an empty word biases nothing (TensorRT-LLM skips it), its weight with it
+        return {"bias_words": tuple((word, weight) for word, weight in zip(words, weights) if word)}
+    return {"logit_bias": tuple(zip(ids, weights))}
 
 
 def request_seed(inputs: Mapping[str, Any]) -> int | None:

@@ -156,6 +156,8 @@ def decode_generation(value: np.ndarray | None) -> SamplingParams:
         tuples = {"stop", "bad_words", "end_ids"}
         fields = {k: tuple(v) if k in tuples else v for k, v in fields.items()}
         fields["bad_word_ids"] = tuple(tuple(word) for word in fields.get("bad_word_ids", ()))
+        fields["logit_bias"] = tuple((int(token), float(bias)) for token, bias in fields.get("logit_bias", ()))
+        fields["bias_words"] = tuple((str(word), float(bias)) for word, bias in fields.get("bias_words", ()))
         return SamplingParams(**fields)
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(GENERATION, f"unreadable sampling settings: {exc}") from None

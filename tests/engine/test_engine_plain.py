@@ -56,10 +56,10 @@ def make_tiny_engine(tiny_llama_dir, **cfg):
         ([5, 6], SamplingParams(max_tokens=8, temperature=1.0, top_k=-1), "top_k"),
         ([5, 6], SamplingParams(max_tokens=8, temperature=1.0, min_p=1.5), "min_p"),
         ([5, 6], SamplingParams(max_tokens=8, temperature=1.0, min_p=-0.1), "min_p"),
-        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((5, 101.0),)), "logit_bias"),
-        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((5, float("nan")),)), "logit_bias"),
-        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((10**6, 1.0),)), "logit_bias"),
-        ([5, 6], SamplingParams(max_tokens=8, logit_bias=(("5", 1.0),)), "logit_bias"),
+        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((5, 101.0),)), "embedding_bias_weights"),
+        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((5, float("nan")),)), "embedding_bias_weights"),
+        ([5, 6], SamplingParams(max_tokens=8, logit_bias=((10**6, 1.0),)), "embedding_bias_token_ids"),
+        ([5, 6], SamplingParams(max_tokens=8, logit_bias=(("5", 1.0),)), "embedding_bias_token_ids"),
     ],
 )
 def test_bad_request_names_field_and_changes_nothing(tiny_llama_dir, prompt, params, field):

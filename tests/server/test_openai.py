@@ -84,7 +84,7 @@ def test_multi_turn_with_system_prompt_and_raw_completions(sdk, grpc_client, smo
     assert raw.choices[0].text == ref and raw.object == "text_completion"
 
 
-def test_speculation_per_model_id_and_extra_body(sdk, api):
+def test_speculation_per_model_id_and_extra_body(sdk, api, smol_dir):
     ids = {m.id for m in sdk.models.list()}
     assert {BASE, f"{BASE}:none", f"{BASE}:ngram", f"{BASE}:eagle3"} <= ids
     messages = [{"role": "user", "content": "Repeat after me: speculative decoding is lossless. Repeat it again."}]
@@ -101,6 +101,15 @@ def test_speculation_per_model_id_and_extra_body(sdk, api):
     spec_ruled = sdk.chat.completions.create(model=f"{BASE}:eagle3", messages=messages, max_tokens=32, temperature=0, **rules)
     assert base_ruled.choices[0].message.content == spec_ruled.choices[0].message.content
     assert base_ruled.choices[0].message.content != base.choices[0].message.content
+    # OpenAI's logit_bias (and vLLM's min_p): the first answer token banned moves the output,
+    # and speculation equals the baseline under it (issue 47)
+    opening = load_tokenizer(smol_dir)(base.choices[0].message.content, add_special_tokens=False).input_ids[:3]
+    biased = dict(logit_bias={str(token): -100 for token in opening}, extra_body={"min_p": 0.05})
+    base_biased = sdk.chat.completions.create(model=f"{BASE}:none", messages=messages, max_tokens=32, temperature=0, **biased)
+    for model in (f"{BASE}:ngram", f"{BASE}:eagle3"):
+        spec_biased = sdk.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0, **biased)
+        assert spec_biased.choices[0].message.content == base_biased.choices[0].message.content, model
+    assert base_biased.choices[0].message.content != base.choices[0].message.content
 
 
 @pytest.mark.parametrize("kwargs, status, param", [
@@ -108,6 +117,9 @@ def test_speculation_per_model_id_and_extra_body(sdk, api):
     (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
+    (dict(logit_bias={"999999": 5}), 400, "logit_bias"),
+    (dict(logit_bias={"5": 101}), 400, "logit_bias"),
+    (dict(extra_body={"min_p": 2}), 400, "min_p"),
     (dict(extra_body={"speculative_method": "lookahead"}), 400, "speculative_method"),
     (dict(model="gpt-4o"), 404, "model"),
     (dict(messages=[]), 400, "messages"),

@@ -56,12 +56,41 @@ def test_defaults_method_budget_and_baseline():
     (dict(text_input="Hi", num_draft_tokens=17), P.NUM_DRAFT_TOKENS),
     (dict(text_input="Hi", num_draft_tokens=-1), P.NUM_DRAFT_TOKENS),
     (dict(text_input="Hi", random_seed=1, seed=2), P.SEED),
+    (dict(text_input="Hi", temperature=1.0, min_p=1.5), P.MIN_P),
+    (dict(text_input="Hi", embedding_bias_token_ids=[5, 6], embedding_bias_weights=[1.0]), P.EMBEDDING_BIAS_WEIGHTS),
+    (dict(text_input="Hi", embedding_bias_token_ids=[5], embedding_bias_weights=[150.0]), P.EMBEDDING_BIAS_WEIGHTS),
+    (dict(text_input="Hi", embedding_bias_words=["a"], embedding_bias_token_ids=[5], embedding_bias_weights=[1.0]),
+     P.EMBEDDING_BIAS_TOKEN_IDS),
 ])
 def test_bad_requests_name_the_field(values, field):
     values = {"max_tokens": 8, **values}
     with pytest.raises(InvalidRequestError) as err:
         parse_request(inputs(**{k: v for k, v in values.items() if v is not None}), OFFER)
     assert err.value.field == field
+
+
+def test_min_p_and_the_embedding_bias_arrive_by_words_or_token_ids():
+    """TensorRT-LLM's embedding_bias_words (every token of a word gets its weight, as its
+    preprocessing does; an empty word is skipped with its weight) or our token ids, each with
+    embedding_bias_weights; min_p as vLLM names it. They reach the verifier's record intact."""
+    def tokenize_word(word):
+        return [ord(c) for c in word]
+
+    offer = ServedOffer({"ngram": 4}, "ngram", max_num_draft_tokens=16, max_tokens_limit=512,
+                        tokens=TokenRules(vocab_size=256, eos_ids=frozenset({0}), tokenize_word=tokenize_word))
+    weights = np.float32([2.0, 9.0, -1.5])
+    by_words = parse_request({**inputs(text_input="Hi", max_tokens=8, min_p=0.1), P.EMBEDDING_BIAS_WORDS: np.array([b"ab", b"", b"c"], dtype=object),
+                              P.EMBEDDING_BIAS_WEIGHTS: weights}, offer)
+    assert by_words.params.logit_bias == ((97, 2.0), (98, 2.0), (99, -1.5)) and by_words.params.bias_words == ()
+    assert abs(by_words.params.min_p - 0.1) < 1e-7
+    by_ids = parse_request({**inputs(text_input="Hi", max_tokens=8), P.EMBEDDING_BIAS_TOKEN_IDS: np.int32([7, 8, 9]),
+                            P.EMBEDDING_BIAS_WEIGHTS: weights}, offer)
+    assert by_ids.params.logit_bias == ((7, 2.0), (8, 9.0), (9, -1.5))
+    assert decode_generation(encode_generation(by_ids.params)) == by_ids.params  # the loop -> verifier wire
+    with pytest.raises(InvalidRequestError) as err:
+        parse_request({**inputs(text_input="Hi", max_tokens=8), P.EMBEDDING_BIAS_TOKEN_IDS: np.int32([300]),
+                       P.EMBEDDING_BIAS_WEIGHTS: np.float32([1.0])}, offer)
+    assert err.value.field == P.EMBEDDING_BIAS_TOKEN_IDS
 
 
 def test_the_seed_arrives_under_either_tensorrt_llm_name():
@@ -168,11 +197,17 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty, penalized.min_tokens) == (
         0.5, 0.25, 1.1, 4)
     assert parse_job(dict(model="m", prompt=["raw text"]), served, Tokenizer(), chat=False).prompt == "raw text"
+    biased = parse_job({**chat, "logit_bias": {"5": 2.5, "17": -100}, "min_p": 0.05}, served, Tokenizer(), chat=True)
+    assert (biased.logit_bias, biased.min_p) == (((5, 2.5), (17, -100.0)), 0.05)
     for body, status, param in [
         ({**chat, "model": "other"}, 404, "model"),
         ({**chat, "n": 2}, 400, "n"),
         ({**chat, "presence_penalty": "high"}, 400, "presence_penalty"),
         ({**chat, "logprobs": True}, 400, "logprobs"),
+        ({**chat, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({**chat, "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+        ({**chat, "logit_bias": [5, 1]}, 400, "logit_bias"),
+        ({**chat, "min_p": "low"}, 400, "min_p"),
         ({**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**chat, "max_tokens": 1.5}, 400, "max_tokens"),
         ({**chat, "max_completion_tokens": 5, "max_tokens": [8]}, 400, "max_tokens"),  # not dropped for the other (make fuzz)
@@ -187,6 +222,7 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert triton_error("in speculative_loop: random_seed: must be in [0, 2**64)").param == "seed"
     assert triton_error("speculative_method: unknown method 'x'; known: none, max_tokens: ...").param == "speculative_method"
     assert triton_error("server busy: every sequence slot is taken").status == 503
+    assert triton_error("in speculative_loop: embedding_bias_token_ids: token ids must be in [0, 49152)").param == "logit_bias"
 
 
 def test_round_stats_travel_as_one_row_in_field_order():

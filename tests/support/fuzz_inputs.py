@@ -189,6 +189,15 @@ def field_values(name: str, lim: Limits, binary: bool, unary: bool) -> st.Search
         return verdicts(ints(1.0, 1.3, 0.5), ints(1e-30, 1e30), ints(0.0, -1.0, float("nan"), float("inf")))
     if name in (W.PRESENCE_PENALTY, W.FREQUENCY_PENALTY):
         return verdicts(ints(0.0, 0.5, -2.0), ints(1e30, -1e30, 3.4e38), ints(float("nan"), float("inf"), float("-inf")))
+    if name == W.MIN_P:
+        return verdicts(ints(0.0, 0.05, 1.0), None, ints(-0.1, 1.5, float("nan"), float("inf")))
+    if name in (W.EMBEDDING_BIAS_WORDS, W.EMBEDDING_BIAS_TOKEN_IDS, W.EMBEDDING_BIAS_WEIGHTS):
+        # each alone: words or ids with no weights, or weights with nothing to bias (paired ones
+        # are the parser's tests)
+        values = {W.EMBEDDING_BIAS_WORDS: st.lists(_text(1, 20), min_size=1, max_size=3),
+                  W.EMBEDDING_BIAS_TOKEN_IDS: st.lists(st.integers(0, lim.vocab_size - 1), min_size=1, max_size=3),
+                  W.EMBEDDING_BIAS_WEIGHTS: st.lists(st.sampled_from([1.0, -2.5, 100.0]), min_size=1, max_size=3)}[name]
+        return verdicts(None, None, values)
     if name == W.CACHE_SALT:
         invalid = st.sampled_from(["x" * 257, "s" * 100_000])
         return verdicts(_text(1, 200) | st.just("x" * 256), st.just(""), invalid | bad_utf8 if binary else invalid)
@@ -372,7 +381,10 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
     if param in ("logprobs", "echo"):
         return verdicts(st.just(False), None, st.just(True))
     if param == "logit_bias":
-        return verdicts(st.just(None), None, st.just({"1": 5}))
+        return verdicts(st.sampled_from([None, {"1": 5}, {"5": -100, "7": 2.5}]), None,
+                        ints({"x": 1}, {"1": 101}, {str(lim.vocab_size): 1}, [1], {"1": "up"}))
+    if param == "min_p":
+        return verdicts(ints(0.0, 0.05, 1.0), None, ints(-0.1, 1.5, "x"))
     if param == "stream_options":
         return verdicts(st.just({"include_usage": True}), None, ints("x", 5, [1]))
     return verdicts(st.booleans())  # ignore_eos, and unknown keys (ignored)
@@ -380,7 +392,7 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
 
 OPENAI_PARAMS = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "speculative_method",
                  "num_draft_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "response_format",
-                 "cache_salt", "n", "best_of", "logprobs", "echo", "logit_bias", "stream_options", "ignore_eos")
+                 "cache_salt", "n", "best_of", "logprobs", "echo", "logit_bias", "min_p", "stream_options", "ignore_eos")
 # the parameter an error may name for each (the server's field, as the front end maps it back)
 OPENAI_ALIASES = {"max_tokens": {"max_completion_tokens"}, "max_completion_tokens": {"max_tokens"},
                   "messages": {"prompt"}, "prompt": {"messages"}}
