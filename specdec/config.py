@@ -209,6 +209,13 @@ MAX_WORD_RULES = 64
 # logit_bias: OpenAI's range per token, and a cap on how many tokens one request biases
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_TOKENS = 1024
+# Log probs (vLLM's logprobs_mode): of the model's own distribution ("raw_logprobs"), or of the
+# one tokens are drawn from ("processed_logprobs": after the logits rules, the grammar,
+# temperature, min_p, top-k and top-p; greedy at temperature 1). OpenAI caps top_logprobs at 20.
+LOGPROBS_RAW = "raw_logprobs"
+LOGPROBS_PROCESSED = "processed_logprobs"
+LOGPROBS_MODES = (LOGPROBS_RAW, LOGPROBS_PROCESSED)
+MAX_TOP_LOGPROBS = 20
 MAX_WORD_RULE_CHARS = 512
 MAX_CACHE_SALT_CHARS = 256
 
@@ -280,6 +287,8 @@ class SamplingParams:
     # token of a word gets its weight) by request.resolve_token_rules, which has the tokenizer
     bias_words: tuple[tuple[str, float], ...] = ()
     return_log_probs: bool = False
+    top_logprobs: int = 0  # with each emitted token's log prob, the likeliest this many (and theirs)
+    logprobs_mode: str = LOGPROBS_PROCESSED
     # The same rules at token level, resolved once by request.resolve_token_rules (the
     # engine's logits rules see ids): the ids that end a sequence, and each bad word as token ids.
     end_ids: tuple[int, ...] = ()
@@ -295,6 +304,10 @@ class SamplingParams:
     @property
     def guided(self) -> bool:
         return bool(self.guide_type)
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.return_log_probs or self.top_logprobs > 0
 
     @property
     def greedy(self) -> bool:
@@ -323,6 +336,10 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(P.MIN_P, f"must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(P.TOP_LOGPROBS, f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidRequestError(P.LOGPROBS_MODE, f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if len(self.bias_words) > MAX_WORD_RULES or any(not word or len(word) > MAX_WORD_RULE_CHARS for word, _ in self.bias_words):
             raise InvalidRequestError(P.EMBEDDING_BIAS_WORDS, f"at most {MAX_WORD_RULES} non-empty strings of at most {MAX_WORD_RULE_CHARS} characters")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:

@@ -17,15 +17,16 @@ Triton is not reachable or ready.
 """
 
 import argparse
+import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
 import specdec_wire as P
-from specdec.config import METHOD_NONE, ServingConfig
+from specdec.config import MAX_TOP_LOGPROBS, METHOD_NONE, ServingConfig
 
 DEFAULT_MAX_TOKENS = 256
 # Our tensor names -> the OpenAI parameter a client sent them as (for 400 errors).
@@ -35,10 +36,11 @@ PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TO
                   P.PRESENCE_PENALTY: "presence_penalty", P.FREQUENCY_PENALTY: "frequency_penalty",
                   P.REPETITION_PENALTY: "repetition_penalty", P.MIN_LENGTH: "min_tokens",
                   P.GUIDED_DECODING_GUIDE_TYPE: "response_format", P.GUIDED_DECODING_GUIDE: "response_format", P.CACHE_SALT: "cache_salt",
-                  P.MIN_P: "min_p", P.EMBEDDING_BIAS_TOKEN_IDS: "logit_bias", P.EMBEDDING_BIAS_WEIGHTS: "logit_bias"}
+                  P.MIN_P: "min_p", P.EMBEDDING_BIAS_TOKEN_IDS: "logit_bias", P.EMBEDDING_BIAS_WEIGHTS: "logit_bias",
+                  P.TOP_LOGPROBS: "top_logprobs", P.LOGPROBS_MODE: "logprobs_mode"}
 # Accepted only at their neutral value (anything else would be silently different output).
-NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None,
-           "tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
+NEUTRAL = {"tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
+MAX_CHOICES = 16  # n: each choice is its own stream on the server
 
 
 class OpenAIError(Exception):
@@ -91,6 +93,10 @@ class Job:
     cache_salt: str | None = None  # vLLM's prefix-cache isolation
     min_p: float = 0.0  # vLLM's extension
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's, token id -> bias
+    logprobs: bool = False  # return each emitted token's log prob
+    top_logprobs: int = 0  # and the likeliest this many at its position
+    logprobs_mode: str | None = None  # vLLM's: raw_logprobs or processed_logprobs (None: the server's)
+    n: int = 1  # choices, each its own stream (choice i seeded seed + i)
 
 
 # What an integer's Triton tensor holds (INT32; the seed's UINT64): Triton's JSON parser wraps a
@@ -170,6 +176,22 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def log_prob_request(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
+    """(log probs wanted, how many alternatives): chat's logprobs (a boolean) + top_logprobs,
+    completions' logprobs (how many alternatives; 0 = the emitted token's alone)."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise OpenAIError(400, f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+        top = _number(body, "top_logprobs", 0, int, (0, MAX_TOP_LOGPROBS))
+        if top and not wanted:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return bool(wanted), top
+    if body.get("logprobs") is None:
+        return False, 0
+    return True, _number(body, "logprobs", 0, int, (0, MAX_TOP_LOGPROBS))
+
+
 def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     """Validate an OpenAI request body; every refusal names its parameter."""
     if not isinstance(body, dict):
@@ -212,7 +234,12 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
-    return Job(guide_type=guide_type, guide=guide, cache_salt=cache_salt, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
+    logprobs, top_logprobs = log_prob_request(body, chat)
+    mode = body.get("logprobs_mode")
+    if mode is not None and not isinstance(mode, str):
+        raise OpenAIError(400, "logprobs_mode must be raw_logprobs or processed_logprobs", "logprobs_mode")
+    n = _number(body, "n", 1, int, (1, MAX_CHOICES))
+    return Job(logprobs=logprobs, top_logprobs=top_logprobs, logprobs_mode=mode, n=n, guide_type=guide_type, guide=guide, cache_salt=cache_salt, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
                include_usage=bool(stream_options.get("include_usage", False)),
@@ -287,7 +314,8 @@ class Frontend:
                                presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
                                repetition_penalty=job.repetition_penalty if job.repetition_penalty != 1.0 else None,
                                guide_type=job.guide_type, guide=job.guide, cache_salt=job.cache_salt, min_p=job.min_p or None,
-                               logit_bias=job.logit_bias)
+                               logit_bias=job.logit_bias, return_log_probs=job.logprobs or None,
+                               top_logprobs=job.top_logprobs or None, logprobs_mode=job.logprobs_mode)
 
     async def chunks(self, job: Job) -> AsyncIterator:
         from specdec_client import ClientConnectionError, ServerError
@@ -324,7 +352,8 @@ def extension(perf: Mapping[str, float], job: Job) -> dict:
     """What speculation did for this request (the `specdec` field)."""
     return {"speculative_method": job.method or "(server default)", "acceptance_rate": perf.get(P.ACCEPTANCE_RATE, 0.0),
             "accepted_draft_tokens": int(perf.get(P.TOTAL_ACCEPTED_DRAFT_TOKENS, 0)),
-            "draft_tokens": int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)), "verification_steps": int(perf.get(P.VERIFICATION_STEPS, 0))}
+            "draft_tokens": int(perf.get(P.TOTAL_DRAFT_TOKENS, 0)), "verification_steps": int(perf.get(P.VERIFICATION_STEPS, 0)),
+            "cached_tokens": int(perf.get(P.NUM_CACHED_TOKENS, 0))}
 
 
 def finish_reason(server_reason: str | None) -> str:
@@ -336,6 +365,108 @@ def completion_tokens(perf: Mapping[str, float], streamed_ids: int) -> int:
     """The server's count of output tokens (a step whose text is held back for a possible
     stop string streams no chunk, so counting streamed ids could fall short)."""
     return int(perf.get(P.OUTPUT_TOKENS, streamed_ids))
+
+
+def choice_jobs(job: Job) -> list[Job]:
+    """n choices as n requests; with a seed, choice i draws with seed + i (each reproducible
+    alone, none sharing another's draws); without one, each its own random seed."""
+    return [replace(job, n=1, seed=None if job.seed is None else (job.seed + i) % 2**64) for i in range(job.n)]
+
+
+class LogProbWriter:
+    """Emitted tokens' log probs in OpenAI's shapes: chat's logprobs.content entries, or the
+    completions API's tokens / token_logprobs / top_logprobs / text_offset."""
+
+    def __init__(self, tokenizer, chat: bool, top_n: int):
+        self.tokenizer, self.chat, self.top_n = tokenizer, chat, top_n
+        self.offset = 0  # the completions API's text_offset: characters before this token
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _entry(self, token_id: int, log_prob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+
+    def of(self, ids: list[int], log_probs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+        """The logprobs object for these tokens (one chunk's, or a whole answer's)."""
+        if self.chat:
+            content = []
+            for i, (token_id, log_prob) in enumerate(zip(ids, log_probs)):
+                entry = self._entry(token_id, log_prob)
+                entry["top_logprobs"] = [self._entry(t, lp) for t, lp in (top[i] if top else [])][: self.top_n]
+                content.append(entry)
+            return {"content": content, "refusal": None}
+        tokens, offsets = [self._text(t) for t in ids], []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        top_dicts = [{self._text(t): lp for t, lp in row[: self.top_n]} for row in top] if top and self.top_n else None
+        return {"tokens": tokens, "token_logprobs": list(log_probs), "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+@dataclass
+class ChoiceResult:
+    """One choice, folded from its chunks."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    perf: dict = field(default_factory=dict)
+    server_reason: str | None = None
+
+    def add(self, chunk) -> None:
+        self.text.append(chunk.text)
+        self.ids += chunk.token_ids
+        self.log_probs += chunk.log_probs
+        self.top += chunk.top_log_probs
+        self.perf.update(chunk.perf)
+        self.server_reason = chunk.finish_reason or self.server_reason
+
+
+async def choice_chunks(frontend: "Frontend", job: Job) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, chunk) of every choice, as they arrive. Choice 0 goes first; the others
+    start once its first token is out, when its prompt's KV is in the prefix cache, so they
+    prefill nothing but what the cache lacks; each is then verified on its own. Leaving early
+    cancels every choice's stream."""
+    jobs = choice_jobs(job)
+    if len(jobs) == 1:
+        async for chunk in frontend.chunks(jobs[0]):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(index: int, one: Job) -> None:
+        try:
+            async for chunk in frontend.chunks(one):
+                await queue.put((index, chunk))
+                if index == 0 and len(tasks) == 1:  # the prompt is prefilled: the siblings may start
+                    tasks.extend(asyncio.create_task(pump(i, other)) for i, other in enumerate(jobs) if i)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, finished))
+            if index == 0 and len(tasks) == 1:  # choice 0 ended without a token: start the others anyway
+                tasks.extend(asyncio.create_task(pump(i, other)) for i, other in enumerate(jobs) if i)
+
+    tasks: list[asyncio.Task] = []
+    tasks.append(asyncio.create_task(pump(0, jobs[0])))
+    open_choices = len(jobs)
+    try:
+        while open_choices:
+            index, item = await queue.get()
+            if item is finished:
+                open_choices -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def create_app(frontend: Frontend):
@@ -382,17 +513,23 @@ def create_app(frontend: Frontend):
         if job.stream:
             # sse-starlette frames the events (and stops the generator when the client goes away).
             return EventSourceResponse(_sse(frontend, job, rid, created, kind, chat), sep="\n")
-        text, ids, perf, server_reason = [], [], {}, None
-        async for chunk in frontend.chunks(job):
-            text.append(chunk.text)
-            ids += chunk.token_ids
-            perf.update(chunk.perf)
-            server_reason = chunk.finish_reason or server_reason
-        reason = finish_reason(server_reason)
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
-        return {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice],
-                "usage": usage(job, completion_tokens(perf, len(ids)), perf), "specdec": extension(perf, job)}
+        results = [ChoiceResult(i) for i in range(job.n)]
+        async for index, chunk in choice_chunks(frontend, job):
+            results[index].add(chunk)
+        choices = []
+        for result in results:
+            choice = {"index": result.index, "finish_reason": finish_reason(result.server_reason), "logprobs": None}
+            if job.logprobs:
+                choice["logprobs"] = LogProbWriter(frontend.tokenizer, chat, job.top_logprobs).of(result.ids, result.log_probs, result.top)
+            text = "".join(result.text)
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choices.append(choice)
+        tokens = sum(completion_tokens(r.perf, len(r.ids)) for r in results)
+        body = {"id": rid, "object": kind, "created": created, "model": job.model, "choices": choices,
+                "usage": usage(job, tokens, results[0].perf), "specdec": extension(results[0].perf, job)}
+        if job.n > 1:
+            body["specdec"]["choices"] = [extension(r.perf, job) for r in results]
+        return body
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -407,32 +544,53 @@ def create_app(frontend: Frontend):
 
 async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, chat: bool) -> AsyncIterator[str]:
     """OpenAI's streaming chunks, each one SSE event's data. If the client goes away, the
-    response cancels this generator, which closes the Triton stream: the loop stops at its
-    next step."""
+    response cancels this generator, which closes the Triton streams: the loop stops at its
+    next step. Log probs ride with the text of their tokens (a token whose text is held back
+    for a possible stop string waits for the next text, or the end)."""
     obj = f"{kind}.chunk" if chat else kind
 
     def event(choices: list, **extra) -> str:
         return json.dumps({"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices, **extra})
 
-    def delta(text: str | None, reason: str | None = None, role: bool = False) -> dict:
+    def delta(index: int, text: str | None, reason: str | None = None, role: bool = False, logprobs: dict | None = None) -> dict:
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            return {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-        return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"index": index, "delta": d, "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
 
-    ids, perf, server_reason = 0, {}, None
+    results = [ChoiceResult(i) for i in range(job.n)]
+    writers = [LogProbWriter(frontend.tokenizer, chat, job.top_logprobs) for _ in results]
+    pending = [ChoiceResult(i) for i in range(job.n)]  # tokens whose log probs are not sent yet
+
+    def flush(index: int) -> dict | None:
+        waiting, pending[index] = pending[index], ChoiceResult(index)
+        return writers[index].of(waiting.ids, waiting.log_probs, waiting.top) if job.logprobs else None
+
+    ended: set[int] = set()
+
+    def end(index: int) -> str:
+        ended.add(index)
+        result = results[index]
+        last = flush(index) if pending[index].ids else None
+        return event([delta(index, None if chat else "", finish_reason(result.server_reason), logprobs=last)],
+                     specdec=extension(result.perf, job))
+
     try:
         if chat:
-            yield event([delta(None, role=True)])
-        async for chunk in frontend.chunks(job):
-            ids += len(chunk.token_ids)
-            perf.update(chunk.perf)
-            server_reason = chunk.finish_reason or server_reason
+            for index in range(job.n):
+                yield event([delta(index, None, role=True)])
+        async for index, chunk in choice_chunks(frontend, job):
+            results[index].add(chunk)
+            pending[index].add(chunk)
             if chunk.text:
-                yield event([delta(chunk.text)])
-        yield event([delta(None, finish_reason(server_reason))], specdec=extension(perf, job))
+                yield event([delta(index, chunk.text, logprobs=flush(index))])
+            if chunk.finish_reason:
+                yield end(index)
+        for index in sorted(set(range(job.n)) - ended):  # a stream that closed without its reason
+            yield end(index)
         if job.include_usage:
-            yield event([], usage=usage(job, completion_tokens(perf, ids), perf))
+            tokens = sum(completion_tokens(r.perf, len(r.ids)) for r in results)
+            yield event([], usage=usage(job, tokens, results[0].perf))
     except OpenAIError as exc:  # after the 200 header: the error travels in the stream, as OpenAI's does
         yield json.dumps(exc.body())
     yield "[DONE]"

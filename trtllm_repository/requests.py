@@ -192,8 +192,8 @@ def parse_request(inputs: Mapping[str, Any], served: ServedVariant) -> TrtllmReq
         sampling["min_p"] = params.min_p  # the LLM API's SamplingParams name
     if params.logit_bias or params.bias_words:  # the LLM API takes a vocabulary-wide tensor; not mapped (nor tested on a GPU) yet
         raise InvalidRequestError(P.EMBEDDING_BIAS_WEIGHTS, "is not served by the TensorRT-LLM variant of this ensemble yet")
-    if params.return_log_probs:
-        raise InvalidRequestError(P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
+    if params.wants_log_probs:
+        raise InvalidRequestError(P.TOP_LOGPROBS if params.top_logprobs else P.RETURN_LOG_PROBS, "is not served by the TensorRT-LLM variant of this ensemble yet")
     if params.guided:  # the LLM API has GuidedDecodingParams; not mapped (nor tested on a GPU) yet
         raise InvalidRequestError(P.GUIDED_DECODING_GUIDE_TYPE, "is not served by the TensorRT-LLM variant of this ensemble yet")
     if params.cache_salt:  # its KV reuse has no per-request scope mapped here: refused, not silently shared

@@ -32,6 +32,10 @@ class Chunk:
     perf: dict[str, float] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)  # from models that return output_ids (speculative_loop)
     finish_reason: str | None = None  # on the last chunk: "stop", "length", "eos" or "cancelled"
+    # With return_log_probs / top_logprobs (models that return output_ids): per token id, its log
+    # prob, and the likeliest top_logprobs (token id, log prob) pairs at its position.
+    log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Generation:
     perf: dict[str, float]
     token_ids: list[int] = field(default_factory=list)  # empty unless the model returns output_ids
     finish_reason: str | None = None
+    log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float:
@@ -53,15 +59,17 @@ class Generation:
     @staticmethod
     def from_chunks(chunks, send_time: float) -> "Generation":
         """Fold streamed chunks (consumed now, or already collected) into a Generation."""
-        texts, times, perf, ids, reason = [], [], {}, [], None
+        texts, times, perf, ids, reason, log_probs, top = [], [], {}, [], None, [], []
         for chunk in chunks:
             if chunk.text:
                 texts.append(chunk.text)
                 times.append(chunk.time)
             perf.update(chunk.perf)
             ids += chunk.token_ids
+            log_probs += chunk.log_probs
+            top += chunk.top_log_probs
             reason = chunk.finish_reason or reason
-        return Generation("".join(texts), send_time, times, time.perf_counter(), perf, ids, reason)
+        return Generation("".join(texts), send_time, times, time.perf_counter(), perf, ids, reason, log_probs, top)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,11 @@ class GenerateRequest:
     guide: str | None = None
     # Prefix-cache scope (vLLM's cache_salt): KV is shared only between requests of one salt.
     cache_salt: str | None = None
+    # Log probs of the emitted tokens (TensorRT-LLM's return_log_probs; models that return
+    # output_ids give them per token), vLLM's top_logprobs alternatives and logprobs_mode.
+    return_log_probs: bool | None = None
+    top_logprobs: int | None = None
+    logprobs_mode: str | None = None
     # Sent always: TensorRT-LLM's default (false) puts the prompt before a non-streamed answer.
     exclude_input_in_output: bool = True
 
@@ -108,7 +121,8 @@ class GenerateRequest:
             P.REPETITION_PENALTY: self.repetition_penalty, P.PRESENCE_PENALTY: self.presence_penalty,
             P.FREQUENCY_PENALTY: self.frequency_penalty, P.EXCLUDE_INPUT_IN_OUTPUT: self.exclude_input_in_output,
             P.GUIDED_DECODING_GUIDE_TYPE: self.guide_type, P.GUIDED_DECODING_GUIDE: self.guide,
-            P.CACHE_SALT: self.cache_salt, P.MIN_P: self.min_p,
+            P.CACHE_SALT: self.cache_salt, P.MIN_P: self.min_p, P.RETURN_LOG_PROBS: self.return_log_probs,
+            P.TOP_LOGPROBS: self.top_logprobs, P.LOGPROBS_MODE: self.logprobs_mode,
         }
         out = {k: v for k, v in values.items() if v is not None}
         if self.stop:
@@ -171,10 +185,30 @@ def _ids_of(result) -> list[int]:
     return [] if array is None else [int(t) for t in array.reshape(-1)]
 
 
+def _array_of(result, name: str) -> list:
+    try:
+        array = result.as_numpy(name)
+    except Exception:  # noqa: BLE001 - a model without the output
+        return []
+    return [] if array is None else array.reshape(-1).tolist()
+
+
+def log_probs_of(ids: list[int], values: list, top_ids: list, top_values: list) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per-token log probs and their alternatives from the flat tensors (the log probs of an
+    answer without return_log_probs are absent: TensorRT-LLM sends zeros, kept out here)."""
+    values = [float(v) for v in values][: len(ids)]
+    width = len(top_ids) // len(ids) if ids and top_ids else 0
+    top = [[(int(top_ids[i * width + j]), float(top_values[i * width + j])) for j in range(width)] for i in range(len(ids))] if width else []
+    return values, top
+
+
 def _chunk_of(result, arrived: float) -> tuple[Chunk | None, bool]:
     """(the chunk a gRPC stream response carries, or None for an empty one; is it the last)."""
     text, perf, ids, reason = _text_of(result), _perf_of(result), _ids_of(result), _text_of(result, P.FINISH_REASON) or None
-    return (Chunk(text, arrived, perf, ids, reason) if text or perf or ids or reason else None), _is_final(result)
+    log_probs, top = log_probs_of(ids, _array_of(result, P.OUTPUT_LOG_PROBS), _array_of(result, P.TOP_LOG_PROB_IDS),
+                                  _array_of(result, P.TOP_LOG_PROBS))
+    chunk = Chunk(text, arrived, perf, ids, reason, log_probs, top) if text or perf or ids or reason else None
+    return chunk, _is_final(result)
 
 
 def _admin_headers(grpc: bool = False) -> dict[str, str]:
@@ -368,9 +402,17 @@ def _event_chunk(payload: dict) -> Chunk:
     if "error" in payload:
         raise ServerError(payload["error"])
     perf = {k: float(payload[k]) for k in PERF_FIELDS if k in payload}
-    ids = payload.get(P.OUTPUT_IDS, [])
-    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf, [int(t) for t in (ids if isinstance(ids, list) else [ids])],
-                 payload.get(P.FINISH_REASON) or None)
+    ids = [int(t) for t in _flat(payload.get(P.OUTPUT_IDS, []))]
+    log_probs, top = log_probs_of(ids, _flat(payload.get(P.OUTPUT_LOG_PROBS, [])), _flat(payload.get(P.TOP_LOG_PROB_IDS, [])),
+                                  _flat(payload.get(P.TOP_LOG_PROBS, [])))
+    return Chunk(payload.get(P.TEXT_OUTPUT, ""), time.perf_counter(), perf, ids, payload.get(P.FINISH_REASON) or None, log_probs, top)
+
+
+def _flat(value) -> list:
+    """A JSON tensor (a scalar or nested lists) as a flat list."""
+    if not isinstance(value, list):
+        return [value]
+    return [item for part in value for item in _flat(part)]
 
 
 def _sse_events(lines) -> Iterator[Chunk]:

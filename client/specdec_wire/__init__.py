@@ -41,6 +41,10 @@ END_ID = "end_id"
 PAD_ID = "pad_id"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_LOG_PROBS = "return_log_probs"
+# vLLM's: the likeliest top_logprobs tokens at each emitted position (implies return_log_probs),
+# and which distribution the log probs are of ("raw_logprobs" or "processed_logprobs").
+TOP_LOGPROBS = "top_logprobs"
+LOGPROBS_MODE = "logprobs_mode"
 REPETITION_PENALTY = "repetition_penalty"
 # vLLM's min_p: after temperature, tokens less likely than min_p x the likeliest are dropped.
 MIN_P = "min_p"
@@ -92,6 +96,9 @@ FINISH_REASON = "finish_reason"
 # TensorRT-LLM's log-prob outputs (with return_log_probs): per emitted token, and their sum.
 OUTPUT_LOG_PROBS = "output_log_probs"
 CUM_LOG_PROBS = "cum_log_probs"
+# Ours, with top_logprobs: [beam, tokens, top_logprobs] token ids and their log probs.
+TOP_LOG_PROB_IDS = "top_log_prob_ids"
+TOP_LOG_PROBS = "top_log_probs"
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -133,6 +140,8 @@ REQUEST_INPUTS = (
     (PAD_ID, "TYPE_INT32", (1,), True),
     (EXCLUDE_INPUT_IN_OUTPUT, "TYPE_BOOL", (1,), True),
     (RETURN_LOG_PROBS, "TYPE_BOOL", (1,), True),
+    (TOP_LOGPROBS, "TYPE_INT32", (1,), True),
+    (LOGPROBS_MODE, "TYPE_STRING", (1,), True),
     *PENALTY_INPUTS,
     (MIN_P, "TYPE_FP32", (1,), True),
     (EMBEDDING_BIAS_WORDS, "TYPE_STRING", (-1,), True),
@@ -156,7 +165,8 @@ PERF_COUNTS = (
 )
 PERF_OUTPUTS = ((ACCEPTANCE_RATE, "TYPE_FP32", (1,)), *PERF_COUNTS, (FINISH_REASON, "TYPE_STRING", (1,)))
 # With return_log_probs (TensorRT-LLM's shapes: [beam] and [beam, tokens], one beam here).
-LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)))
+LOG_PROB_OUTPUTS = ((CUM_LOG_PROBS, "TYPE_FP32", (-1,)), (OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)),
+                    (TOP_LOG_PROB_IDS, "TYPE_INT32", (-1, -1, -1)), (TOP_LOG_PROBS, "TYPE_FP32", (-1, -1, -1)))
 # With return_num_input_tokens / return_num_output_tokens (TensorRT-LLM's names and shapes).
 TOKEN_COUNT_OUTPUTS = ((NUM_INPUT_TOKENS, "TYPE_INT32", (1,)), (NUM_OUTPUT_TOKENS, "TYPE_INT32", (1,)))
 

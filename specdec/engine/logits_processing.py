@@ -18,12 +18,14 @@ every row. Penalties come first, then the biases, then the bans.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from specdec.config import SamplingParams
+from specdec.config import LOGPROBS_RAW, SamplingParams
+from specdec.engine.sampling import logits_to_probs
 from specdec.engine.tree import DraftTree
 
 BANNED = float("-inf")
@@ -93,12 +95,55 @@ def _ends_with(context: Sequence[int], extra: list[int], suffix: list[int]) -> b
     return len(tail) >= k and tail[-k:] == suffix
 
 
-def token_log_probs(logits: Tensor, params: SamplingParams, rows: Sequence[int], tokens: Sequence[int]) -> list[float]:
-    """log p(token) for each (row, token): the processed logits at the request's temperature
-    (1 for greedy), before top-k / top-p truncation (a truncated set would give -inf to
-    tokens another setting would keep)."""
+# What a log prob of -inf travels as (vLLM's floor): JSON has no infinity.
+LOG_PROB_FLOOR = -9999.0
+
+
+@dataclass
+class TokenLogProbs:
+    """Per emitted token: its log prob, and with top_logprobs the likeliest tokens' (id, log prob)."""
+
+    values: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] | None = None
+
+    def __getitem__(self, part: slice) -> "TokenLogProbs":
+        return TokenLogProbs(self.values[part], None if self.top is None else self.top[part])
+
+    def extend(self, more: "TokenLogProbs") -> None:
+        self.values.extend(more.values)
+        if more.top is not None:
+            self.top = (self.top or []) + list(more.top)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def log_prob_rows(raw: Tensor, processed: Tensor, params: SamplingParams) -> Tensor:
+    """[rows, V] log probs of the distribution params.logprobs_mode names (vLLM's modes):
+    raw = the model's logits as they came; processed = the one tokens are drawn from (the
+    rules and the grammar, then temperature, min_p, top-k and top-p: dropped tokens -inf);
+    greedy is processed at temperature 1, untruncated (its choice is the argmax of those)."""
+    if params.logprobs_mode == LOGPROBS_RAW:
+        return torch.log_softmax(raw.float(), dim=-1)
+    if params.greedy:
+        return torch.log_softmax(processed.float(), dim=-1)
+    tempered = processed.float() / params.temperature
+    kept = logits_to_probs(processed, params) > 0  # the truncation, as sampling applies it
+    return torch.log_softmax(tempered.masked_fill(~kept, float("-inf")), dim=-1)
+
+
+def token_log_probs(raw: Tensor, processed: Tensor, params: SamplingParams, rows: Sequence[int],
+                    tokens: Sequence[int]) -> TokenLogProbs:
+    """log p(token) for each (row, token), with the top params.top_logprobs of each row; the
+    same rows plain decoding computes, so speculation changes none of them (up to the
+    kernels' batch-shape noise)."""
     if not tokens:  # a round that emits nothing (a guide's dead end); an empty index would be float
-        return []
-    scale = params.temperature if not params.greedy else 1.0
-    picked = torch.log_softmax(logits[list(rows)].float() / scale, dim=-1)
-    return picked[torch.arange(len(rows)), torch.as_tensor(list(tokens), dtype=torch.long)].tolist()
+        return TokenLogProbs([], [] if params.top_logprobs else None)
+    picked = list(rows)
+    lp = log_prob_rows(raw[picked], processed[picked], params).clamp_min(LOG_PROB_FLOOR)
+    values = lp[torch.arange(len(picked)), torch.as_tensor(list(tokens), dtype=torch.long)].tolist()
+    if not params.top_logprobs:
+        return TokenLogProbs(values)
+    best = torch.topk(lp, params.top_logprobs, dim=-1)
+    top = [tuple(zip(ids, lps)) for ids, lps in zip(best.indices.tolist(), best.values.tolist())]
+    return TokenLogProbs(values, top)

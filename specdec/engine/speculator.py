@@ -34,6 +34,7 @@ from specdec.engine.drafters.service import DraftService, union_of_layers
 from specdec.errors import InvalidRequestError
 from specdec.engine.models.llama import Transformer
 from specdec.engine.grammar import Grammars
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
 from specdec.engine.sequences import draft_budget
 from specdec.engine.sequences import KeyedSequences, SequenceRecord
@@ -67,7 +68,7 @@ class StepResult:
     hidden: Tensor | None = None  # taps of the committed positions, when asked for
     verify_seconds: float = 0.0  # the batch's, shared by its sequences
     draft_seconds: float = 0.0
-    log_probs: list[float] | None = None  # of `emitted`, when the request asked for them
+    log_probs: TokenLogProbs | None = None  # of `emitted`, when the request asked for them
     num_draft_tokens: int = 0  # the budget of the next tree (what a drafter served apart may draft)
     forced_accepted: int = 0  # of `accepted`, the tokens the request's grammar forced (not the drafter's)
     cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache

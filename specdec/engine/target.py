@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specdec.config import EngineConfig, SamplingParams
 from specdec.errors import CapacityError, InvalidRequestError
-from specdec.engine.logits_processing import apply_rules, token_log_probs
+from specdec.engine.logits_processing import TokenLogProbs, apply_rules, token_log_probs
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.sampling import logits_to_probs, make_generator, sample
 from specdec.engine.sequences import KeyedSequences, SequenceRecord
@@ -73,7 +73,7 @@ class _TargetSequence:
 class PrefillOutput:
     first_token: int
     hidden: Tensor | None  # [prompt_len, taps * H] when taps were asked for
-    log_probs: list[float] | None = None  # of first_token, with return_log_probs
+    log_probs: TokenLogProbs | None = None  # of first_token, with return_log_probs / top_logprobs
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
@@ -81,7 +81,7 @@ class PrefillOutput:
 class VerifyOutput:
     result: VerifyResult
     hidden: Tensor | None  # [1 + accepted, taps * H]: root + accepted path, when asked for
-    log_probs: list[float] | None = None  # of emitted, with return_log_probs
+    log_probs: TokenLogProbs | None = None  # of emitted, with return_log_probs / top_logprobs
     # The accepted path ends where the request's grammar allows no token (grammar.UNPRODUCIBLE):
     # the bonus token is not emitted, and the sequence must end with that error.
     dead_end: bool = False
@@ -264,7 +264,8 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         results = []
         for i, (seq, tree) in enumerate(zip(seqs, trees)):
             b = row_of[len(chunks) + i]
-            logits = seq.processed(out.logits[b, : len(tree) + 1], tree, bitmasks[i])  # [n+1, V]: row 0 = root, row j+1 = node j
+            raw = out.logits[b, : len(tree) + 1]
+            logits = seq.processed(raw, tree, bitmasks[i])  # [n+1, V]: row 0 = root, row j+1 = node j
             if seq.params.greedy:
                 result = verify_greedy(tree, logits)
             else:
@@ -278,8 +279,8 @@ class TargetPass(KeyedSequences[_TargetSequence]):
             seq.last_used = now
             verified.hidden = out.hidden_taps[b, kept] if out.hidden_taps is not None else None
             self._keep_taps(seq.slot, start, verified.hidden)
-            if seq.params.return_log_probs:
-                verified.log_probs = token_log_probs(logits, seq.params, kept[: len(verified.emitted)], verified.emitted)
+            if seq.params.wants_log_probs:
+                verified.log_probs = token_log_probs(raw, logits, seq.params, kept[: len(verified.emitted)], verified.emitted)
             results.append(verified)
         return done, results
 
@@ -289,7 +290,7 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         seq.emitted([first])
         hidden = torch.cat(seq.prompt_hidden) if seq.prompt_hidden else None
         seq.prompt_hidden = []
-        log_probs = token_log_probs(logits[None], seq.params, [0], [first]) if seq.params.return_log_probs else None
+        log_probs = token_log_probs(last_logits, logits[None], seq.params, [0], [first]) if seq.params.wants_log_probs else None
         return PrefillOutput(first, hidden, log_probs, seq.cached_tokens)
 
     def release(self, seq_id: Hashable) -> None:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdec.config import SamplingParams
 from specdec.engine.speculator import StepResult
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.engine.tree import DraftTree
 
 
@@ -33,7 +34,7 @@ class LoopUpdate:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0  # wall time of the step as the loop saw it (calls included)
-    log_probs: list[float] | None = None  # of token_ids, when the request asked for them
+    log_probs: TokenLogProbs | None = None  # of token_ids, when the request asked for them
     error: str | None = None  # the sequence ended with this error after token_ids (the verifier's message)
 
 

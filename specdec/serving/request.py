@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 import specdec_wire as P
-from specdec.config import DEFAULT_MAX_GUIDE_BYTES, METHOD_NONE, SamplingParams, ServingConfig
+from specdec.config import DEFAULT_MAX_GUIDE_BYTES, LOGPROBS_PROCESSED, METHOD_NONE, SamplingParams, ServingConfig
 from specdec.errors import InvalidRequestError
 from specdec.engine.sequences import check_prompt_ids, check_token_ids
 
@@ -217,6 +217,8 @@ def parse_request(inputs: Mapping[str, Any], offer: ServedOffer,
         min_p=_scalar(inputs, P.MIN_P, 0.0, float),
         **embedding_bias(inputs),
         return_log_probs=_scalar(inputs, P.RETURN_LOG_PROBS, False, bool),
+        top_logprobs=_scalar(inputs, P.TOP_LOGPROBS, 0, int),
+        logprobs_mode=_scalar(inputs, P.LOGPROBS_MODE, "", str) or LOGPROBS_PROCESSED,
         guide_type=_scalar(inputs, P.GUIDED_DECODING_GUIDE_TYPE, "", str) or None,
         guide=_scalar(inputs, P.GUIDED_DECODING_GUIDE, "", str) or None,
         cache_salt=_scalar(inputs, P.CACHE_SALT, "", str) or None,

@@ -28,6 +28,7 @@ from specdec.serving.request import ServedOffer, TokenRules, validate_request
 from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.grammar import UNPRODUCIBLE, Grammars
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.engine.speculator import Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
@@ -44,7 +45,7 @@ class StepOutput:
     # log probs and the next tree's budget (what a drafter served apart may draft).
     step: StepResult | None = None
     verified: bool = False  # False for the prompt's first token
-    log_probs: list[float] | None = None  # of new_token_ids, with return_log_probs
+    log_probs: TokenLogProbs | None = None  # of new_token_ids, with return_log_probs / top_logprobs
     # The request ends with this error after new_token_ids (its grammar allows no next token,
     # grammar.UNPRODUCIBLE); it is released already.
     error: InvalidRequestError | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.serving.detok import IncrementalDetokenizer
 from specdec.serving.stats import SpecStats
 from specdec.engine.sequences import room_left
@@ -29,7 +30,7 @@ class RequestState:
     eos_token_ids: frozenset[int]
     detok: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)  # of output_ids, with return_log_probs
+    log_probs: TokenLogProbs = field(default_factory=TokenLogProbs)  # of output_ids, with return_log_probs / top_logprobs
     stats: SpecStats = field(default_factory=SpecStats)
     finished: bool = False
     finish_reason: str | None = None
@@ -43,7 +44,7 @@ class RequestState:
         """Tokens this request may still emit (max_tokens and the context both bound it)."""
         return room_left(self.params.max_tokens, self.max_seq_len, len(self.prompt_ids), len(self.output_ids))
 
-    def accept(self, tokens: list[int], log_probs: list[float] | None = None) -> tuple[list[int], str]:
+    def accept(self, tokens: list[int], log_probs: TokenLogProbs | None = None) -> tuple[list[int], str]:
         """Apply EOS / stop strings / max_tokens / context to newly emitted tokens, one token
         at a time in the order plain decoding meets them, so a step's accepted run is cut
         exactly where the baseline stops (and the log probs of the tokens kept are kept).

@@ -97,7 +97,8 @@ MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
         ),
         W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
                        (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (-1, len(STEP_STATS_FIELDS))),
-                       (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,))),
+                       (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,)),
+                       (W.TOP_LOG_PROB_IDS, "TYPE_INT32", (-1, -1)), (W.TOP_LOG_PROBS, "TYPE_FP32", (-1, -1))),
     ),
     "drafter": (
         W.tensor_specs(

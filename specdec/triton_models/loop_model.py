@@ -32,6 +32,7 @@ from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
 from specdec.serving.runtime import encode_prompt, load_tokenizer
 from specdec.serving.state import RequestState
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.triton_models.bls import RetiredIterators, decoupled_responses
 from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
@@ -53,6 +54,18 @@ def send(sender, response, flags) -> bool:
         return False
 
 
+def received_log_probs(out: dict, top_n: int) -> TokenLogProbs | None:
+    """The log probs a verifier response carries (with their alternatives when asked for)."""
+    if P.OUTPUT_LOG_PROBS not in out:
+        return None
+    values = out[P.OUTPUT_LOG_PROBS].reshape(-1).tolist()
+    if not top_n or P.TOP_LOG_PROB_IDS not in out:
+        return TokenLogProbs(values)
+    ids = out[P.TOP_LOG_PROB_IDS].reshape(-1, top_n).tolist()
+    lps = out[P.TOP_LOG_PROBS].reshape(-1, top_n).tolist()
+    return TokenLogProbs(values, [tuple(zip(i, p)) for i, p in zip(ids, lps)])
+
+
 class VerifierStream:
     """One sequence on the verifier: ONE decoupled BLS request whose responses are the
     sequence's rounds (ids, text, stats), and a STOP request when it must end early. The
@@ -64,7 +77,9 @@ class VerifierStream:
         stats, end); rounds: a response per round (a streamed request), else one with every round."""
         self.cid, self.req, self.rounds = cid, req, rounds
         self.key = None if key is None else np.array([key], dtype=np.object_)
-        self.outputs = VERIFIER_OUT + [P.OUTPUT_LOG_PROBS] if req.params.return_log_probs else VERIFIER_OUT
+        wanted = [P.OUTPUT_LOG_PROBS] if req.params.wants_log_probs else []
+        wanted += [P.TOP_LOG_PROB_IDS, P.TOP_LOG_PROBS] if req.params.top_logprobs else []
+        self.outputs = VERIFIER_OUT + wanted
 
     def _request(self, inputs, outputs, correlation_id: int | None = None):
         if self.key is not None:
@@ -141,7 +156,7 @@ class VerifierStream:
         counts = out[C.ROUND_TOKENS].reshape(-1).tolist()
         ids = out[P.OUTPUT_IDS].reshape(-1).tolist()
         reason, text = (bytes(out[name].reshape(-1)[0]).decode("utf-8") for name in (P.FINISH_REASON, P.TEXT_OUTPUT))
-        all_log_probs = out[P.OUTPUT_LOG_PROBS].reshape(-1).tolist() if P.OUTPUT_LOG_PROBS in out else None
+        all_log_probs = received_log_probs(out, req.params.top_logprobs)
         error = reason[len(C.FINISH_ERROR_PREFIX):] if reason.startswith(C.FINISH_ERROR_PREFIX) else None
         updates, start = [], 0
         for n, (row, count) in enumerate(zip(rows, counts)):
@@ -335,10 +350,13 @@ class TritonPythonModel:
         this response carries, so a non-streamed echo of the prompt counts it too, as there)."""
         stats = req.stats
         wanted = set(request.requested_output_names())
-        with_log_probs = req.params.return_log_probs
-        flagged = {P.NUM_INPUT_TOKENS: parsed.return_num_input_tokens, P.NUM_OUTPUT_TOKENS: parsed.return_num_output_tokens}
+        with_log_probs = req.params.wants_log_probs
+        top_n = req.params.top_logprobs
+        flagged = {P.NUM_INPUT_TOKENS: parsed.return_num_input_tokens, P.NUM_OUTPUT_TOKENS: parsed.return_num_output_tokens,
+                   P.TOP_LOG_PROB_IDS: top_n > 0, P.TOP_LOG_PROBS: top_n > 0}
         if not with_log_probs or log_probs is None:
-            log_probs = [0.0] * len(token_ids)
+            log_probs = TokenLogProbs([0.0] * len(token_ids))
+        top = np.asarray(log_probs.top or [], dtype=np.float64).reshape(1, len(log_probs), top_n, 2)
         values = {
             P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
             P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
@@ -350,8 +368,10 @@ class TritonPythonModel:
             P.OUTPUT_TOKENS: lambda: batched(P.OUTPUT_TOKENS, np.int32([len(req.output_ids)])),
             P.NUM_CACHED_TOKENS: lambda: batched(P.NUM_CACHED_TOKENS, np.int32([stats.cached_prompt_tokens])),
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
-            P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs)])),
-            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs]).reshape(1, -1)),
+            P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs.values)])),
+            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs.values]).reshape(1, -1)),
+            P.TOP_LOG_PROB_IDS: lambda: batched(P.TOP_LOG_PROB_IDS, top[..., 0].astype(np.int32)),
+            P.TOP_LOG_PROBS: lambda: batched(P.TOP_LOG_PROBS, top[..., 1].astype(np.float32)),
             P.NUM_INPUT_TOKENS: lambda: batched(P.NUM_INPUT_TOKENS, np.int32([len(req.prompt_ids)])),
             P.NUM_OUTPUT_TOKENS: lambda: batched(P.NUM_OUTPUT_TOKENS, np.int32([len(token_ids)])),
         }

@@ -43,3 +43,21 @@ def test_a_batch_of_two_with_a_prefix_hit_is_the_targets(toy):
     assert len(outcomes.joint) == len(a) * len(b), "some pairs of outputs never occur together"
     dependence = max(abs(p - a[x] * b[y]) for (x, y), p in outcomes.joint.items())
     assert dependence < TOLERANCE, f"the two sequences' outputs are not independent ({dependence:.2e})"
+
+
+# n > 1 (the OpenAI front end's n): siblings of one prompt, the second started once the first's
+# prompt is prefilled, so its prompt's KV is the prefix cache's; each with its own seed.
+SIBLING_A = Request("ngram", dataclasses.replace(TOP_K, seed=3), 2)
+SIBLING_B = Request("ngram", dataclasses.replace(TOP_K, seed=4), 2, join=1)
+
+
+def test_n_siblings_of_one_prompt_are_each_the_targets_and_independent(toy):
+    engine = make_engine(toy, [SIBLING_A.method], prefix_cache=True, max_batch_size=2, cost=flat_cost)
+    outcomes = request_outcomes(engine, [SIBLING_A, SIBLING_B])
+    for i, req in enumerate((SIBLING_A, SIBLING_B)):
+        worst, where = worst_deviation(toy, outcomes.marginal(i), req.params, req.prompt)
+        assert worst < TOLERANCE, f"sibling {i}: P(next | {where}) deviates by {worst:.2e} from the target's"
+    assert {s[0].cached_tokens for s in outcomes.steps(1)} >= {len(PROMPT) - 1}  # the sibling's prompt came from the cache
+    a, b = outcomes.marginal(0), outcomes.marginal(1)
+    dependence = max(abs(p - a[x] * b[y]) for (x, y), p in outcomes.joint.items())
+    assert len(outcomes.joint) == len(a) * len(b) and dependence < TOLERANCE, f"siblings not independent ({dependence:.2e})"

@@ -116,7 +116,10 @@ def test_speculation_per_model_id_and_extra_body(sdk, api, smol_dir):
     (dict(temperature=-1), 400, "temperature"),
     (dict(top_p=1.5), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
+    (dict(n=17), 400, "n"),
+    (dict(top_logprobs=3), 400, "top_logprobs"),  # without logprobs: true
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (dict(logprobs=True, extra_body={"logprobs_mode": "raw_logits"}), 400, "logprobs_mode"),
     (dict(logit_bias={"999999": 5}), 400, "logit_bias"),
     (dict(logit_bias={"5": 101}), 400, "logit_bias"),
     (dict(extra_body={"min_p": 2}), 400, "min_p"),
@@ -183,3 +186,92 @@ def test_response_format_json_schema_and_json_object(sdk, grpc_client):
     with pytest.raises(openai.APIStatusError) as err:
         sdk.chat.completions.create(model=BASE, messages=messages, max_tokens=8, response_format=bad)
     assert err.value.status_code == 400 and err.value.body["param"] == "response_format", err.value.body
+
+
+def _identity_distance() -> float:
+    """The greedy-margin study's largest measured distance between a verification row's logits
+    and the decode row's at the same position (results/identity/, float32 and int8): a token's
+    log-softmax moves by at most twice it."""
+    from specdec.config import REPO_ROOT
+
+    studies = [json.loads((REPO_ROOT / "results" / "identity" / f"{fmt}.json").read_text()) for fmt in ("float32", "int8")]
+    return max(m["distance"]["max"] for study in studies for m in study["methods"].values())
+
+
+def test_log_probs_equal_the_baseline_for_every_method(sdk, triton_server, smol_dir):
+    """The target's log probs of each emitted token, from the verification rows, equal plain
+    decoding's for every served method (within the measured row distance), streamed or not, on
+    chat and completions, raw and processed; the Triton tensors carry the same values."""
+    from specdec_client import SpecDecClient
+
+    tolerance = 2 * _identity_distance() + 1e-6
+    messages = [{"role": "user", "content": "Repeat after me: speculative decoding is lossless. Repeat it again."}]
+    args = dict(messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+
+    def log_probs(out):
+        return [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in out.choices[0].logprobs.content]
+
+    base = sdk.chat.completions.create(model=f"{BASE}:none", **args)
+    base_lp = log_probs(base)
+    assert len(base_lp) == base.usage.completion_tokens and all(lp <= 0 for _, lp, _ in base_lp)
+    assert all(lp == top[0] for _, lp, top in base_lp)  # greedy: the emitted token is a likeliest (int8 logits tie often)
+    methods = [m.id for m in sdk.models.list() if m.id.startswith(f"{BASE}:") and m.id != f"{BASE}:none"]
+    assert len(methods) >= 5
+    for model in methods:
+        spec = sdk.chat.completions.create(model=model, **args)
+        assert spec.choices[0].message.content == base.choices[0].message.content, model
+        spec_lp = log_probs(spec)
+        assert [t for t, *_ in spec_lp] == [t for t, *_ in base_lp], model
+        worst = max(abs(x - y) for a, b in zip(spec_lp, base_lp) for x, y in zip([a[1], *a[2]], [b[1], *b[2]]))
+        assert worst <= tolerance, f"{model}: log probs differ by {worst:.2e} (> {tolerance:.2e})"
+    # streamed: the same entries, riding with their tokens' text
+    chunks = list(sdk.chat.completions.create(model=f"{BASE}:eagle3", stream=True, **args))
+    streamed = [(e.token, e.logprob) for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [t for t, _ in streamed] == [t for t, *_ in base_lp]
+    assert max(abs(a[1] - b[1]) for a, b in zip(streamed, base_lp)) <= tolerance
+    # completions: logprobs=N, the legacy shape
+    prompt = load_tokenizer(smol_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    legacy = sdk.completions.create(model=f"{BASE}:ngram", prompt=prompt, max_tokens=24, temperature=0, logprobs=2)
+    assert legacy.choices[0].logprobs.tokens == [t for t, *_ in base_lp]
+    assert max(abs(a - b[1]) for a, b in zip(legacy.choices[0].logprobs.token_logprobs, base_lp)) <= tolerance
+    assert all(len(top) == 2 for top in legacy.choices[0].logprobs.top_logprobs)
+    # raw vs processed (vLLM's logprobs_mode) under a presence penalty: processed is the
+    # penalized distribution's, raw the model's own; each equals the baseline's of its kind
+    ruled = dict(args, presence_penalty=1.5)
+    modes = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        b = sdk.chat.completions.create(model=f"{BASE}:none", extra_body={"logprobs_mode": mode}, **ruled)
+        s = sdk.chat.completions.create(model=f"{BASE}:eagle3", extra_body={"logprobs_mode": mode}, **ruled)
+        assert max(abs(x[1] - y[1]) for x, y in zip(log_probs(s), log_probs(b))) <= tolerance, mode
+        modes[mode] = [lp for _, lp, _ in log_probs(b)]
+    assert modes["raw_logprobs"] != modes["processed_logprobs"]
+    # the Triton tensors (output_log_probs, cum_log_probs) of speculative_loop carry the same values
+    with SpecDecClient(triton_server.endpoints.grpc, model="speculative_loop") as client:
+        gen = client.generate(GenerateRequest(prompt, max_tokens=24, temperature=0.0, method="eagle3", apply_chat_template=False,
+                                              return_log_probs=True, top_logprobs=3))
+    assert len(gen.log_probs) == len(base_lp) and len(gen.top_log_probs) == len(base_lp)
+    assert max(abs(a - b[1]) for a, b in zip(gen.log_probs, base_lp)) <= tolerance
+
+
+def test_n_choices_share_the_prompt_and_are_seeded_per_choice(sdk):
+    """n=4: four choices, each the request alone with seed + i (so each is the target's
+    sample, as the exact proof of siblings shows at engine level), the siblings' prompt from
+    the prefix cache, speculation or not."""
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    args = dict(messages=messages, max_tokens=16, temperature=1.0, top_p=0.95)
+    for model in (f"{BASE}:none", f"{BASE}:eagle3"):
+        out = sdk.chat.completions.create(model=model, n=4, seed=100, **args)
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        texts, tokens = [c.message.content for c in out.choices], 0
+        for i, text in enumerate(texts):
+            alone = sdk.chat.completions.create(model=model, seed=100 + i, **args)
+            assert alone.choices[0].message.content == text, (model, i)
+            tokens += alone.usage.completion_tokens
+        assert len(set(texts)) > 1  # four draws, not one
+        assert out.usage.completion_tokens == tokens and out.usage.prompt_tokens == alone.usage.prompt_tokens
+        cached = [c["cached_tokens"] for c in out.model_extra["specdec"]["choices"]]
+        assert all(c > 0 for c in cached[1:]), cached
+    chunks = list(sdk.chat.completions.create(model=f"{BASE}:eagle3", n=4, seed=100, stream=True, **args))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert streamed == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2, 3]

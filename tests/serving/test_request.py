@@ -199,11 +199,18 @@ def test_openai_bodies_are_validated_naming_the_parameter():
     assert parse_job(dict(model="m", prompt=["raw text"]), served, Tokenizer(), chat=False).prompt == "raw text"
     biased = parse_job({**chat, "logit_bias": {"5": 2.5, "17": -100}, "min_p": 0.05}, served, Tokenizer(), chat=True)
     assert (biased.logit_bias, biased.min_p) == (((5, 2.5), (17, -100.0)), 0.05)
+    counted = parse_job({**chat, "logprobs": True, "top_logprobs": 3, "n": 3, "seed": 9}, served, Tokenizer(), chat=True)
+    assert (counted.logprobs, counted.top_logprobs, counted.n) == (True, 3, 3)
+    from specdec_openai.frontend import choice_jobs
+    assert [(j.seed, j.n) for j in choice_jobs(counted)] == [(9, 1), (10, 1), (11, 1)]
+    assert parse_job(dict(model="m", prompt="raw", logprobs=0), served, Tokenizer(), chat=False).logprobs  # the token's own alone
     for body, status, param in [
         ({**chat, "model": "other"}, 404, "model"),
-        ({**chat, "n": 2}, 400, "n"),
+        ({**chat, "n": 17}, 400, "n"),
+        ({**chat, "top_logprobs": 2}, 400, "top_logprobs"),
+        (dict(model="m", prompt="raw", logprobs=21), 400, "logprobs"),
         ({**chat, "presence_penalty": "high"}, 400, "presence_penalty"),
-        ({**chat, "logprobs": True}, 400, "logprobs"),
+        ({**chat, "logprobs": "yes"}, 400, "logprobs"),
         ({**chat, "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ({**chat, "logit_bias": {"5": "up"}}, 400, "logit_bias"),
         ({**chat, "logit_bias": [5, 1]}, 400, "logit_bias"),
