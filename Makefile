@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -200,6 +200,11 @@ bench-heads: prepare
 bench-openai: prepare
 	$(BIN)/specdec bench-openai --prompts 12 --max-tokens 64
 
+# n = 4 sampled choices per prompt (issue 47): the suffix method with the siblings at once and
+# in turn (each later one drafting from the earlier ones' text) beside the baseline -> results/openai/siblings.json
+bench-siblings: prepare
+	$(BIN)/specdec bench-openai --siblings 4 --prompts 8 --max-tokens 64 --temperature 0.8
+
 # An independent cross-check (issue 15): NVIDIA's aiperf (own venv, tmp/aiperf-venv) through the OpenAI front end vs
 # specdec-client bench over gRPC, same prompts, c=1 and 8, baseline and eagle3-hybrid; with the verifier on one thread
 # (aiperf's processes need a core of their own here) -> results/aiperf-1thread/, and as served -> results/aiperf/
@@ -258,3 +263,10 @@ mutants: prepare
 FUZZ_SECONDS ?= 1800
 fuzz: prepare
 	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server
+
+# Tool calls (issue 47): 20 chat requests with four tools, the call forced by its grammar
+# (tool_choice required or named), as the OpenAI front end sends them; c=1, greedy (~15 min)
+bench-tools: prepare
+	$(BIN)/specdec-client bench --start-server --dataset jsonl --dataset-path data/tools/tasks.jsonl --num-prompts 20 \
+		--methods eagle3-hybrid,eagle3,ngram-tree,suffix,medusa --concurrency 1 --max-tokens 160 --warmup 2 \
+		--out results/bench/tools

@@ -13,7 +13,10 @@ configured method (`<base>:<method>`, `<base>:none` = the matched baseline, `<ba
 the server's default method), or the extra body fields `speculative_method` and
 `num_draft_tokens` (0 = the baseline); what it did comes back in the `specdec` field.
 Errors use OpenAI's shape: 400 naming the parameter, 404 for an unknown model, 503 when
-Triton is not reachable or ready.
+Triton is not reachable or ready. Log probs (`logprobs` / `top_logprobs`, vLLM's
+`logprobs_mode`) come from the verification rows; `n` choices are n streams, the siblings
+started once the prompt's KV is cached; `tools` / `tool_choice` in specdec_openai.tools.
+The options beside vLLM's and TensorRT-LLM's names: docs/serving.md.
 """
 
 import argparse
@@ -26,7 +29,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
 import specdec_wire as P
-from specdec.config import MAX_TOP_LOGPROBS, METHOD_NONE, ServingConfig
+from specdec.config import GUIDE_EBNF, MAX_TOP_LOGPROBS, METHOD_NONE, ServingConfig
+from specdec_openai.tools import ToolError, ToolPlan, call_grammar, held_back, parse_tool_calls, template_takes_tools, tool_plan, with_tools
 
 DEFAULT_MAX_TOKENS = 256
 # Our tensor names -> the OpenAI parameter a client sent them as (for 400 errors).
@@ -39,7 +43,7 @@ PARAM_OF_FIELD = {P.MAX_TOKENS: "max_tokens", P.TEMPERATURE: "temperature", P.TO
                   P.MIN_P: "min_p", P.EMBEDDING_BIAS_TOKEN_IDS: "logit_bias", P.EMBEDDING_BIAS_WEIGHTS: "logit_bias",
                   P.TOP_LOGPROBS: "top_logprobs", P.LOGPROBS_MODE: "logprobs_mode"}
 # Accepted only at their neutral value (anything else would be silently different output).
-NEUTRAL = {"tools": None, "tool_choice": None, "echo": False, "best_of": 1, "suffix": None}
+NEUTRAL = {"echo": False, "best_of": 1, "suffix": None}
 MAX_CHOICES = 16  # n: each choice is its own stream on the server
 
 
@@ -92,11 +96,16 @@ class Job:
     guide: str | None = None
     cache_salt: str | None = None  # vLLM's prefix-cache isolation
     min_p: float = 0.0  # vLLM's extension
+    top_k: int = 0  # vLLM's extension (0 or -1: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's, token id -> bias
     logprobs: bool = False  # return each emitted token's log prob
     top_logprobs: int = 0  # and the likeliest this many at its position
     logprobs_mode: str | None = None  # vLLM's: raw_logprobs or processed_logprobs (None: the server's)
     n: int = 1  # choices, each its own stream (choice i seeded seed + i)
+    tools: ToolPlan | None = None  # tools and tool_choice (specdec_openai.tools)
+    # ours: choices one after another, so each later sibling's suffix drafts find the earlier
+    # siblings' finished text in the corpus (RL rollouts repeat each other)
+    siblings_in_turn: bool = False
 
 
 # What an integer's Triton tensor holds (INT32; the seed's UINT64): Triton's JSON parser wraps a
@@ -207,7 +216,14 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
         value = body.get(name)
         if not (value is None or value == neutral or (neutral is None and not value)):
             raise OpenAIError(400, f"{name} is not supported (only {neutral!r})", name)
-    prompt = render_messages(body.get("messages"), tokenizer) if chat else _prompt_text(body.get("prompt"))
+    for name in ("tools", "tool_choice"):
+        if not chat and body.get(name) is not None:
+            raise OpenAIError(400, f"{name} is for /v1/chat/completions", name)
+    try:
+        tools = tool_plan(body) if chat else None
+    except ToolError as exc:
+        raise OpenAIError(400, str(exc), exc.param) from None
+    prompt = render_messages(body.get("messages"), tokenizer, tools) if chat else _prompt_text(body.get("prompt"))
     # max_completion_tokens wins over the legacy max_tokens, but both are checked: a bad value is
     # refused, not dropped. The server checks the one used against its limit.
     counts = (1, INT32_RANGE[1])
@@ -231,6 +247,10 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     if seed is not None:
         seed = _number(body, "seed", None, int, UINT64_RANGE)
     guide_type, guide = response_format(body)
+    if tools is not None and tools.forced:
+        if guide_type is not None:
+            raise OpenAIError(400, "a forced tool call and response_format cannot both shape the answer", "tool_choice")
+        guide_type, guide = GUIDE_EBNF, call_grammar(tools)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise OpenAIError(400, "cache_salt must be a non-empty string", "cache_salt")
@@ -239,34 +259,58 @@ def parse_job(body: Any, served: Served, tokenizer, chat: bool) -> Job:
     if mode is not None and not isinstance(mode, str):
         raise OpenAIError(400, "logprobs_mode must be raw_logprobs or processed_logprobs", "logprobs_mode")
     n = _number(body, "n", 1, int, (1, MAX_CHOICES))
-    return Job(logprobs=logprobs, top_logprobs=top_logprobs, logprobs_mode=mode, n=n, guide_type=guide_type, guide=guide, cache_salt=cache_salt, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
+    in_turn = body.get("siblings_in_turn", False)
+    if not isinstance(in_turn, bool):
+        raise OpenAIError(400, "siblings_in_turn must be a boolean", "siblings_in_turn")
+    return Job(siblings_in_turn=in_turn, tools=tools, logprobs=logprobs, top_logprobs=top_logprobs, logprobs_mode=mode, n=n, guide_type=guide_type, guide=guide, cache_salt=cache_salt, model=model, prompt=prompt, prompt_tokens=len(tokenizer(prompt, add_special_tokens=False).input_ids),
                max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                seed=seed, stop=tuple(stop), method=method, num_draft_tokens=k, stream=bool(body.get("stream", False)),
                include_usage=bool(stream_options.get("include_usage", False)),
                ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, which benchmark tools send
                presence_penalty=_number(body, "presence_penalty", 0.0), frequency_penalty=_number(body, "frequency_penalty", 0.0),
                repetition_penalty=_number(body, "repetition_penalty", 1.0), min_tokens=_number(body, "min_tokens", 0, int),
-               min_p=_number(body, "min_p", 0.0), logit_bias=logit_bias(body))
+               min_p=_number(body, "min_p", 0.0), logit_bias=logit_bias(body), top_k=max(0, _number(body, "top_k", 0, int, (-1, INT32_RANGE[1]))))
 
 
-def render_messages(messages: Any, tokenizer) -> str:
-    """Chat messages through the target's chat template (system prompt, multi-turn)."""
+def render_messages(messages: Any, tokenizer, tools: ToolPlan | None = None) -> str:
+    """Chat messages through the target's chat template (system prompt, multi-turn, tool calls
+    and tool results; the tools in the documented layout when the template takes none)."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "messages must be a non-empty list", "messages")
     rendered = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
-            raise OpenAIError(400, f"messages[{i}] needs a role of system, user or assistant", f"messages[{i}].role")
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise OpenAIError(400, f"messages[{i}] needs a role of system, user, assistant or tool", f"messages[{i}].role")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise OpenAIError(400, "only text content parts are supported", f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise OpenAIError(400, "content must be a string or a list of text parts", f"messages[{i}].content")
         role = "system" if message["role"] == "developer" else message["role"]
-        rendered.append({"role": role, "content": content})
-    return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        turn = {"role": role, "content": content}
+        if calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                       and isinstance(c["function"].get("name"), str) for c in calls):
+                raise OpenAIError(400, "tool_calls must be a list of {\"function\": {\"name\", \"arguments\"}}", f"messages[{i}].tool_calls")
+            for c in calls:
+                try:
+                    json.loads(c["function"].get("arguments") or "{}")
+                except (TypeError, ValueError):
+                    raise OpenAIError(400, "tool call arguments must be a JSON string", f"messages[{i}].tool_calls") from None
+            turn["tool_calls"] = calls
+        rendered.append(turn)
+    if tools is not None and tools.in_prompt and template_takes_tools(tokenizer):
+        listed = [{"type": "function", "function": t} for t in tools.tools]
+        for turn in rendered:  # the template's own layout: arguments as objects, as HF templates read them
+            for c in turn.get("tool_calls", []):
+                c["function"] = {**c["function"], "arguments": json.loads(c["function"].get("arguments") or "{}")}
+        return tokenizer.apply_chat_template(rendered, tools=listed, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(with_tools(rendered, tools), add_generation_prompt=True, tokenize=False)
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -308,7 +352,7 @@ class Frontend:
     def request(self, job: Job):
         from specdec_client import GenerateRequest
 
-        return GenerateRequest(job.prompt, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, seed=job.seed,
+        return GenerateRequest(job.prompt, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k or None, seed=job.seed,
                                stop=job.stop, method=job.method, num_draft_tokens=job.num_draft_tokens, apply_chat_template=False,
                                ignore_eos=job.ignore_eos or None, min_length=job.min_tokens or None,
                                presence_penalty=job.presence_penalty or None, frequency_penalty=job.frequency_penalty or None,
@@ -365,6 +409,14 @@ def completion_tokens(perf: Mapping[str, float], streamed_ids: int) -> int:
     """The server's count of output tokens (a step whose text is held back for a possible
     stop string streams no chunk, so counting streamed ids could fall short)."""
     return int(perf.get(P.OUTPUT_TOKENS, streamed_ids))
+
+
+def tool_finish(job: Job, server_reason: str | None) -> str:
+    """OpenAI's reason for an answer with tool calls: "tool_calls", except for a named tool
+    (OpenAI answers those "stop") and an answer cut by max_tokens ("length")."""
+    if server_reason == "length":
+        return "length"
+    return "stop" if job.tools is not None and job.tools.choice == "function" else "tool_calls"
 
 
 def choice_jobs(job: Job) -> list[Job]:
@@ -432,9 +484,10 @@ async def choice_chunks(frontend: "Frontend", job: Job) -> AsyncIterator[tuple[i
     prefill nothing but what the cache lacks; each is then verified on its own. Leaving early
     cancels every choice's stream."""
     jobs = choice_jobs(job)
-    if len(jobs) == 1:
-        async for chunk in frontend.chunks(jobs[0]):
-            yield 0, chunk
+    if len(jobs) == 1 or job.siblings_in_turn:
+        for index, one in enumerate(jobs):
+            async for chunk in frontend.chunks(one):
+                yield index, chunk
         return
     queue: asyncio.Queue = asyncio.Queue()
     finished = object()
@@ -522,7 +575,15 @@ def create_app(frontend: Frontend):
             if job.logprobs:
                 choice["logprobs"] = LogProbWriter(frontend.tokenizer, chat, job.top_logprobs).of(result.ids, result.log_probs, result.top)
             text = "".join(result.text)
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if chat and job.tools is not None and job.tools.parsed:
+                content, calls = parse_tool_calls(text)
+                message = {"role": "assistant", "content": content or None}
+                if calls:
+                    message["tool_calls"] = calls
+                    choice["finish_reason"] = tool_finish(job, result.server_reason)
+                choice["message"] = message
+            else:
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
         tokens = sum(completion_tokens(r.perf, len(r.ids)) for r in results)
         body = {"id": rid, "object": kind, "created": created, "model": job.model, "choices": choices,
@@ -567,13 +628,39 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
         return writers[index].of(waiting.ids, waiting.log_probs, waiting.top) if job.logprobs else None
 
     ended: set[int] = set()
+    parsing = chat and job.tools is not None and job.tools.parsed
+    sent = [0] * job.n  # characters of each choice's text sent as content (the rest may be a call)
+    called = [False] * job.n
+
+    def visible(index: int, text: str) -> str:
+        """The content to send now: with tools, text that may start a call block waits."""
+        if not parsing:
+            return text
+        full = "".join(results[index].text)
+        upto = len(full) - held_back(full[sent[index]:])
+        out, sent[index] = full[sent[index]:upto], max(sent[index], upto)
+        return out
+
+    def tool_call_events(index: int) -> list[str]:
+        """At a choice's end: what was held back, as content and tool_calls deltas (each call
+        whole in one delta: its index, id, type, name and arguments, as the SDK accumulates them)."""
+        if not parsing:
+            return []
+        content, calls = parse_tool_calls("".join(results[index].text)[sent[index]:])
+        sent[index] = len("".join(results[index].text))
+        called[index] = bool(calls)
+        events = [event([delta(index, content)])] if content else []
+        for i, call in enumerate(calls):
+            d = {"index": index, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None, "logprobs": None}
+            events.append(event([d]))
+        return events
 
     def end(index: int) -> str:
         ended.add(index)
         result = results[index]
         last = flush(index) if pending[index].ids else None
-        return event([delta(index, None if chat else "", finish_reason(result.server_reason), logprobs=last)],
-                     specdec=extension(result.perf, job))
+        reason = tool_finish(job, result.server_reason) if called[index] else finish_reason(result.server_reason)
+        return event([delta(index, None if chat else "", reason, logprobs=last)], specdec=extension(result.perf, job))
 
     try:
         if chat:
@@ -582,11 +669,16 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
         async for index, chunk in choice_chunks(frontend, job):
             results[index].add(chunk)
             pending[index].add(chunk)
-            if chunk.text:
-                yield event([delta(index, chunk.text, logprobs=flush(index))])
+            text = visible(index, chunk.text)
+            if text:
+                yield event([delta(index, text, logprobs=flush(index))])
             if chunk.finish_reason:
+                for call_event in tool_call_events(index):
+                    yield call_event
                 yield end(index)
         for index in sorted(set(range(job.n)) - ended):  # a stream that closed without its reason
+            for call_event in tool_call_events(index):
+                yield call_event
             yield end(index)
         if job.include_usage:
             tokens = sum(completion_tokens(r.perf, len(r.ids)) for r in results)

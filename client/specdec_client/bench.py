@@ -206,7 +206,7 @@ class BenchConfig:
             top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop, method=mode.method,
             num_draft_tokens=mode.num_draft_tokens, ignore_eos=self.ignore_eos,
             guide_type=prompt.guide_type, guide=prompt.guide, cache_salt=cache_salt,
-            apply_chat_template=None if text is None else False,
+            apply_chat_template=False if text is not None or prompt.raw else None,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -37,6 +37,11 @@ class Prompt:
     # every mode, the baseline included, decodes under the same grammar.
     guide_type: str | None = None
     guide: str | None = None
+    # Tool calls (JSONL field tool_schemas, data/tools/): each tool's parameters schema; the
+    # answer must be one <tool_call> block (Hermes's format) whose arguments validate.
+    tool_schemas: tuple[tuple[str, str], ...] = ()
+    # JSONL field raw: the prompt is already rendered (sent without the server's chat template)
+    raw: bool = False
     # A conversation (sharegpt-multiturn): the user's later messages. Each turn is sent with
     # the whole history, the model's own earlier answers included, through the chat template.
     turns: tuple[str, ...] = ()
@@ -131,12 +136,18 @@ def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
     for name, value in (("guide_type", guide_type), ("guide", guide)):
         if value is not None and not isinstance(value, str):
             raise DatasetError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-    return Prompt(text, max_tokens, guide_type=guide_type or None, guide=guide or None)
+    schemas, raw = row.get("tool_schemas") or {}, row.get("raw", False)
+    if not isinstance(schemas, dict) or not isinstance(raw, bool):
+        raise DatasetError(f"{where}: field 'tool_schemas' must be an object of schemas and 'raw' a boolean")
+    return Prompt(text, max_tokens, guide_type=guide_type or None, guide=guide or None, raw=raw,
+                  tool_schemas=tuple((name, json.dumps(schema)) for name, schema in schemas.items()))
 
 
 def structured_valid(prompt: Prompt, text: str) -> bool | None:
     """Whether an output satisfies its prompt's guide (None: the prompt has none): a JSON
     schema validates (jsonschema), "json" parses, a regex matches the whole text."""
+    if prompt.tool_schemas:
+        return tool_call_valid(dict(prompt.tool_schemas), text)
     if not prompt.guide_type:
         return None
     if prompt.guide_type == "regex":
@@ -158,6 +169,21 @@ def structured_valid(prompt: Prompt, text: str) -> bool | None:
             return False
         return True
     return None  # a grammar: no checker here (the server enforced it)
+
+
+def tool_call_valid(schemas: dict[str, str], text: str) -> bool:
+    """One <tool_call> block naming a known tool, whose arguments validate against its schema."""
+    import re
+
+    import jsonschema
+
+    found = re.fullmatch(r"\s*<tool_call>\s*(.*?)\s*</tool_call>\s*", text, re.DOTALL)
+    try:
+        call = json.loads(found.group(1)) if found else None
+        jsonschema.validate(call["arguments"], json.loads(schemas[call["name"]]))
+    except (TypeError, KeyError, json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 # ---- ShareGPT --------------------------------------------------------------------------

@@ -97,13 +97,63 @@ def run(args) -> dict:
             "identical_text": sum(r["same_text"] for r in rows), "rows": rows}
 
 
+def run_siblings(args) -> dict:
+    """n sampled choices per prompt (RL-style rollouts), side by side per prompt with the order
+    rotating: the baseline's n streams at once; the suffix method's at once; and the suffix
+    method's in turn (`siblings_in_turn`: each later sibling drafts from the earlier ones'
+    finished text). Per mode: output tokens per second of wall time and tokens per step."""
+    import openai
+
+    from specdec_client.datasets import load_sharegpt, load_token_counter
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p.text for p in load_sharegpt(args.prompts, 0, load_token_counter(), *PROMPT_TOKENS).prompts]
+    modes = {"baseline": ("m:none", False), "suffix": ("m:suffix", False), "suffix in turn": ("m:suffix", True)}
+    totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "accepted": 0} for name in modes}
+    with served_with_openai(out) as (server, port):
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def once(prompt: str, name: str, seed: int, record: bool = True) -> None:
+            model, in_turn = modes[name]
+            t0 = time.perf_counter()
+            reply = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], n=args.siblings,
+                                                max_tokens=args.max_tokens, temperature=args.temperature, seed=seed,
+                                                extra_body={"siblings_in_turn": in_turn})
+            if record:
+                row = totals[name]
+                row["seconds"] += time.perf_counter() - t0
+                row["tokens"] += reply.usage.completion_tokens
+                row["steps"] += sum(c["verification_steps"] for c in reply.model_extra["specdec"]["choices"])
+                row["accepted"] += sum(c["accepted_draft_tokens"] for c in reply.model_extra["specdec"]["choices"])
+
+        once(prompts[0], "suffix", 1, record=False)  # warm-up
+        names = list(modes)
+        for i, prompt in enumerate(prompts):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                once(prompt, name, 1000 + i)
+    for row in totals.values():
+        row["tok_s"] = row["tokens"] / row["seconds"]
+        row["tokens_per_step"] = row["tokens"] / max(row["steps"], 1)
+    base = totals["baseline"]["tok_s"]
+    return {"siblings": args.siblings, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "modes": totals, "x_baseline": {name: row["tok_s"] / base for name, row in totals.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec bench-openai", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--method", default="eagle3-hybrid")
     p.add_argument("--out", default="results/openai")
+    p.add_argument("--siblings", type=int, default=0, help="> 0: measure n sampled choices per prompt instead (-> siblings.json)")
+    p.add_argument("--temperature", type=float, default=0.8, help="with --siblings")
     args = p.parse_args(argv)
+    if args.siblings:
+        result = run_siblings(args)
+        (Path(args.out) / "siblings.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps({"x_baseline": result["x_baseline"], "tokens_per_step": {n: r["tokens_per_step"] for n, r in result["modes"].items()}}))
+        return 0
     result = run(args)
     (Path(args.out) / "bench_openai.json").write_text(json.dumps(result, indent=2))
     print(f"OpenAI path / gRPC ensemble, end to end at c=1: median {result['median_ratio']:.3f}x, mean {result['mean_ratio']:.3f}x "

@@ -1,6 +1,8 @@
 """The one request parser (specdec.serving.request): every entry point reads requests through it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -220,7 +222,11 @@ def test_openai_bodies_are_validated_naming_the_parameter():
         ({**chat, "max_completion_tokens": 5, "max_tokens": [8]}, 400, "max_tokens"),  # not dropped for the other (make fuzz)
         ({**chat, "max_completion_tokens": 5, "max_tokens": 0}, 400, "max_tokens"),
         ({**chat, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-        ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ({**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, 400, "tool_choice"),
+        (dict(model="m", prompt="raw", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+        ({**chat, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}, 400,
+         "messages[0].tool_calls"),
         (dict(model="m", prompt=["a", "b"]), 400, "prompt"),
     ]:
         with pytest.raises(OpenAIError) as err:
@@ -241,3 +247,51 @@ def test_round_stats_travel_as_one_row_in_field_order():
     assert row.shape == (len(STEP_STATS_FIELDS),) and row[STEP_STATS_FIELDS.index("cached_tokens")] == 7
     back = RoundStats.from_row(row.tolist())
     assert back == stats and isinstance(back.accepted, int) and back.verified is True
+
+
+def test_tools_are_validated_rendered_forced_and_parsed():
+    """specdec_openai.tools without a server: tools / tool_choice refused naming the field, the
+    documented template's layout, the forced call's grammar (a valid call accepted, a call
+    outside the schema refused), and the Hermes parser (content around the blocks kept)."""
+    import xgrammar as xgr
+
+    from specdec_openai.tools import ToolError, call_grammar, held_back, parse_tool_calls, tool_plan, with_tools
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    for body, param in [({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": tools, "tool_choice": "always"}, "tool_choice"),
+                        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                        ({"tools": tools + tools[:1]}, "tools")]:
+        with pytest.raises(ToolError) as err:
+            tool_plan(body)
+        assert err.value.param == param, body
+    plan = tool_plan({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert plan.forced and plan.named == "get_weather" and tool_plan({"tools": tools}).choice == "auto"
+    turns = with_tools([{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                        {"role": "tool", "content": "4C"}, {"role": "tool", "content": "rain"}], plan)
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
+    assert '"name": "get_time"' in turns[0]["content"] and "<tools>" in turns[0]["content"]
+    assert turns[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert turns[3]["content"] == "<tool_response>\n4C\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+    assert with_tools([{"role": "user", "content": "Hi"}], tool_plan({"tools": tools, "tool_choice": "none"})) == [{"role": "user", "content": "Hi"}]
+
+    grammar = xgr.Grammar.from_ebnf(call_grammar(plan))
+    vocab = [chr(c) for c in range(32, 127)] + ["\n", "</s>"]
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:  # the whole call, then the end
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(len(vocab) - 1) and matcher.is_terminated()
+
+    assert accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')  # named: the other tool refused
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n</tool_call>')  # city is required
+
+    content, calls = parse_tool_calls('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert content == "Let me check." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+    assert (held_back("Sure <tool"), held_back("Sure <tool_call>\n{"), held_back("Sure")) == (5, 13, 0)

@@ -198,6 +198,11 @@ def field_values(name: str, lim: Limits, binary: bool, unary: bool) -> st.Search
                   W.EMBEDDING_BIAS_TOKEN_IDS: st.lists(st.integers(0, lim.vocab_size - 1), min_size=1, max_size=3),
                   W.EMBEDDING_BIAS_WEIGHTS: st.lists(st.sampled_from([1.0, -2.5, 100.0]), min_size=1, max_size=3)}[name]
         return verdicts(None, None, values)
+    if name == W.TOP_LOGPROBS:
+        return verdicts(ints(0, 1, 5, 20), None, ints(-1, 21, INT32_MAX, INT32_MIN))
+    if name == W.LOGPROBS_MODE:
+        return verdicts(st.sampled_from(["raw_logprobs", "processed_logprobs"]), st.just(""), _text(1, 20).filter(
+            lambda s: s not in ("raw_logprobs", "processed_logprobs")))
     if name == W.CACHE_SALT:
         invalid = st.sampled_from(["x" * 257, "s" * 100_000])
         return verdicts(_text(1, 200) | st.just("x" * 256), st.just(""), invalid | bad_utf8 if binary else invalid)
@@ -376,10 +381,26 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
                              schema({"type": "object", "description": "d" * (lim.max_guide_bytes + 10)})))
     if param == "cache_salt":
         return verdicts(_text(1, 100) | st.just("x" * 256), None, ints("", 5, "x" * 257))
-    if param in ("n", "best_of"):
+    if param == "n":
+        return verdicts(st.integers(1, 3), None, ints(0, 17, "1", 1.5))
+    if param == "best_of":
         return verdicts(st.just(1), None, ints(2, 0, "1"))
-    if param in ("logprobs", "echo"):
+    if param == "echo":
         return verdicts(st.just(False), None, st.just(True))
+    if param == "logprobs":  # chat: a boolean; completions: how many alternatives
+        return verdicts(st.booleans(), None, ints("yes", 5)) if chat else verdicts(st.integers(0, 5), None, ints(21, -1, "x", True))
+    if param == "top_logprobs":  # chat: needs logprobs: true (so 3 alone is either); completions ignore it
+        return verdicts(st.just(0), st.just(3), ints(21, -1, "x")) if chat else verdicts(ints(0, 3))
+    if param == "logprobs_mode":
+        return verdicts(ints("raw_logprobs", "processed_logprobs"), None, ints("raw_logits", 5))
+    if param == "tools":
+        tool = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
+        bad = ints("x", [{"type": "function"}], [{"type": "function", "function": {"name": "f", "parameters": 5}}])
+        return verdicts(st.just(tool), None, bad) if chat else verdicts(None, None, st.just(tool) | bad)
+    if param == "tool_choice":  # without tools (drawn beside them, these stay wrong)
+        bad = ints("sometimes", 5, {"type": "function", "function": {"name": "no_such_tool"}})
+        return verdicts(st.just("none"), None, bad) if chat else verdicts(None, None, bad | st.just("required"))
     if param == "logit_bias":
         return verdicts(st.sampled_from([None, {"1": 5}, {"5": -100, "7": 2.5}]), None,
                         ints({"x": 1}, {"1": 101}, {str(lim.vocab_size): 1}, [1], {"1": "up"}))
@@ -392,7 +413,8 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
 
 OPENAI_PARAMS = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "speculative_method",
                  "num_draft_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "response_format",
-                 "cache_salt", "n", "best_of", "logprobs", "echo", "logit_bias", "min_p", "stream_options", "ignore_eos")
+                 "cache_salt", "n", "best_of", "logprobs", "echo", "logit_bias", "min_p", "stream_options", "ignore_eos",
+                 "top_logprobs", "logprobs_mode", "tools", "tool_choice")
 # the parameter an error may name for each (the server's field, as the front end maps it back)
 OPENAI_ALIASES = {"max_tokens": {"max_completion_tokens"}, "max_completion_tokens": {"max_tokens"},
                   "messages": {"prompt"}, "prompt": {"messages"}}
