@@ -15,7 +15,7 @@ the server's default method), or the extra body fields `speculative_method` and
 Errors use OpenAI's shape: 400 naming the parameter, 404 for an unknown model, 503 when
 Triton is not reachable or ready. Log probs (`logprobs` / `top_logprobs`, vLLM's
 `logprobs_mode`) come from the verification rows; `n` choices are n streams, the siblings
-started once the prompt's KV is cached; `tools` / `tool_choice` in specdec_openai.tools.
+started once the prompt's KV is cached; `tools` / `tool_choice` in specdec_openai.tool_calls.
 The options beside vLLM's and TensorRT-LLM's names: docs/serving.md.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import specdec_wire as P
 from specdec.config import GUIDE_EBNF, MAX_TOP_LOGPROBS, METHOD_NONE, ServingConfig
-from specdec_openai.tools import ToolError, ToolPlan, call_grammar, held_back, parse_tool_calls, template_takes_tools, tool_plan, with_tools
+from specdec_openai.tool_calls import ToolError, ToolPlan, call_grammar, held_back, parse_tool_calls, template_takes_tools, tool_plan, with_tools
 
 DEFAULT_MAX_TOKENS = 256
 # Our tensor names -> the OpenAI parameter a client sent them as (for 400 errors).
@@ -102,7 +102,7 @@ class Job:
     top_logprobs: int = 0  # and the likeliest this many at its position
     logprobs_mode: str | None = None  # vLLM's: raw_logprobs or processed_logprobs (None: the server's)
     n: int = 1  # choices, each its own stream (choice i seeded seed + i)
-    tools: ToolPlan | None = None  # tools and tool_choice (specdec_openai.tools)
+    tools: ToolPlan | None = None  # tools and tool_choice (specdec_openai.tool_calls)
     # ours: choices one after another, so each later sibling's suffix drafts find the earlier
     # siblings' finished text in the corpus (RL rollouts repeat each other)
     siblings_in_turn: bool = False

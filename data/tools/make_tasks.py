@@ -2,7 +2,7 @@
 
 Each task is a chat request with `tools` (the four functions of data/structured/make_tasks.py,
 with their descriptions) and a forced `tool_choice`: "required" for most, a named function for
-every third. The line holds what specdec_openai.tools makes of it: the prompt rendered with the
+every third. The line holds what specdec_openai.tool_calls makes of it: the prompt rendered with the
 target's chat template and the documented tool layout (`raw`: sent without the server's
 template), the forced call's grammar (guide_type ebnf_grammar), and each tool's parameters
 (`tool_schemas`) to validate the call the benchmark gets back. Run (needs the prepared model):
@@ -22,7 +22,7 @@ from make_tasks import TOOL_CALLS, TOOLS as CALL_SCHEMAS  # noqa: E402 - the str
 from specdec.config import resolve_model_dir  # noqa: E402
 from specdec.serving.runtime import load_tokenizer  # noqa: E402
 from specdec_openai.frontend import render_messages  # noqa: E402
-from specdec_openai.tools import call_grammar, tool_plan  # noqa: E402
+from specdec_openai.tool_calls import call_grammar, tool_plan  # noqa: E402
 
 MAX_TOKENS = 160
 DESCRIPTIONS = {"get_weather": "The current weather in a city", "book_flight": "Book a flight",

@@ -137,8 +137,7 @@ def by_ratio(speedups: dict, modes: list[str], load: str) -> list[str]:
     return sorted(modes, key=lambda m: -speedups[(m, load)]["output_tok_s_ratio"])
 
 
-def structured() -> Table:
-    path = "results/bench/structured/summary.json"
+def structured(path: str = "results/bench/structured/summary.json", checked: str = "validate against their schema") -> Table:
     runs, speedups, s = summary_index(path)
     load = "c=1"
     base = runs[("baseline", load)]
@@ -151,7 +150,7 @@ def structured() -> Table:
     valid = sorted({f"{r['structured']['valid']} of {r['structured']['checked']}" for r in runs.values() if r.get("structured")})
     text = table(["mode (x constrained baseline)", "output tok/s (blocks)", "TPOT p50", "accept len",
                   "accepted drafts (forced by the grammar)"], rows)
-    text += f"\n\n{lossless_line(s)} Outputs that validate against their schema, per mode: {', '.join(valid)}."
+    text += f"\n\n{lossless_line(s)} Outputs that {checked}, per mode: {', '.join(valid)}."
     return Table(text, [path])
 
 
@@ -332,6 +331,7 @@ def peers() -> Table:
 
 TABLES: dict[str, Callable[[], Table]] = {
     "structured": structured,
+    "tools": lambda: structured("results/bench/tools/summary.json", "are one call whose arguments validate"),
     "conversations": conversations,
     "suffix": suffix,
     "in-flight": in_flight,

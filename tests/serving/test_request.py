@@ -250,12 +250,12 @@ def test_round_stats_travel_as_one_row_in_field_order():
 
 
 def test_tools_are_validated_rendered_forced_and_parsed():
-    """specdec_openai.tools without a server: tools / tool_choice refused naming the field, the
+    """specdec_openai.tool_calls without a server: tools / tool_choice refused naming the field, the
     documented template's layout, the forced call's grammar (a valid call accepted, a call
     outside the schema refused), and the Hermes parser (content around the blocks kept)."""
     import xgrammar as xgr
 
-    from specdec_openai.tools import ToolError, call_grammar, held_back, parse_tool_calls, tool_plan, with_tools
+    from specdec_openai.tool_calls import ToolError, call_grammar, held_back, parse_tool_calls, tool_plan, with_tools
 
     weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
