@@ -98,6 +98,45 @@ def test_greedy_with_logit_bias_and_min_p_equals_its_own_plain_decoding(tiny_tar
     assert engine.stats.accepted_tokens > 0
 
 
+def run_log_probs(engine: SpecEngine, prompt_list, params, method, k) -> list[tuple[list[float], list]]:
+    """One at a time: per prompt, the emitted tokens' log probs and their alternatives."""
+    out = []
+    for i, p in enumerate(prompt_list):
+        engine.add_request(str(i), p, params, method, k)
+        values, top = [], []
+        while engine.has_work():
+            for step in engine.step():
+                values += step.log_probs.values
+                top += step.log_probs.top
+        out.append((values, top))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_log_probs_of_speculation_equal_plain_decodings(tiny_target, mode):
+    """The emitted tokens' log probs and top alternatives, read from the verification rows,
+    are plain decoding's (issue 47): under a presence penalty, so raw and processed differ,
+    each mode is checked against its own kind."""
+    ps = prompts(6, seed=8)
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=128, max_num_draft_tokens=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=1.5, top_logprobs=3, logprobs_mode=mode)
+    plain = run_log_probs(SpecEngine(tiny_target, cfg), ps, params, "none", 0)
+    outputs = run_all(SpecEngine(tiny_target, cfg), ps, params, "none", 0, concurrent=1)
+    reference = {tuple(p): out for p, out in zip(ps, outputs)}
+    drafters = {"ngram": NgramDrafter(SpeculativeConfig(max_draft_len=5)), "tree": ScriptedDrafter(reference, VOCAB, tree=True)}
+    engine = SpecEngine(tiny_target, cfg, drafters=drafters)
+    for method in drafters:
+        got = run_log_probs(engine, ps, params, method, 6)
+        for (values, top), (want_values, want_top) in zip(got, plain):
+            assert np.allclose(values, want_values, atol=1e-4), (method, mode)
+            assert [t for row in top for t, _ in row] == [t for row in want_top for t, _ in row], (method, mode)
+            assert np.allclose([lp for row in top for _, lp in row], [lp for row in want_top for _, lp in row], atol=1e-4)
+    assert engine.stats.accepted_tokens > 0
+    raw = run_log_probs(SpecEngine(tiny_target, cfg), ps[:1], dataclasses.replace(params, logprobs_mode="raw_logprobs"), "none", 0)
+    processed = run_log_probs(SpecEngine(tiny_target, cfg), ps[:1], dataclasses.replace(params, logprobs_mode="processed_logprobs"), "none", 0)
+    assert not np.allclose(raw[0][0], processed[0][0])  # the control: the penalty moves the processed values
+
+
 def greedy_speculative_equals_plain(tiny_target):
     ps = prompts(24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
