@@ -491,21 +491,26 @@ async def choice_chunks(frontend: "Frontend", job: Job) -> AsyncIterator[tuple[i
         return
     queue: asyncio.Queue = asyncio.Queue()
     finished = object()
+    tasks: list[asyncio.Task] = []
+    closing = False  # the consumer left: start nothing more
+
+    def start_siblings() -> None:
+        if len(tasks) == 1 and not closing:
+            tasks.extend(asyncio.create_task(pump(i, other)) for i, other in enumerate(jobs) if i)
 
     async def pump(index: int, one: Job) -> None:
         try:
             async for chunk in frontend.chunks(one):
-                await queue.put((index, chunk))
-                if index == 0 and len(tasks) == 1:  # the prompt is prefilled: the siblings may start
-                    tasks.extend(asyncio.create_task(pump(i, other)) for i, other in enumerate(jobs) if i)
+                queue.put_nowait((index, chunk))
+                if index == 0:  # the prompt is prefilled: the siblings may start
+                    start_siblings()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put((index, exc))
+            queue.put_nowait((index, exc))
         finally:
-            await queue.put((index, finished))
-            if index == 0 and len(tasks) == 1:  # choice 0 ended without a token: start the others anyway
-                tasks.extend(asyncio.create_task(pump(i, other)) for i, other in enumerate(jobs) if i)
+            queue.put_nowait((index, finished))
+            if index == 0:  # choice 0 ended without a token: the others start anyway
+                start_siblings()
 
-    tasks: list[asyncio.Task] = []
     tasks.append(asyncio.create_task(pump(0, jobs[0])))
     open_choices = len(jobs)
     try:
@@ -518,6 +523,7 @@ async def choice_chunks(frontend: "Frontend", job: Job) -> AsyncIterator[tuple[i
             else:
                 yield index, item
     finally:
+        closing = True
         for task in tasks:
             task.cancel()
 

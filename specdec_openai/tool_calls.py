@@ -19,11 +19,14 @@ tool_choice:
 - "required" / a named function: the answer is forced by a grammar (xgrammar: the literal
   tags around the JSON schema of {"name": <const>, "arguments": <the function's parameters>},
   a union over the tools for "required"), so the arguments always validate; the grammar's
-  forced tokens are drafted without the drafter (specdec/engine/grammar.py). One call per turn.
+  forced tokens are drafted without the drafter (specdec/engine/grammar.py). "required" takes
+  one call or more, one per line (OpenAI's parallel_tool_calls, default true; false: one);
+  a named function is called once.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -53,6 +56,7 @@ class ToolPlan:
     tools: tuple[Mapping[str, Any], ...]  # OpenAI's function objects ({"name", "parameters", ...})
     choice: str  # "none", "auto", "required", or "function" (named)
     named: str | None = None
+    parallel: bool = True  # OpenAI's parallel_tool_calls: "required" may make several calls
 
     @property
     def in_prompt(self) -> bool:
@@ -92,16 +96,19 @@ def tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ToolError("tools", "tool names must be unique")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {parallel!r}")
     if choice is None:
         choice = "auto"
     if isinstance(choice, str):
         if choice not in CHOICES:
             raise ToolError("tool_choice", f"tool_choice must be none, auto, required or a named function, got {choice!r}")
-        return ToolPlan(tuple(functions), choice)
+        return ToolPlan(tuple(functions), choice, parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if name not in names:
         raise ToolError("tool_choice", f"tool_choice names no tool in tools: {choice!r}")
-    return ToolPlan(tuple(functions), "function", name)
+    return ToolPlan(tuple(functions), "function", name, parallel=False)
 
 
 def template_takes_tools(tokenizer) -> bool:
@@ -140,8 +147,9 @@ def with_tools(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
 
 
 def call_grammar(plan: ToolPlan) -> str:
-    """The EBNF (xgrammar's dialect) of one forced call: the tags around the JSON of
-    {"name": <a tool's name>, "arguments": <its parameters' schema>} (one tool when named)."""
+    """The EBNF (xgrammar's dialect) of the forced answer: a call is the tags around the JSON
+    of {"name": <a tool's name>, "arguments": <its parameters' schema>} (one tool when named);
+    with plan.parallel, one call or more, a newline between them."""
     import xgrammar as xgr
 
     names = [plan.named] if plan.choice == "function" else [t["name"] for t in plan.tools]
@@ -153,7 +161,12 @@ def call_grammar(plan: ToolPlan) -> str:
     def literal(text: str):
         return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
-    return str(xgr.Grammar.concat(literal(CALL_OPEN + "\n"), body, literal("\n" + CALL_CLOSE)))
+    one = str(xgr.Grammar.concat(literal(CALL_OPEN + "\n"), body, literal("\n" + CALL_CLOSE)))
+    if not plan.parallel:
+        return one
+    # the one-call grammar's rules under another root name (its own rules are root_1, ...:
+    # \b leaves them alone), and a root that repeats it
+    return 'root ::= tool_call ("\\n" tool_call)*\n' + re.sub(r"\broot\b", "tool_call", one)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

@@ -144,21 +144,26 @@ def test_health_and_unreachable_triton(api, smol_dir):
     assert asyncio.run(frontend.ready()) is False
 
 
-def test_a_client_that_goes_away_stops_the_stream(api, triton_server):
-    """Closing the SSE stream cancels the Triton request: the verifier's slot is freed long
-    before max_tokens would have been reached."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_goes_away_stops_the_stream(api, triton_server, n):
+    """Closing the SSE stream cancels the Triton request (each choice's, with n > 1): the
+    verifier's slots are freed long before max_tokens would have been reached."""
     body = {"model": f"{BASE}:ngram", "messages": [{"role": "user", "content": "Count from one to a thousand in words."}],
-            "max_tokens": 400, "temperature": 0, "stream": True}
+            "max_tokens": 400, "temperature": 0, "stream": True, "n": n}
     cancelled = metric(triton_server, "specdec_requests_total", reason="cancelled")
     with httpx.Client(timeout=60) as client, connect_sse(client, "POST", api + "/v1/chat/completions", json=body) as source:
         events = source.iter_sse()
-        chunks = [json.loads(next(events).data) for _ in range(3)]
+        chunks, streaming = [], set()
+        while len(chunks) < 3 or streaming != set(range(n)):  # every choice streaming (bounded by max_tokens)
+            chunks.append(json.loads(next(events).data))
+            if chunks[-1]["choices"][0]["delta"].get("content"):
+                streaming.add(chunks[-1]["choices"][0]["index"])
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)  # streamed, then abandoned
     deadline = time.time() + 60  # a poll that fails only when the slot is never freed
     while time.time() < deadline and metric(triton_server, "specdec_active_sequences", model="verifier") > 0:
         time.sleep(0.2)
     assert metric(triton_server, "specdec_active_sequences", model="verifier") == 0
-    assert metric(triton_server, "specdec_requests_total", reason="cancelled") == cancelled + 1
+    assert metric(triton_server, "specdec_requests_total", reason="cancelled") == cancelled + n
 
 
 def test_response_format_json_schema_and_json_object(sdk, grpc_client):

@@ -289,6 +289,17 @@ def test_tools_are_validated_rendered_forced_and_parsed():
     assert accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')  # named: the other tool refused
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n</tool_call>')  # city is required
+    weather_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert not accepts(weather_call + "\n" + weather_call)  # a named function: once
+    for parallel, two_calls in ((True, True), (False, False)):  # required: one call or more (parallel_tool_calls)
+        required = tool_plan({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel})
+        compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])).compile_grammar(
+            xgr.Grammar.from_ebnf(call_grammar(required)))
+        assert accepts(time_call) and accepts(weather_call + "\n" + time_call) == two_calls and not accepts("")
+    with pytest.raises(ToolError) as err:
+        tool_plan({"tools": tools, "parallel_tool_calls": "yes"})
+    assert err.value.param == "parallel_tool_calls"
 
     content, calls = parse_tool_calls('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     assert content == "Let me check." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [

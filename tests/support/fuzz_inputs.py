@@ -398,6 +398,8 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
             "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
         bad = ints("x", [{"type": "function"}], [{"type": "function", "function": {"name": "f", "parameters": 5}}])
         return verdicts(st.just(tool), None, bad) if chat else verdicts(None, None, st.just(tool) | bad)
+    if param == "parallel_tool_calls":  # read only beside tools: a wrong type alone is ignored
+        return verdicts(st.booleans(), ints("yes", 5))
     if param == "tool_choice":  # without tools (drawn beside them, these stay wrong)
         bad = ints("sometimes", 5, {"type": "function", "function": {"name": "no_such_tool"}})
         return verdicts(st.just("none"), None, bad) if chat else verdicts(None, None, bad | st.just("required"))
@@ -414,7 +416,7 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
 OPENAI_PARAMS = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "speculative_method",
                  "num_draft_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "response_format",
                  "cache_salt", "n", "best_of", "logprobs", "echo", "logit_bias", "min_p", "stream_options", "ignore_eos",
-                 "top_logprobs", "logprobs_mode", "tools", "tool_choice")
+                 "top_logprobs", "logprobs_mode", "tools", "tool_choice", "parallel_tool_calls")
 # the parameter an error may name for each (the server's field, as the front end maps it back)
 OPENAI_ALIASES = {"max_tokens": {"max_completion_tokens"}, "max_completion_tokens": {"max_tokens"},
                   "messages": {"prompt"}, "prompt": {"messages"}}
