@@ -19,9 +19,10 @@ tool_choice:
 - "required" / a named function: the answer is forced by a grammar (xgrammar: the literal
   tags around the JSON schema of {"name": <const>, "arguments": <the function's parameters>},
   a union over the tools for "required"), so the arguments always validate; the grammar's
-  forced tokens are drafted without the drafter (specdec/engine/grammar.py). "required" takes
-  one call or more, one per line (OpenAI's parallel_tool_calls, default true; false: one);
-  a named function is called once.
+  forced tokens are drafted without the drafter (specdec/engine/grammar.py). "required" makes
+  one call; with parallel_tool_calls: true, one or more, one per line (not by default, unlike
+  OpenAI's: a small model repeats its call until max_tokens cuts one in half); a named
+  function is called once.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class ToolPlan:
     tools: tuple[Mapping[str, Any], ...]  # OpenAI's function objects ({"name", "parameters", ...})
     choice: str  # "none", "auto", "required", or "function" (named)
     named: str | None = None
-    parallel: bool = True  # OpenAI's parallel_tool_calls: "required" may make several calls
+    parallel: bool = False  # parallel_tool_calls sent true: "required" may make several calls
 
     @property
     def in_prompt(self) -> bool:
@@ -96,7 +97,7 @@ def tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ToolError("tools", "tool names must be unique")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls", False)
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {parallel!r}")
     if choice is None:

@@ -2,7 +2,7 @@
 
 Each task is a chat request with `tools` (the four functions of data/structured/make_tasks.py,
 with their descriptions) and a forced `tool_choice`: "required" for most, a named function for
-every third; one call each (parallel_tool_calls false). The line holds what specdec_openai.tool_calls makes of it: the prompt rendered with the
+every third; one call each (parallel_tool_calls not sent). The line holds what specdec_openai.tool_calls makes of it: the prompt rendered with the
 target's chat template and the documented tool layout (`raw`: sent without the server's
 template), the forced call's grammar (guide_type ebnf_grammar), and each tool's parameters
 (`tool_schemas`) to validate the call the benchmark gets back. Run (needs the prepared model):
@@ -47,7 +47,7 @@ def main() -> None:
     rows = []
     for i, (name, text) in enumerate(TOOL_CALLS + MORE_REQUESTS):
         choice = {"type": "function", "function": {"name": name}} if i % 3 == 2 else "required"
-        plan = tool_plan({"tools": listed, "tool_choice": choice, "parallel_tool_calls": False})  # one call, validated
+        plan = tool_plan({"tools": listed, "tool_choice": choice})  # one call each
         prompt = render_messages([{"role": "user", "content": text}], tokenizer, plan)
         rows.append({"id": f"tool-call-{i:02d}", "kind": "named" if i % 3 == 2 else "required", "prompt": prompt, "raw": True,
                      "guide_type": "ebnf_grammar", "guide": call_grammar(plan), "max_tokens": MAX_TOKENS,
