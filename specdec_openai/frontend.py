@@ -635,25 +635,25 @@ async def _sse(frontend: Frontend, job: Job, rid: str, created: int, kind: str, 
 
     ended: set[int] = set()
     parsing = chat and job.tools is not None and job.tools.parsed
-    sent = [0] * job.n  # characters of each choice's text sent as content (the rest may be a call)
+    unsent = [""] * job.n  # each choice's text held back: it may be (the start of) a call block
     called = [False] * job.n
 
     def visible(index: int, text: str) -> str:
         """The content to send now: with tools, text that may start a call block waits."""
         if not parsing:
             return text
-        full = "".join(results[index].text)
-        upto = len(full) - held_back(full[sent[index]:])
-        out, sent[index] = full[sent[index]:upto], max(sent[index], upto)
-        return out
+        waiting = unsent[index] + text
+        keep = held_back(waiting)
+        unsent[index] = waiting[len(waiting) - keep:]
+        return waiting[: len(waiting) - keep]
 
     def tool_call_events(index: int) -> list[str]:
         """At a choice's end: what was held back, as content and tool_calls deltas (each call
         whole in one delta: its index, id, type, name and arguments, as the SDK accumulates them)."""
         if not parsing:
             return []
-        content, calls = parse_tool_calls("".join(results[index].text)[sent[index]:])
-        sent[index] = len("".join(results[index].text))
+        content, calls = parse_tool_calls(unsent[index])
+        unsent[index] = ""
         called[index] = bool(calls)
         events = [event([delta(index, content)])] if content else []
         for i, call in enumerate(calls):

@@ -177,15 +177,8 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
-def _ids_of(result) -> list[int]:
-    try:
-        array = result.as_numpy(P.OUTPUT_IDS)
-    except Exception:  # noqa: BLE001 - a model without the output (ensemble)
-        return []
-    return [] if array is None else [int(t) for t in array.reshape(-1)]
-
-
 def _array_of(result, name: str) -> list:
+    """An output as a flat list ([] from a model without it, e.g. the ensemble's output_ids)."""
     try:
         array = result.as_numpy(name)
     except Exception:  # noqa: BLE001 - a model without the output
@@ -193,9 +186,13 @@ def _array_of(result, name: str) -> list:
     return [] if array is None else array.reshape(-1).tolist()
 
 
+def _ids_of(result) -> list[int]:
+    return [int(t) for t in _array_of(result, P.OUTPUT_IDS)]
+
+
 def log_probs_of(ids: list[int], values: list, top_ids: list, top_values: list) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Per-token log probs and their alternatives from the flat tensors (the log probs of an
-    answer without return_log_probs are absent: TensorRT-LLM sends zeros, kept out here)."""
+    """Per-token log probs and their alternatives from the flat tensors (empty when the
+    response carries none: the server sends them with return_log_probs / top_logprobs)."""
     values = [float(v) for v in values][: len(ids)]
     width = len(top_ids) // len(ids) if ids and top_ids else 0
     top = [[(int(top_ids[i * width + j]), float(top_values[i * width + j])) for j in range(width)] for i in range(len(ids))] if width else []

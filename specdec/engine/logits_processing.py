@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,6 +117,22 @@ class TokenLogProbs:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    @staticmethod
+    def joined(parts: Sequence["TokenLogProbs | None"], counts: Sequence[int], width: int) -> "TokenLogProbs":
+        """Rounds' log probs as one (a round without them: zeros, as TensorRT-LLM sends when
+        none were asked for; alternatives it lacks: token 0 at the floor). counts: each round's tokens."""
+        values, top = [], []
+        for part, count in zip(parts, counts):
+            part = part if part is not None else TokenLogProbs([0.0] * count)
+            values += part.values
+            top += part.top if part.top is not None else [((0, LOG_PROB_FLOOR),) * width] * count
+        return TokenLogProbs(values, top if width else None)
+
+    def top_tables(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The alternatives as [tokens, width] tensors: token ids (int32) and log probs (float32)."""
+        table = np.asarray(self.top or [], dtype=np.float64).reshape(len(self.values), width, 2)
+        return table[..., 0].astype(np.int32), table[..., 1].astype(np.float32)
 
 
 def log_prob_rows(raw: Tensor, processed: Tensor, params: SamplingParams) -> Tensor:

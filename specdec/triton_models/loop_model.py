@@ -354,9 +354,8 @@ class TritonPythonModel:
         top_n = req.params.top_logprobs
         flagged = {P.NUM_INPUT_TOKENS: parsed.return_num_input_tokens, P.NUM_OUTPUT_TOKENS: parsed.return_num_output_tokens,
                    P.TOP_LOG_PROB_IDS: top_n > 0, P.TOP_LOG_PROBS: top_n > 0}
-        if not with_log_probs or log_probs is None:
-            log_probs = TokenLogProbs([0.0] * len(token_ids))
-        top = np.asarray(log_probs.top or [], dtype=np.float64).reshape(1, len(log_probs), top_n, 2)
+        log_probs = TokenLogProbs.joined([log_probs if with_log_probs else None], [len(token_ids)], top_n)
+        top_ids, top_values = log_probs.top_tables(top_n)
         values = {
             P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
             P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
@@ -370,8 +369,8 @@ class TritonPythonModel:
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
             P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs.values)])),
             P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs.values]).reshape(1, -1)),
-            P.TOP_LOG_PROB_IDS: lambda: batched(P.TOP_LOG_PROB_IDS, top[..., 0].astype(np.int32)),
-            P.TOP_LOG_PROBS: lambda: batched(P.TOP_LOG_PROBS, top[..., 1].astype(np.float32)),
+            P.TOP_LOG_PROB_IDS: lambda: batched(P.TOP_LOG_PROB_IDS, top_ids[None]),
+            P.TOP_LOG_PROBS: lambda: batched(P.TOP_LOG_PROBS, top_values[None]),
             P.NUM_INPUT_TOKENS: lambda: batched(P.NUM_INPUT_TOKENS, np.int32([len(req.prompt_ids)])),
             P.NUM_OUTPUT_TOKENS: lambda: batched(P.NUM_OUTPUT_TOKENS, np.int32([len(token_ids)])),
         }

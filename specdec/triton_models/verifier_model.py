@@ -21,7 +21,7 @@ import specdec_wire as P
 from specdec.config import METHOD_NONE, resolve_model_dir
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
-from specdec.engine.logits_processing import LOG_PROB_FLOOR, TokenLogProbs
+from specdec.engine.logits_processing import TokenLogProbs
 from specdec.serving.runtime import build_colocated_speculator, colocated_methods, load_tokenizer, tap_layers_of
 from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
@@ -45,7 +45,7 @@ class SenderSink:
     def __init__(self, sender, log_probs: bool, batch_sequences: Callable[[], int], rounds: bool = True, top_logprobs: int = 0):
         """rounds: a response per round (streamed); False: one final response with every round;
         top_logprobs: how many alternatives each token's log prob comes with (0: none)."""
-        self.sender, self.log_probs, self.rounds, self.top_logprobs = sender, log_probs or top_logprobs > 0, rounds, top_logprobs
+        self.sender, self.log_probs, self.rounds, self.top_logprobs = sender, log_probs, rounds, top_logprobs
         self.batch_sequences = batch_sequences  # of the round being delivered
         self._held: list[tuple[StepOutput, list[float]]] = []  # rounds not sent yet (rounds=False)
         self._sent = False  # a response went out: an error must then ride in a normal one (C.FINISH_ERROR_PREFIX)
@@ -82,13 +82,11 @@ class SenderSink:
             batched(C.ROUND_TOKENS, np.int32([len(o.new_token_ids) for o, _ in held])),
         ]
         if self.log_probs:
-            rounds = [o.log_probs or TokenLogProbs([0.0] * len(o.new_token_ids)) for o, _ in held]
-            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32([p for r in rounds for p in r.values])))
+            log_probs = TokenLogProbs.joined([o.log_probs for o, _ in held], [len(o.new_token_ids) for o, _ in held], self.top_logprobs)
+            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs.values)))
             if self.top_logprobs:
-                top = [pairs for r in rounds for pairs in (r.top or [((0, LOG_PROB_FLOOR),) * self.top_logprobs] * len(r))]
-                table = np.asarray(top, dtype=np.float64).reshape(-1, self.top_logprobs, 2)
-                outputs += [batched(P.TOP_LOG_PROB_IDS, table[..., 0].astype(np.int32)),
-                            batched(P.TOP_LOG_PROBS, table[..., 1].astype(np.float32))]
+                ids, values = log_probs.top_tables(self.top_logprobs)
+                outputs += [batched(P.TOP_LOG_PROB_IDS, ids), batched(P.TOP_LOG_PROBS, values)]
         return pb_utils.InferenceResponse(outputs)
 
     def fail(self, exc: BaseException) -> None:
@@ -159,7 +157,7 @@ class TritonPythonModel:
                     raise InvalidRequestError(P.INPUT_IDS, "is required")
                 method = (strings(request, P.SPECULATIVE_METHOD) or [METHOD_NONE])[0] or METHOD_NONE
                 budget = scalar(request, C.NUM_DRAFT_TOKENS, 0, int)
-                sink = SenderSink(sender, params.return_log_probs, lambda: self._batch_sequences, scalar(request, C.ROUNDS, True, bool),
+                sink = SenderSink(sender, params.wants_log_probs, lambda: self._batch_sequences, scalar(request, C.ROUNDS, True, bool),
                                   params.top_logprobs)
                 self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink, validated=True)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response

@@ -26,3 +26,14 @@ def test_raw_and_processed_log_probs_with_their_alternatives():
     greedy = token_log_probs(raw, processed, SamplingParams(max_tokens=4, temperature=0.0, top_k=2, return_log_probs=True), [1], [2])
     assert greedy.values == [float(torch.log_softmax(processed[1], dim=0)[2])]
     assert out[:1].values == out.values[:1] and len(out[:1].top) == 1
+
+
+def test_rounds_join_into_the_tensors_the_verifier_sends():
+    from specdec.engine.logits_processing import TokenLogProbs
+
+    asked = TokenLogProbs([-0.5], [((3, -0.5), (7, -1.5))])
+    joined = TokenLogProbs.joined([asked, None], [1, 2], 2)  # a round without log probs: zeros, alternatives at the floor
+    assert joined.values == [-0.5, 0.0, 0.0]
+    ids, values = joined.top_tables(2)
+    assert ids.tolist() == [[3, 7], [0, 0], [0, 0]] and values.tolist() == [[-0.5, -1.5], [LOG_PROB_FLOOR] * 2, [LOG_PROB_FLOOR] * 2]
+    assert TokenLogProbs.joined([], [], 2).top_tables(2)[0].shape == (0, 2)
