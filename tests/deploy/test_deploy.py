@@ -831,10 +831,15 @@ def test_dockerfiles_install_the_project_as_documented():
     gpu = (DEPLOY / "docker" / "Dockerfile.gpu").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
     (torch_pin,) = re.findall(r'"(torch==[^"]+)"', pyproject)
-    assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "cpu"), ("python:3.11-slim", "locust")]
+    assert re.findall(r"^FROM (\S+) AS (\w+)", cpu, re.M) == [("python:3.11-slim", "build"), ("python:3.11-slim", "cpu"),
+                                                             ("python:3.11-slim", "locust")]
+    # the kernels compile in the build stage (a compiler), into the wheel the cpu stage installs and checks
+    build_stage = cpu.split(" AS cpu")[0]
+    assert "gcc" in build_stage and "pip wheel --no-deps --wheel-dir /wheels /src" in build_stage
+    assert "COPY --from=build /wheels /wheels" in cpu and "assert kernels.available()" in cpu
     assert "RUN pip install /opt/specdec/client" in cpu  # the load generator: the client alone, no torch
     assert f"--index-url https://download.pytorch.org/whl/cpu {torch_pin}" in cpu
-    assert 'pip install "/opt/specdec[serve,openai]"' in cpu
+    assert 'pip install "specdec[serve,openai] @ file://$(ls /wheels/specdec-*.whl)"' in cpu
     assert 'ENTRYPOINT ["specdec"]' in cpu
     assert 'CMD ["serve", "--address", "0.0.0.0", "--model-repository", "/models/model_repository"]' in cpu
     assert re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+", gpu)
@@ -846,7 +851,7 @@ def test_dockerfiles_install_the_project_as_documented():
     # The build contexts carry what the images and manifests use.
     for name, needed in (("Dockerfile", ("model_repository", "deploy/settings", "loadtest")), ("Dockerfile.gpu", ("model_repository", "deploy/settings", "deploy/trtllm"))):
         allowed = (DEPLOY / "docker" / f"{name}.dockerignore").read_text().split()
-        for path in ("pyproject.toml", "specdec", "specdec_openai", "client", *needed):
+        for path in ("pyproject.toml", "setup.py", "specdec", "specdec_openai", "client", *needed):
             assert f"!{path}" in allowed, f"{name}.dockerignore drops {path}"
 
 

@@ -12,9 +12,6 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.engine import kernels
 from specdec.engine.models.llama import build_batch
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"no C compiler: {kernels.unavailable_reason()}")
-
-
 def _random_case(seed: int, B=2, H=6, KVH=2, N=5, C=40, D=64):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, N, D, generator=g)

@@ -1,7 +1,8 @@
-"""The GGUF's own quantized weights (issue 44): the file's blocks decode to exactly what gguf's
-reference de-quantizer gives, each kernel multiplies as its de-quantized weight does (with the
-bfloat16 rounding of inputs and scales the fast kernels take), and the served model in
-weight_format gguf holds the same weights as the dense conversion."""
+"""The quantized weight formats (issues 44, 59): the GGUF file's blocks decode to exactly what
+gguf's reference de-quantizer gives, each format multiplies as its de-quantized weight does (with
+the activations quantized per block of 32, as the int8 kernels take them), and the served model
+in weight_format gguf holds the same weights as the dense conversion. The kernels' own
+properties (bits, row invariance, every ISA path): test_int8_kernels.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.kernels.int8 import Format
 from specdec.engine.models import quantized as Q
 from specdec.errors import ConfigError
 
@@ -18,15 +20,19 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def _kernel(t: torch.Tensor) -> torch.Tensor:
-    """t as the quantized kernels see it: rounded to their dtype (bfloat16; see quantized.py)."""
-    return t.to(Q.KERNEL_DTYPE).double()
+def _as_the_kernel_sees(x: torch.Tensor) -> torch.Tensor:
+    """x with each row quantized to int8 per block of 32 inputs (scale amax / 127), in float64."""
+    blocks = x.double().view(*x.shape[:-1], -1, Q.GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    return (codes * amax / 127).view(x.shape)
 
 
-# The kernels' outputs are bfloat16 (8 significant bits): within 2^-8 of the exact product of
-# what they were given, relative to the output's scale, and a wrong code, scale or group is off
-# by far more (tests/engine/test_quantized.py's dense comparison below sees 1e-2 from int8 rounding).
-BF16_OUTPUT = 2 ** -8
+# With the activations as the kernel sees them, only float32 rounding of the block sums and
+# scales remains (~1e-7 relative); a wrong code, scale, offset or block is off by far more.
+KERNEL_ROUNDING = 1e-5
+# Against the float activations: int8 activation blocks cost about 1% of the output's scale.
+ACTIVATION_ROUNDING = 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -59,33 +65,37 @@ def test_the_files_blocks_decode_as_ggufs_reference(gguf_tensors):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_each_kernel_multiplies_as_its_dequantized_weight(rows):
+def test_each_format_multiplies_as_its_dequantized_weight(rows):
     g = torch.Generator().manual_seed(rows)
     N, K = 96, 128
     x = torch.randn(rows, K, generator=g)
+    seen = _as_the_kernel_sees(x)
 
     codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
     scale = (torch.rand(N, K // Q.GROUP, generator=g) * 0.02).half().float()  # float16 like the file's
     offset = (-torch.rand(N, K // Q.GROUP, generator=g) * 0.1).half().float()
-    zero = _kernel(offset + 8 * scale)  # the kernel's weight is (code - 8) * scale + zero
-    weight = ((codes.double() - 8).view(N, -1, Q.GROUP) * _kernel(scale)[..., None] + zero[..., None]).view(N, K)
-    int4 = Q.Int4GroupLinear(codes, scale, offset)(x)
-    assert int4.dtype == torch.float32
-    assert _close(int4.double(), _kernel(x) @ weight.T) < BF16_OUTPUT
+    weight = (codes.double().view(N, -1, Q.GROUP) * scale.double()[..., None] + offset.double()[..., None]).view(N, K)
+    q4_1 = Q.QuantizedLinear.q4_1(codes, scale, offset)
+    out = q4_1(x)
+    assert out.dtype == torch.float32
+    assert _close(out.double(), seen @ weight.T) < KERNEL_ROUNDING
+    assert _close(out.double(), x.double() @ weight.T) < ACTIVATION_ROUNDING
 
-    codes8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int32).to(torch.int8)
-    weight8 = (codes8.double().view(N, -1, Q.GROUP) * _kernel(scale)[..., None]).view(N, K)
-    assert _close(Q.Int8GroupLinear(codes8, scale)(x).double(), _kernel(x) @ weight8.T) < BF16_OUTPUT
+    codes8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int32).to(torch.int8)
+    weight8 = (codes8.double().view(N, -1, Q.GROUP) * scale.double()[..., None]).view(N, K)
+    assert _close(Q.QuantizedLinear.q8_0(codes8, scale)(x).double(), seen @ weight8.T) < KERNEL_ROUNDING
 
     dense = torch.randn(N, K, generator=g)
-    row = Q.Int8RowLinear(dense)
-    assert _close(row(x).double(), _kernel(x) @ (row.codes.double() * row.scale.double()[:, None]).T) < BF16_OUTPUT  # its own weights
-    assert _close(row(x), x @ dense.T) < 2e-2  # and near the float ones: int8 is not the file's numbers
+    row = Q.QuantizedLinear.per_row(dense)
+    scale_row = dense.abs().amax(1).double() / 127
+    own = torch.round(dense.double() / scale_row[:, None]).clamp(-127, 127) * scale_row[:, None]
+    assert _close(row(x).double(), seen @ own.T) < KERNEL_ROUNDING  # its own weights
+    assert _close(row(x), x @ dense.T) < ACTIVATION_ROUNDING  # and near the float ones: int8 is not the file's numbers
 
     # A row's output does not depend on the rows beside it (verify rows equal decode rows)
-    assert torch.equal(Q.Int4GroupLinear(codes, scale, offset)(x[:1]), int4[:1])
+    assert torch.equal(q4_1(x[:1]), out[:1])
     # Shapes: a [B, T, K] input comes back [B, T, N]
-    assert Q.Int4GroupLinear(codes, scale, offset)(x.view(1, rows, K)).shape == (1, rows, N)
+    assert q4_1(x.view(1, rows, K)).shape == (1, rows, N)
 
 
 def test_the_served_gguf_format_holds_the_dense_conversions_weights():
@@ -101,10 +111,10 @@ def test_the_served_gguf_format_holds_the_dense_conversions_weights():
             for name in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2"):
                 d, q = dense.layers[i].get_submodule(name), quant.layers[i].get_submodule(name)
                 x = torch.randn(4, d.weight.shape[1], generator=g)
-                assert _close(q(x), x @ d.weight.T) < 4 * BF16_OUTPUT, (i, name)  # bf16 inputs, scales, outputs
+                assert _close(q(x).double(), _as_the_kernel_sees(x) @ d.weight.double().T) < KERNEL_ROUNDING, (i, name)
         x = torch.randn(4, dense.cfg.hidden_size, generator=g)
-        assert isinstance(quant.lm_head, Q.Int8GroupLinear)
-        assert _close(quant.lm_head(x), x @ dense.lm_head.weight.T) < 4 * BF16_OUTPUT
+        assert isinstance(quant.lm_head, Q.QuantizedLinear) and quant.lm_head.weight.format == Format.Q8_0
+        assert _close(quant.lm_head(x).double(), _as_the_kernel_sees(x) @ dense.lm_head.weight.double().T) < KERNEL_ROUNDING
     assert not any(isinstance(m, torch.nn.Linear) for m in quant.modules())  # no float copy left to stream
 
 

@@ -1,106 +1,96 @@
-"""Engine kernels PyTorch does not have: batch-invariant attention for the CPU target.
+"""Engine kernels PyTorch does not have, compiled when the project is installed.
 
 Why: greedy speculation equals the baseline only if a token's logits do not depend on how it
-was computed (decoded alone, or verified among draft tokens and other sequences). PyTorch's
-SDPA and matmul are not invariant in that sense (their reduction order depends on the number of
-query rows and columns; measured 1e-7 to 8e-6 on the same row), and with weights that round
-their inputs to bfloat16 (the quantized formats, engine/models/quantized.py) such differences
-grow into greedy flips: 38 of 48 prompts identical before this kernel. The quantized weight
-kernels are row-invariant (tests/engine/test_quantized.py), so with this attention the target's
-forward is invariant and identity holds by construction (tests/engine/test_invariant_attention.py).
+was computed (decoded alone, verified among draft tokens and other sequences). PyTorch's SDPA
+and matmuls are not invariant in that sense (their reduction order depends on the number of
+query rows and columns; measured 1e-7 to 8e-6 on the same row), and with quantized weights such
+differences grow into greedy flips: 38 of 48 prompts identical before the attention kernel. Here:
 
-The kernel is plain C (invariant_attention.c), compiled on first use with the machine's C
-compiler into the specdec cache and called through ctypes (which releases the GIL). Built for
-the x86-64-v3 level (AVX2, FMA) where the CPU has it, never `-march=native`: a cache shared
-between machines must not hold code another CPU cannot run.
+- `invariant_attention` (invariant_attention.c): each query row in a fixed order.
+- `int8_linear` (int8.py, int8_linear*.c): weight-only int8 linear layers whose cost is flat in
+  rows at verification sizes and whose rows are bitwise independent of each other.
+
+With both, a quantized target's whole forward is row-invariant and greedy speculation equals the
+baseline by construction (tests/engine/test_invariant_attention.py, test_int8_kernels.py).
+
+One shared library holds them all: setup.py builds it (`make setup`, `pip install`) as
+specdec/engine/kernels/_native*.so, with one file per ISA family and the path picked once, at
+load, from what the CPU reports (ggml's habit). Nothing is compiled at run time. A missing
+library is never silent: `unavailable_reason()` says why, and a quantized weight format refuses
+to load naming `weight_format` (engine/models/quantized.py).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
+import importlib.machinery
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from specdec.config import cache_root
+HERE = Path(__file__).parent
+LIBRARY_NAME = "_native"  # setup.py's Extension specdec.engine.kernels._native
+LIBRARY_ENV = "SPECDEC_KERNELS_LIBRARY"  # another build of the library, or "none" to run without one (tests)
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("invariant_attention.c")
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _compile_flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c11"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
-    return flags
+_long, _ptr, _int, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "invariant_attention": (_int, [_ptr] + [_long] * 3 + [_ptr] * 2 + [_long] * 3 + [_ptr] + [_long] * 2 + [_ptr]
+                            + [_long] * 6 + [_float, _int]),
+    "int8_linear": (_int, [_int, _int, _ptr, _long, _long, _long, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _int]),
+    "int8_pack": (_int, [_ptr, _long, _long, _int, _int, _ptr]),
+    "int8_isa_supported": (_int, [_int]),
+    "int8_best_isa": (_int, []),
+}
 
 
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
-def build() -> Path:
-    """Compile the kernel into the cache (once per source and flags); its path."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = _compile_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"invariant_attention-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # several stubs may build at once: build apart, rename
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-800:]}")
-        os.replace(built, target)
-    return target
+def library_path() -> Path | None:
+    """The built library: $SPECDEC_KERNELS_LIBRARY, else the one setup.py put beside this file."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return None if override == "none" else Path(override)
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = HERE / f"{LIBRARY_NAME}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _load() -> ctypes.CDLL | None:
     global _library, _failure
     with _lock:
         if _library is None and _failure is None:
+            path = library_path()
+            if path is None:
+                _failure = ("the kernel library is not built (specdec/engine/kernels/_native*.so): "
+                            "run `make setup` or `pip install .`, which compile it")
+                return None
             try:
-                library = ctypes.CDLL(str(build()))
-                fn = library.invariant_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
-                               + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p] + [ctypes.c_long] * 6
-                               + [ctypes.c_float, ctypes.c_int])
+                library = ctypes.CDLL(str(path))
+                for name, (restype, argtypes) in _SIGNATURES.items():
+                    fn = getattr(library, name)
+                    fn.restype, fn.argtypes = restype, argtypes
                 _library = library
-            except (OSError, RuntimeError) as exc:
-                _failure = str(exc)
-                log.warning("batch-invariant attention unavailable: %s", exc)
+            except (OSError, AttributeError) as exc:
+                _failure = f"the kernel library {path} does not load: {exc}"
     return _library
 
 
+def native() -> ctypes.CDLL:
+    """The loaded library, or RuntimeError saying why there is none."""
+    library = _library or _load()
+    if library is None:
+        raise RuntimeError(f"specdec kernels unavailable: {_failure}")
+    return library
+
+
 def available() -> bool:
-    """Whether the kernel is built and loaded (building it on first call)."""
+    """Whether the kernel library is built and loads."""
     return _load() is not None
 
 
@@ -109,15 +99,20 @@ def unavailable_reason() -> str | None:
     return _failure
 
 
+def reset() -> None:
+    """Forget the loaded library (tests that point LIBRARY_ENV elsewhere)."""
+    global _library, _failure
+    with _lock:
+        _library, _failure = None, None
+
+
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over the allowed columns, each row in a fixed order.
 
     q [B, H, N, D]; k, v [B, KVH, C, D] (views of the cache are fine: only the last dimension
     must be contiguous, and k and v strided alike); allowed [B, N, C'] bool with C' >= C (columns
     past C are never read). Returns a contiguous float32 [B, H, N, D]."""
-    library = _library or _load()  # loaded once; every layer of every forward calls here
-    if library is None:
-        raise RuntimeError(f"batch-invariant attention unavailable: {_failure}")
+    library = native()
     B, H, N, D = q.shape
     KVH, C = k.shape[1], k.shape[2]
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:

@@ -8,31 +8,144 @@
  * with batch-invariant linear kernels the whole forward is invariant: greedy speculation then
  * equals the baseline by construction.
  *
- * Every reduction runs in a fixed order: the dot products over the head dimension in LANES
- * independent partial sums combined the same way every time; the softmax max, the exponent sum
- * and the weighted sum of values column after column, masked columns skipped (not added as
- * zeros). Rows run in parallel (OpenMP); a row is never split.
+ * Every reduction runs in a fixed order: each score q . k over the head dimension in order, d
+ * after d (16 columns at a time, one per vector lane, from a transposed block of keys shared by
+ * every query row of the kv head: no horizontal sums); the softmax max, the exponent sum
+ * and the weighted sum of values column after column (a masked column's weight is exactly 0 and
+ * adds nothing to the sum; its values are never read). Rows run in parallel (OpenMP); a row is
+ * never split; work items are (sequence, kv head, up to CHUNK query positions). The exponential is our own (exp_fixed), a fixed sequence of float operations the
+ * compiler vectorizes: libm's expf, one call per column, was most of a verification step's
+ * attention time.
  *
  * q   [B, H, N, D]   strides q_b, q_h, q_n; D contiguous
  * k,v [B, KVH, C, D] strides kv_b, kv_h, kv_c (the same for k and v); D contiguous
  * allowed [B, N, C]  bytes (0 / 1), strides m_b, m_n; C contiguous
  * out [B, H, N, D]   contiguous
  * Head h reads kv head h / (H / KVH) (grouped-query attention).
+ *
+ * The work item is compiled three times, for AVX-512, AVX2 and the baseline, and picked from the
+ * CPU's flags: built with -ffp-contract=off (setup.py) all perform the same float operations, so
+ * they give the same bits; the wider ones only do them 16 or 8 at a time.
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#define LANES 16
+#define COLUMNS 16 /* keys per transposed block: one per lane */
+#define CHUNK 64    /* query positions per work item, at most */
+#define ROWS 8      /* query rows scored together against one block of keys */
 
-static float dot(const float *a, const float *b, long n) {
-    float part[LANES] = {0};
-    long d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int j = 0; j < LANES; j++) part[j] += a[d + j] * b[d + j];
-    for (; d < n; d++) part[d % LANES] += a[d] * b[d];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) part[j] += part[j + width];
-    return part[0];
+/* e^x for x <= 0 (softmax weights after the max is subtracted), within 2 ulp: Cody-Waite range
+ * reduction and Cephes' expf polynomial. Plain float operations only, so every build and every
+ * vector width gives the same bits (-ffp-contract=off). x < -87 (and -inf) gives 0. */
+static inline __attribute__((always_inline)) float exp_fixed(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds half to even */
+    const float zero_below = x; /* e^x < 2^-125: 0 (a masked column's -inf too) */
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504088896341f + magic) - magic;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 0] */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return zero_below < -87.0f ? 0.0f : p * two_n;
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    long q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, group;
+    const unsigned char *allowed;
+    float *out, scale;
+} attention_call;
+
+/* Every query row of kv head g of sequence b at positions n0..n1-1 (its `group` query heads).
+ * Scratch: keys [D][COLUMNS], score [group * (n1 - n0)][C], acc [D], allowed [C]. D is a->D, passed apart so
+ * that the common head sizes compile with it fixed (accumulators in registers; the same operations). */
+static inline __attribute__((always_inline)) void attend_item(const attention_call *a, long b, long g, long n0, long n1,
+                                                              float *keys, float *score, float *acc, float *allowed,
+                                                              const long D) {
+    const long C = a->C, positions = n1 - n0, rows = a->group * positions;
+    const float *kr = a->k + b * a->kv_b + g * a->kv_h;
+    const float *vr = a->v + b * a->kv_b + g * a->kv_h;
+    for (long c0 = 0; c0 < C; c0 += COLUMNS) {
+        const long width = C - c0 < COLUMNS ? C - c0 : COLUMNS;
+        for (long d = 0; d < D; d++)
+            for (long j = 0; j < COLUMNS; j++) keys[d * COLUMNS + j] = j < width ? kr[(c0 + j) * a->kv_c + d] : 0.0f;
+        for (long r0 = 0; r0 < rows; r0 += ROWS) { /* ROWS independent chains hide the add latency */
+            const long count = rows - r0 < ROWS ? rows - r0 : ROWS;
+            const float *qr[ROWS];
+            for (long i = 0; i < ROWS; i++) {
+                const long r = r0 + (i < count ? i : 0), h = g * a->group + r / positions, n = n0 + r % positions;
+                qr[i] = a->q + b * a->q_b + h * a->q_h + n * a->q_n;
+            }
+            float lane[ROWS][COLUMNS] = {{0}};
+            for (long d = 0; d < D; d++)
+                for (long i = 0; i < ROWS; i++)
+                    for (long j = 0; j < COLUMNS; j++) lane[i][j] += qr[i][d] * keys[d * COLUMNS + j];
+            for (long i = 0; i < count; i++)
+                for (long j = 0; j < width; j++) score[(r0 + i) * C + c0 + j] = lane[i][j] * a->scale;
+        }
+    }
+    for (long r = 0; r < rows; r++) {
+        const long h = g * a->group + r / positions, n = n0 + r % positions;
+        const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
+        float *sr = score + r * C, *o = a->out + ((b * a->H + h) * a->N + n) * D;
+        for (long c = 0; c < C; c++) allowed[c] = (float)mask[c]; /* float, so the selects below vectorize */
+        float best = -INFINITY;
+        for (long c = 0; c < C; c++) best = allowed[c] != 0.0f && sr[c] > best ? sr[c] : best;
+        for (long c = 0; c < C; c++) sr[c] = allowed[c] != 0.0f ? exp_fixed(sr[c] - best) : 0.0f;
+        for (long d = 0; d < D; d++) acc[d] = 0.0f;
+        float total = 0.0f;
+        for (long c = 0; c < C; c++) {
+            total += sr[c];
+            if (!mask[c]) continue;
+            const float weight = sr[c];
+            const float *vc = vr + c * a->kv_c;
+            for (long d = 0; d < D; d++) acc[d] += weight * vc[d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f; /* a row with no column gets zeros */
+        for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
+    }
+}
+
+typedef void (*item_kernel)(const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score,
+                            float *acc, float *allowed);
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void attend_item_avx512(const attention_call *a, long b, long g, long n0,
+                                                                   long n1, float *keys, float *score, float *acc, float *allowed) {
+    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
+               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
+}
+
+__attribute__((target("avx2"))) static void attend_item_avx2(const attention_call *a, long b, long g, long n0, long n1,
+                                                              float *keys, float *score, float *acc, float *allowed) {
+    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
+               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
+}
+#endif
+
+static void attend_item_baseline(const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score,
+                                 float *acc, float *allowed) {
+    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
+               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
+}
+
+static item_kernel pick_item_kernel(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return attend_item_avx512;
+    if (__builtin_cpu_supports("avx2")) return attend_item_avx2;
+#endif
+    return attend_item_baseline;
 }
 
 int invariant_attention(const float *q, long q_b, long q_h, long q_n,
@@ -41,45 +154,33 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         float *out, long B, long H, long KVH, long N, long C, long D,
                         float scale, int threads) {
     if (H % KVH != 0) return 1;
-    const long group = H / KVH, rows = B * H * N;
+    const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, out, scale};
+    const item_kernel kernel = pick_item_kernel();
+    /* positions per item: at most CHUNK, and small enough that every thread gets work */
+    long chunk = N < CHUNK ? N : CHUNK;
+    while (chunk > 1 && B * KVH * ((N + chunk - 1) / chunk) < 2L * threads) chunk = (chunk + 1) / 2;
+    const long chunks = (N + chunk - 1) / chunk, items = B * KVH * chunks;
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (items > 1)
     {
-        float *score = malloc(sizeof(float) * (C > 0 ? C : 1));
+        float *keys = malloc(sizeof(float) * (D > 0 ? D : 1) * COLUMNS);
+        float *score = malloc(sizeof(float) * (C > 0 ? C : 1) * a.group * chunk);
         float *acc = malloc(sizeof(float) * (D > 0 ? D : 1));
-        if (score == NULL || acc == NULL) {
+        float *allowed_f = malloc(sizeof(float) * (C > 0 ? C : 1));
+        if (keys == NULL || score == NULL || acc == NULL || allowed_f == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (long row = 0; row < rows; row++) {
-            if (score == NULL || acc == NULL) continue;
-            const long b = row / (H * N), h = (row / N) % H, n = row % N;
-            const float *qr = q + b * q_b + h * q_h + n * q_n;
-            const float *kr = k + b * kv_b + (h / group) * kv_h;
-            const float *vr = v + b * kv_b + (h / group) * kv_h;
-            const unsigned char *mask = allowed + b * m_b + n * m_n;
-            float *o = out + ((b * H + h) * N + n) * D;
-            float best = -INFINITY;
-            for (long c = 0; c < C; c++) {
-                if (!mask[c]) continue;
-                score[c] = dot(qr, kr + c * kv_c, D) * scale;
-                if (score[c] > best) best = score[c];
-            }
-            for (long d = 0; d < D; d++) acc[d] = 0.0f;
-            float total = 0.0f;
-            for (long c = 0; c < C; c++) {
-                if (!mask[c]) continue;
-                const float weight = expf(score[c] - best);
-                const float *vc = vr + c * kv_c;
-                total += weight;
-                for (long d = 0; d < D; d++) acc[d] += weight * vc[d];
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f; /* a row with no column gets zeros */
-            for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
+        for (long item = 0; item < items; item++) {
+            const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
+            if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL)
+                kernel(&a, b, g, n0, n0 + chunk < N ? n0 + chunk : N, keys, score, acc, allowed_f);
         }
+        free(keys);
         free(score);
         free(acc);
+        free(allowed_f);
     }
     return failed ? 2 : 0;
 }

@@ -1,0 +1,172 @@
+/* The int8 linear layers' driver: CPU-feature dispatch (picked once, at load), activation
+ * quantization, weight packing and the threaded loop over column tiles; and the plain C
+ * reference that defines the numerics (int8_linear.h). Built without ISA flags: the SIMD paths
+ * live in their own files, each compiled for its ISA by a target pragma, and are called only
+ * where the CPU has it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "int8_linear.h"
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+static int cpu_has(int isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (isa == ISA_AMX)
+        return cpu_has(ISA_AVX512_VNNI) && __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("amx-tile") &&
+               amx_request();
+    if (isa == ISA_AVX512_VNNI)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return isa == ISA_REFERENCE;
+}
+
+/* Whether this CPU runs the path (tests compare every path it can run against the reference). */
+int int8_isa_supported(int isa) { return isa >= ISA_REFERENCE && isa <= ISA_AMX && cpu_has(isa); }
+
+/* The fastest path this CPU runs. */
+int int8_best_isa(void) {
+    for (int isa = ISA_AMX; isa > ISA_REFERENCE; isa--)
+        if (cpu_has(isa)) return isa;
+    return ISA_REFERENCE;
+}
+
+/* What the packed bytes of signed codes carry on top of the code, per path (int8_linear.h). */
+int int8_pack_bias(int isa) { return isa == ISA_AVX512_VNNI || isa == ISA_AMX ? 128 : 0; }
+
+static tile_kernel kernel_for(int isa) {
+    switch (isa) {
+    case ISA_AMX: return tile_amx;
+    case ISA_AVX512_VNNI: return tile_avx512_vnni;
+    case ISA_AVX2: return tile_avx2;
+    default: return tile_reference;
+    }
+}
+
+/* ---- packing ------------------------------------------------------------------------------- */
+/* codes [n][k] (int8 for ROW and Q8_0; 0..15 for Q4_1) -> out [tiles][k / 4][16][4]. */
+int int8_pack(const int8_t *codes, long n, long k, int format, int isa, uint8_t *out) {
+    if (k % QBLOCK != 0 || n <= 0) return 1;
+    const long tiles = (n + TILE_N - 1) / TILE_N, quads = k / 4;
+    const int bias = format == FORMAT_Q4_1 ? 0 : int8_pack_bias(isa);
+    for (long t = 0; t < tiles; t++)
+        for (long q = 0; q < quads; q++)
+            for (long c = 0; c < TILE_N; c++) {
+                const long col = t * TILE_N + c;
+                uint8_t *dst = out + ((t * quads + q) * TILE_N + c) * 4;
+                for (int j = 0; j < 4; j++)
+                    dst[j] = (uint8_t)(col < n ? codes[col * k + q * 4 + j] + bias : bias);
+            }
+    return 0;
+}
+
+/* ---- activation quantization (shared by every path, so every path sees the same codes) ----- */
+/* Round half to even for |v| < 2^22 in the default rounding mode, as nearbyintf does, without a
+ * libm call per element (the sum is exact; -ffp-contract=off keeps the compiler from folding it). */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + magic) - magic;
+}
+
+static void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    for (long b = 0; b < k / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) {
+            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            float q = round_even(xb[j] * inv);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            codes[b * QBLOCK + j] = (int8_t)q;
+            total += (int32_t)q;
+        }
+        scale[b] = amax / 127.0f;
+        sum[b] = total;
+        offset_scale[b] = scale[b] * (float)total;
+    }
+}
+
+/* ---- the reference path: the numerics written out (int8_linear.h) --------------------------- */
+void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
+    const long quads = w->k / 4, blocks = x->blocks;
+    const int is_signed = w->format != FORMAT_Q4_1; /* packed with no bias for this path: int8 codes */
+    const uint8_t *base = w->packed + tile * quads * TILE_N * 4;
+    for (long m = 0; m < x->rows; m++)
+        for (long c = 0; c < columns; c++) {
+            float acc = 0.0f;
+            for (long b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (long q = b * (QBLOCK / 4); q < (b + 1) * (QBLOCK / 4); q++)
+                    for (int j = 0; j < 4; j++)
+                    {
+                        const uint8_t stored = base[(q * TILE_N + c) * 4 + j];
+                        dot += (is_signed ? (int32_t)(int8_t)stored : (int32_t)stored) * x->codes[m * x->k + q * 4 + j];
+                    }
+                const float a_s = x->scale[m * blocks + b];
+                const long wb = (tile * blocks + b) * TILE_N + c;
+                if (w->format == FORMAT_ROW) {
+                    acc = __builtin_fmaf((float)dot, a_s, acc);
+                } else if (w->format == FORMAT_Q8_0) {
+                    acc = __builtin_fmaf((float)dot, a_s * w->block_scale[wb], acc);
+                } else {
+                    acc = __builtin_fmaf((float)dot, a_s * w->block_scale[wb], acc);
+                    acc = __builtin_fmaf(x->offset_scale[m * blocks + b], w->block_offset[wb], acc);
+                }
+            }
+            if (w->format == FORMAT_ROW) acc = acc * w->column_scale[tile * TILE_N + c];
+            out[m * out_stride + c] = acc;
+        }
+}
+
+/* ---- the call ------------------------------------------------------------------------------ */
+/* Rows are taken ROW_CHUNK at a time against every column tile: enough for any verification
+ * batch (each weight read once), while a long prefill keeps its activation codes in L2. */
+#define ROW_CHUNK 128
+
+/* y [m][n] (stride y_stride) = x [m][k] (stride x_stride) times the packed weight.
+ * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. */
+int int8_linear(int isa, int format, const float *x, long m, long k, long x_stride, const uint8_t *packed,
+                long n, const float *column_scale, const float *block_scale, const float *block_offset, float *y,
+                long y_stride, int threads) {
+    if (!int8_isa_supported(isa)) return 1;
+    if (k % QBLOCK != 0 || m < 0 || n <= 0) return 2;
+    if (m == 0) return 0;
+    const long blocks = k / QBLOCK;
+    const long padded = (m + PAD_ROWS - 1) / PAD_ROWS * PAD_ROWS;
+    quantized_rows rows = {m, k, blocks, calloc((size_t)(padded * k), 1), malloc(sizeof(float) * m * blocks),
+                           malloc(sizeof(int32_t) * m * blocks), malloc(sizeof(float) * m * blocks)};
+    if (!rows.codes || !rows.scale || !rows.sum || !rows.offset_scale) {
+        free(rows.codes), free(rows.scale), free(rows.sum), free(rows.offset_scale);
+        return 3;
+    }
+    packed_weight w = {format, n, k, (n + TILE_N - 1) / TILE_N, packed, column_scale, block_scale, block_offset};
+    tile_kernel kernel = kernel_for(isa);
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (m * n * k >= 1L << 18)
+    {
+        if (isa == ISA_AMX) amx_begin(); /* tile state is per thread */
+#pragma omp for schedule(static)
+        for (long r = 0; r < m; r++)
+            quantize_row(x + r * x_stride, k, rows.codes + r * k, rows.scale + r * blocks, rows.sum + r * blocks,
+                         rows.offset_scale + r * blocks);
+        for (long r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+            const long chunk = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+            const quantized_rows part = {chunk, k, blocks, rows.codes + r0 * k, rows.scale + r0 * blocks,
+                                         rows.sum + r0 * blocks, rows.offset_scale + r0 * blocks};
+#pragma omp for schedule(static)
+            for (long t = 0; t < w.tiles; t++) {
+                const long columns = n - t * TILE_N < TILE_N ? n - t * TILE_N : TILE_N;
+                kernel(&part, &w, t, y + r0 * y_stride + t * TILE_N, y_stride, columns);
+            }
+        }
+        if (isa == ISA_AMX) amx_end();
+    }
+    free(rows.codes), free(rows.scale), free(rows.sum), free(rows.offset_scale);
+    return 0;
+}

@@ -1,0 +1,74 @@
+/* Row-invariant weight-only int8 linear layers for the CPU target (specdec/engine/kernels/__init__.py).
+ *
+ * y[m, n] = sum_k x[m, k] w[n, k] for M activation rows against an int8-coded weight, with a
+ * cost that stays flat in M at verification sizes: each call streams each weight tile once and
+ * multiplies it by every row while it is in L1 (rows x columns tiled in registers, threads split
+ * over output columns only, never over K).
+ *
+ * Numerics, the same on every ISA path, so a row's output bits never depend on the rows beside it,
+ * on M, on the thread count or on the ISA:
+ * - each activation row is quantized on its own, in blocks of QBLOCK = 32 inputs (llama.cpp's Q8
+ *   activations): scale a_s = amax / 127, codes round-half-even(x * (127 / amax)), |code| <= 127;
+ * - the integer dot product of a block is exact (int32, any order);
+ * - the float part is a fixed sequence per (row, column): blocks in order, one fmaf each.
+ *   ROW   (int8, one scale per output column):  acc = fmaf((float)dot_b, a_s[b], acc); y = acc * w_s[n]
+ *   Q8_0  (GGUF, one scale per 32 inputs):     acc = fmaf((float)dot_b, a_s[b] * w_s[n, b], acc)
+ *   Q4_1  (GGUF, w = d * q + m, q in 0..15):   acc = fmaf((float)dot_b, a_s[b] * d[n, b], acc);
+ *                                              acc = fmaf(a_s[b] * (float)sum_b(codes), m[n, b], acc)
+ * The plain C reference (int8_linear_ref.c) writes this sequence out; the SIMD paths must give
+ * its bits exactly (tests/engine/test_int8_kernels.py compares every path the CPU can run).
+ *
+ * Packed weight: columns in tiles of TILE_N = 16 (N padded with zero columns), inputs in quads:
+ * byte [tile][k / 4][column % 16][k % 4], the layout vpdpbusd reads (16 int32 lanes, 4 bytes
+ * each). Signed codes (ROW, Q8_0) are stored + `bias` (128 for the AVX-512 and AMX paths, whose
+ * unsigned operand they are; 0 for the AVX2 path and the reference). Q4_1 codes are stored as they are (0..15).
+ * Per-block weight scales (Q8_0's w_s, Q4_1's d and m): float [tile][K / 32][16].
+ */
+#ifndef SPECDEC_INT8_LINEAR_H
+#define SPECDEC_INT8_LINEAR_H
+
+#include <stdint.h>
+
+#define QBLOCK 32
+#define TILE_N 16
+
+enum weight_format { FORMAT_ROW = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1 = 2 };
+enum isa { ISA_REFERENCE = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX = 3 };
+
+/* Activation codes are allocated for a multiple of PAD_ROWS rows, the padding zero (AMX reads 16 rows). */
+#define PAD_ROWS 16
+
+/* The activations of one call, quantized once and shared by every column tile. */
+typedef struct {
+    long rows, k, blocks;  /* blocks = k / QBLOCK */
+    int8_t *codes;         /* [rows][k] */
+    float *scale;          /* [rows][blocks] a_s */
+    int32_t *sum;          /* [rows][blocks] sum of the block's codes */
+    float *offset_scale;   /* [rows][blocks] a_s * (float)sum (Q4_1's offset term) */
+} quantized_rows;
+
+/* The weight of one layer as the kernels read it. */
+typedef struct {
+    int format;
+    long n, k, tiles;          /* tiles = ceil(n / TILE_N) */
+    const uint8_t *packed;     /* [tiles][k / 4][16][4] */
+    const float *column_scale; /* ROW: [tiles * 16] */
+    const float *block_scale;  /* Q8_0, Q4_1: [tiles][k / 32][16] */
+    const float *block_offset; /* Q4_1: [tiles][k / 32][16] */
+} packed_weight;
+
+/* One column tile of every row: out[m * out_stride + c] for c < columns (<= 16). */
+typedef void (*tile_kernel)(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride,
+                            long columns);
+
+void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
+void tile_avx2(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
+void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
+void tile_amx(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
+
+/* AMX: permission from the kernel (once per process), and each thread's tile state around a call. */
+int amx_request(void);
+void amx_begin(void);
+void amx_end(void);
+
+#endif

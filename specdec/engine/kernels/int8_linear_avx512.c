@@ -1,0 +1,94 @@
+/* The AVX-512 VNNI path of the int8 linear layers (numerics and layout: int8_linear.h).
+ *
+ * vpdpbusd multiplies 64 unsigned bytes (16 columns x 4 inputs of the packed weight, stored
+ * + 128) by 4 signed activation codes broadcast to every lane, and adds each lane's 4 products
+ * to an int32: 64 multiply-adds per instruction. One weight vector feeds ROWS_PER_STEP rows while
+ * it is in a register, so verifying 8 rows reads the weight as decoding 1 row does. The + 128
+ * comes back out exactly, in int32: dot = raw - 128 * sum(activation codes of the block). */
+#include "int8_linear.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma")
+#include <immintrin.h>
+#include <string.h>
+
+
+#define ROWS_PER_STEP 8
+
+static inline __attribute__((always_inline)) __m512i broadcast_codes(const int8_t *codes) {
+    int32_t four;
+    memcpy(&four, codes, 4);
+    return _mm512_set1_epi32(four);
+}
+
+static inline __attribute__((always_inline)) void rows_step(const quantized_rows *x, const packed_weight *w, long tile,
+                                                            long m0, const int rows, const int format, float *out,
+                                                            long out_stride, long columns) {
+    const long k = x->k, blocks = x->blocks, quads = k / 4;
+    const __m512i *weight = (const __m512i *)(w->packed + tile * quads * TILE_N * 4);
+    __m512 acc[ROWS_PER_STEP];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512i dot[ROWS_PER_STEP];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int q = 0; q < QBLOCK / 4; q++) {
+            const __m512i wv = _mm512_loadu_si512(weight + b * (QBLOCK / 4) + q);
+            for (int r = 0; r < rows; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, broadcast_codes(x->codes + (m0 + r) * k + b * QBLOCK + q * 4));
+        }
+        const long wb = (tile * blocks + b) * TILE_N;
+        for (int r = 0; r < rows; r++) {
+            const long xb = (m0 + r) * blocks + b;
+            const __m512 a_s = _mm512_set1_ps(x->scale[xb]);
+            if (format == FORMAT_ROW) {
+                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * x->sum[xb]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a_s, acc[r]);
+            } else if (format == FORMAT_Q8_0) {
+                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * x->sum[xb]));
+                const __m512 scale = _mm512_mul_ps(a_s, _mm512_loadu_ps(w->block_scale + wb));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+            } else {
+                const __m512 scale = _mm512_mul_ps(a_s, _mm512_loadu_ps(w->block_scale + wb));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->offset_scale[xb]), _mm512_loadu_ps(w->block_offset + wb), acc[r]);
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << columns) - 1u);
+    for (int r = 0; r < rows; r++) {
+        __m512 y = acc[r];
+        if (format == FORMAT_ROW) y = _mm512_mul_ps(y, _mm512_loadu_ps(w->column_scale + tile * TILE_N));
+        _mm512_mask_storeu_ps(out + (m0 + r) * out_stride, keep, y);
+    }
+}
+
+/* Instantiated per (format, rows) so that the accumulators live in registers. */
+#define STEP_CASES(format)                                                                                             \
+    switch (rows) {                                                                                                    \
+    case 8: rows_step(x, w, tile, m0, 8, format, out, out_stride, columns); break;                                     \
+    case 7: rows_step(x, w, tile, m0, 7, format, out, out_stride, columns); break;                                     \
+    case 6: rows_step(x, w, tile, m0, 6, format, out, out_stride, columns); break;                                     \
+    case 5: rows_step(x, w, tile, m0, 5, format, out, out_stride, columns); break;                                     \
+    case 4: rows_step(x, w, tile, m0, 4, format, out, out_stride, columns); break;                                     \
+    case 3: rows_step(x, w, tile, m0, 3, format, out, out_stride, columns); break;                                     \
+    case 2: rows_step(x, w, tile, m0, 2, format, out, out_stride, columns); break;                                     \
+    default: rows_step(x, w, tile, m0, 1, format, out, out_stride, columns); break;                                    \
+    }
+
+void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
+    for (long m0 = 0; m0 < x->rows; m0 += ROWS_PER_STEP) {
+        const int rows = (int)(x->rows - m0 < ROWS_PER_STEP ? x->rows - m0 : ROWS_PER_STEP);
+        if (w->format == FORMAT_ROW) {
+            STEP_CASES(FORMAT_ROW)
+        } else if (w->format == FORMAT_Q8_0) {
+            STEP_CASES(FORMAT_Q8_0)
+        } else {
+            STEP_CASES(FORMAT_Q4_1)
+        }
+    }
+}
+#else /* not x86-64: the library still links; int8_isa_supported never offers this path */
+void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
+    tile_reference(x, w, tile, out, out_stride, columns);
+}
+#endif
