@@ -12,7 +12,7 @@ KERNELS = "specdec/engine/kernels/"
 
 setup(ext_modules=[Extension(
     "specdec.engine.kernels._native",
-    sources=[KERNELS + name for name in ("int8_linear.c", "int8_linear_avx2.c", "int8_linear_avx512.c", "int8_linear_amx.c",
+    sources=[KERNELS + name for name in ("int8_linear.c", "int8_linear_avx2.c", "int8_linear_avx512.c", "int8_linear_amx.c", "rms_norm.c",
                                          "invariant_attention.c")],
     depends=[KERNELS + "int8_linear.h"],
     extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],

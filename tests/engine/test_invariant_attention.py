@@ -1,7 +1,9 @@
-"""The batch-invariant attention (specdec/engine/kernels) and what it buys (issue 44): on a
+"""The batch-invariant attention (specdec/engine/kernels) and what it buys (issues 44, 59): on a
 quantized target a token's logits are the same bits however the token is computed (decoded
-alone, verified in a chain or a tree, beside another sequence), so greedy speculation equals
-the baseline by construction, for every method."""
+alone, verified in a chain or a tree, beside another sequence, in a served batch of 16 x 17 rows
+beside a prompt chunk, after a chunked prefill), so greedy speculation equals the baseline by
+construction, for every method. The same checks run on the same weights with PyTorch's SDPA,
+and fail there: their negative control."""
 from __future__ import annotations
 
 import pytest
@@ -77,47 +79,89 @@ def quantized_target(request):
     return model
 
 
-def test_a_quantized_targets_logits_are_the_same_bits_decoded_verified_or_batched(quantized_target):
-    model = quantized_target
-    prompt = [(7 * j) % 1000 + 10 for j in range(45)]
-    other = [(11 * j) % 900 + 20 for j in range(23)]
-    new = [11, 12, 13, 14]
-
-    def prefilled(cache, tokens):
-        slot = cache.allocate()
-        model(build_batch([slot], [0], [tokens]), cache, last_only=True)
-        cache.commit(slot, range(len(tokens)))
-        return slot
-
-    cache = model.new_cache(2, 128, 16)
-    slot = prefilled(cache, prompt)
-    decoded = []
-    for i, token in enumerate(new):  # the baseline: one token a step
-        decoded.append(model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0])
-    decoded = torch.stack(decoded)
-
-    cache = model.new_cache(2, 128, 16)
-    slot = prefilled(cache, prompt)
-    chain = model(build_batch([slot], [len(prompt)], [new]), cache).logits[0]
-    assert torch.equal(chain, decoded)
-
-    # a tree: new[0] -> {99, new[1]}, new[1] -> {new[2], 98}, new[2] -> new[3]; nodes in
-    # breadth-first order, the accepted path at nodes 0, 2, 3, 5
-    tokens = [new[0], 99, new[1], new[2], 98, new[3]]
-    parents = [-1, 0, 0, 2, 2, 3]
-    depths = [0, 1, 1, 2, 2, 3]
-    mask = torch.zeros(6, 6, dtype=torch.bool)
+def _tree(parents: list[int]) -> torch.Tensor:
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
     for j, p in enumerate(parents):
         mask[j, j] = True
         while p >= 0:
             mask[j, p] = True
             p = parents[p]
+    return mask
+
+
+def _prefilled(model, cache, tokens: list[int]) -> int:
+    slot = cache.allocate()
+    model(build_batch([slot], [0], [tokens]), cache, last_only=True)
+    cache.commit(slot, range(len(tokens)))
+    return slot
+
+
+def _how_a_token_is_computed_changes_its_bits(model) -> list[str]:
+    """The cases where a token's logits are not the same bits as when it is decoded alone, one
+    token a step (the baseline): [] for an invariant forward."""
+    prompt = [(7 * j) % 1000 + 10 for j in range(45)]
+    other = [(11 * j) % 900 + 20 for j in range(23)]
+    new = [11, 12, 13, 14]
+    broken = []
+
     cache = model.new_cache(2, 128, 16)
-    slot = prefilled(cache, prompt)
-    other_slot = prefilled(cache, other)
-    out = model(build_batch([slot, other_slot], [len(prompt), len(other)], [tokens, [5]], depths=[depths, None],
-                            tree_masks=[mask, None]), cache).logits
-    assert torch.equal(out[0, [0, 2, 3, 5]], decoded)
+    slot = _prefilled(model, cache, prompt)
+    decoded = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0]
+                           for i, token in enumerate(new)])
+
+    cache = model.new_cache(2, 128, 16)
+    slot = _prefilled(model, cache, prompt)
+    if not torch.equal(model(build_batch([slot], [len(prompt)], [new]), cache).logits[0], decoded):
+        broken.append("chain")
+
+    # a tree: new[0] -> {99, new[1]}, new[1] -> {new[2], 98}, new[2] -> new[3]; nodes in
+    # breadth-first order, the accepted path at nodes 0, 2, 3, 5; beside another sequence
+    tokens = [new[0], 99, new[1], new[2], 98, new[3]]
+    cache = model.new_cache(2, 128, 16)
+    slot = _prefilled(model, cache, prompt)
+    other_slot = _prefilled(model, cache, other)
+    out = model(build_batch([slot, other_slot], [len(prompt), len(other)], [tokens, [5]], depths=[[0, 1, 1, 2, 2, 3], None],
+                            tree_masks=[_tree([-1, 0, 0, 2, 2, 3]), None]), cache).logits
+    if not torch.equal(out[0, [0, 2, 3, 5]], decoded):
+        broken.append("tree beside another sequence")
+
+    # a served batch's shape: 16 sequences, each a 17-node chain (the first ours), beside a prompt chunk
+    cache = model.new_cache(18, 128, 40)
+    slots = [_prefilled(model, cache, prompt if b == 0 else [(b * 13 + j) % 800 + 30 for j in range(20 + b)])
+             for b in range(16)]
+    chunk_slot = cache.allocate()
+    rows = [new + [(b + j) % 500 + 40 for j in range(13)] for b in range(16)]
+    chunk = [(5 * j) % 700 + 9 for j in range(33)]
+    out = model(build_batch(slots + [chunk_slot], [int(cache.lengths[s]) for s in slots] + [0], rows + [chunk]), cache).logits
+    if not torch.equal(out[0, :4], decoded):
+        broken.append("16 sequences of 17 rows and a prompt chunk")
+
+    # the prompt in two chunks (chunked prefill; the second attends to the first from the cache,
+    # as a prefix-cache hit does), then the same decode steps
+    cache = model.new_cache(2, 128, 16)
+    slot = cache.allocate()
+    model(build_batch([slot], [0], [prompt[:29]]), cache, last_only=True)
+    cache.commit(slot, range(29))
+    model(build_batch([slot], [29], [prompt[29:]]), cache, last_only=True)
+    cache.commit(slot, range(len(prompt) - 29))  # kept: the step's own positions
+    chunked = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0]
+                           for i, token in enumerate(new)])
+    if not torch.equal(chunked, decoded):
+        broken.append("chunked prefill / cached prefix")
+    return broken
+
+
+def test_a_quantized_targets_logits_are_the_same_bits_however_a_token_is_computed(quantized_target):
+    assert _how_a_token_is_computed_changes_its_bits(quantized_target) == []
+
+
+def test_the_same_checks_catch_a_forward_that_is_not_invariant(quantized_target):
+    """Negative control: the same weights with PyTorch's SDPA for attention (and its norms)."""
+    quantized_target.batch_invariant = False
+    try:
+        assert _how_a_token_is_computed_changes_its_bits(quantized_target) != []
+    finally:
+        quantized_target.batch_invariant = True
 
 
 @pytest.mark.parametrize("weight_format", ["gguf"])

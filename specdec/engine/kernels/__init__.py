@@ -9,6 +9,7 @@ differences grow into greedy flips: 38 of 48 prompts identical before the attent
 - `invariant_attention` (invariant_attention.c): each query row in a fixed order.
 - `int8_linear` (int8.py, int8_linear*.c): weight-only int8 linear layers whose cost is flat in
   rows at verification sizes and whose rows are bitwise independent of each other.
+- `rms_norm` (rms_norm.c): RMSNorm, optionally after the residual add, in one pass per row.
 
 With both, a quantized target's whole forward is row-invariant and greedy speculation equals the
 baseline by construction (tests/engine/test_invariant_attention.py, test_int8_kernels.py).
@@ -46,6 +47,7 @@ _SIGNATURES = {
     "int8_pack": (_int, [_ptr, _long, _long, _int, _int, _ptr]),
     "int8_isa_supported": (_int, [_int]),
     "int8_best_isa": (_int, []),
+    "rms_norm_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _long, _long, _float, _int]),
 }
 
 
@@ -130,4 +132,20 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Ten
         out.data_ptr(), B, H, KVH, N, C, D, D ** -0.5, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"invariant_attention failed ({status})")
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """RMSNorm of each row of x [..., n] (float32, contiguous). With residual: x += residual first,
+    in place (x is the residual stream), and the norm is of the sum. Returns a new tensor."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or weight.dtype != torch.float32:
+        raise TypeError("rms_norm takes contiguous float32 rows and a float32 weight")
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape):
+        raise TypeError("the residual must be float32 and shaped like x")
+    if residual is not None and not residual.is_contiguous():
+        residual = residual.contiguous()
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    native().rms_norm_rows(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads())
     return out

@@ -14,6 +14,9 @@
 
 
 #define ROWS_PER_STEP 8
+#ifndef PREFETCH
+#define PREFETCH 16
+#endif
 
 static inline __attribute__((always_inline)) __m512i broadcast_codes(const int8_t *codes) {
     int32_t four;
@@ -33,6 +36,7 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
         for (int q = 0; q < QBLOCK / 4; q++) {
             const __m512i wv = _mm512_loadu_si512(weight + b * (QBLOCK / 4) + q);
+            if (m0 == 0) _mm_prefetch((const char *)(weight + b * (QBLOCK / 4) + q + PREFETCH), _MM_HINT_T0);
             for (int r = 0; r < rows; r++)
                 dot[r] = _mm512_dpbusd_epi32(dot[r], wv, broadcast_codes(x->codes + (m0 + r) * k + b * QBLOCK + q * 4));
         }
