@@ -10,6 +10,9 @@ differences grow into greedy flips: 38 of 48 prompts identical before the attent
 - `int8_linear` (int8.py, int8_linear*.c): weight-only int8 linear layers whose cost is flat in
   rows at verification sizes and whose rows are bitwise independent of each other.
 - `rms_norm` (rms_norm.c): RMSNorm, optionally after the residual add, in one pass per row.
+- `rope_and_cache` (rope_cache.c), `silu_mul` (silu_mul.c): RoPE with the KV cache write, and the
+  gated MLP's activation, each one pass (fixed_math.h: an exponential with the same bits on every
+  build).
 
 With both, a quantized target's whole forward is row-invariant and greedy speculation equals the
 baseline by construction (tests/engine/test_invariant_attention.py, test_int8_kernels.py).
@@ -41,9 +44,12 @@ _failure: str | None = None
 
 _long, _ptr, _int, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "invariant_attention": (_int, [_ptr] + [_long] * 3 + [_ptr] * 2 + [_long] * 3 + [_ptr] + [_long] * 2 + [_ptr]
+    "invariant_attention": (_int, [_ptr] + [_long] * 3 + [_ptr] * 2 + [_long] * 3 + [_ptr] * 2 + [_long] * 2 + [_ptr]
                             + [_long] * 6 + [_float, _int]),
-    "int8_linear": (_int, [_int, _int, _ptr, _long, _long, _long, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _int]),
+    "rope_and_cache": (_int, [_ptr, _long, _long, _long, _long, _ptr, _ptr, _ptr, _ptr, _ptr, _long, _long, _long, _ptr,
+                              _ptr, _int]),
+    "silu_mul": (_int, [_ptr, _ptr, _long, _long, _int]),
+    "int8_linear": (_int, [_int, _int, _ptr, _long, _long, _ptr, _ptr, _ptr, _ptr, _long, _long, _ptr, _long, _int]),
     "int8_pack": (_int, [_ptr, _long, _long, _int, _int, _ptr]),
     "int8_isa_supported": (_int, [_int]),
     "int8_best_isa": (_int, []),
@@ -108,30 +114,67 @@ def reset() -> None:
         _library, _failure = None, None
 
 
-def invariant_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+def invariant_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, slots: Tensor | None = None,
+                        columns: int | None = None) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over the allowed columns, each row in a fixed order.
 
-    q [B, H, N, D]; k, v [B, KVH, C, D] (views of the cache are fine: only the last dimension
-    must be contiguous, and k and v strided alike); allowed [B, N, C'] bool with C' >= C (columns
-    past C are never read). Returns a contiguous float32 [B, H, N, D]."""
+    q [B, H, N, D]; k, v [S, KVH, C, D] (the KV cache's layer itself, or views of it: only the
+    last dimension must be contiguous, and k and v strided alike); row b reads k[slots[b]]
+    (slots: int64 [B]) or, without slots, k[b]; columns: how many of the C columns to read
+    (default all). allowed [B, N, C'] bool with C' >= columns (columns past them are never read).
+    Returns float32 [B, H, N, D]: a view of a contiguous [B, N, H, D] (the output projection's layout)."""
     library = native()
     B, H, N, D = q.shape
-    KVH, C = k.shape[1], k.shape[2]
+    KVH = k.shape[1]
+    C = k.shape[2] if columns is None else columns
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
         raise TypeError("invariant_attention runs in float32")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or k.stride() != v.stride():
         raise ValueError("q, k, v need a contiguous last dimension, and k and v the same strides")
+    if slots is not None and (slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != B):
+        raise ValueError("slots: int64 [B], contiguous")
     mask = allowed[..., :C]
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    out = torch.empty(B, H, N, D, dtype=torch.float32)
+    out = torch.empty(B, N, H, D, dtype=torch.float32)
     status = library.invariant_attention(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        mask.data_ptr(), mask.stride(0), mask.stride(1),
+        None if slots is None else slots.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(1),
         out.data_ptr(), B, H, KVH, N, C, D, D ** -0.5, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"invariant_attention failed ({status})")
+    return out.transpose(1, 2)
+
+
+def rope_and_cache(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int, k_cache: Tensor, v_cache: Tensor,
+                   slot: Tensor, column: Tensor) -> Tensor:
+    """RoPE on the queries and keys of qkv [T, (heads + 2 kv_heads) D] (cos, sin [T, D], sin's first
+    half negated), each row's key and value written to the cache layer ([slots, kv_heads, capacity,
+    D]) at slot[t], column column[t] (int64 [T]). Returns the rotated queries [T, heads * D]."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (heads + 2 * kv_heads)
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise TypeError(f"rope_and_cache: {name} must be contiguous float32")
+    if k_cache.dtype != torch.float32 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise TypeError("rope_and_cache: the cache must be float32, its last dimension contiguous, k and v alike")
+    q = torch.empty(T, heads * D, dtype=torch.float32)
+    status = native().rope_and_cache(qkv.data_ptr(), T, heads, kv_heads, D, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                                     k_cache.stride(2), slot.data_ptr(), column.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"rope_and_cache failed ({status})")
+    return q
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up [..., 2 I] (gate first, as the fused projection stores them)."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
+        raise TypeError("silu_mul takes contiguous float32")
+    I = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], I, dtype=torch.float32)
+    native().silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * I), I, torch.get_num_threads())
     return out
 
 

@@ -8,7 +8,8 @@ path (the AVX-512 VNNI and AVX2 paths equal the plain C reference bit for bit).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -57,6 +58,7 @@ class PackedInt8:
     column_scale: Tensor | None  # ROW: float32 [tiles * 16]
     block_scale: Tensor | None  # Q8_0, Q4_1: float32 [tiles, K / 32, 16]
     block_offset: Tensor | None  # Q4_1: float32 [tiles, K / 32, 16]
+    _call: list = field(default_factory=list, repr=False, compare=False)  # the kernel with this weight bound (once)
 
     @classmethod
     def pack(cls, codes: Tensor, fmt: int, column_scale: Tensor | None = None, block_scale: Tensor | None = None,
@@ -87,8 +89,15 @@ class PackedInt8:
                 if (t := getattr(self, name)) is not None}
 
 
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    def bound(self):
+        """The kernel call with this weight's arguments bound: a decode step makes 121 of these calls,
+        and converting the same eight arguments each time was a tenth of the call's cost."""
+        if not self._call:
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            self._call.append(functools.partial(kernels.native().int8_linear, self.isa, self.format, self.packed.data_ptr(),
+                                                self.out_features, self.in_features, ptr(self.column_scale),
+                                                ptr(self.block_scale), ptr(self.block_offset)))
+        return self._call[0]
 
 
 def int8_linear(x: Tensor, weight: PackedInt8, threads: int | None = None) -> Tensor:
@@ -97,13 +106,10 @@ def int8_linear(x: Tensor, weight: PackedInt8, threads: int | None = None) -> Te
     rows = x.reshape(-1, k)
     if rows.dtype != torch.float32:
         rows = rows.float()
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+    if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    status = kernels.native().int8_linear(
-        weight.isa, weight.format, rows.data_ptr(), rows.shape[0], k, k, weight.packed.data_ptr(), n,
-        _ptr(weight.column_scale), _ptr(weight.block_scale), _ptr(weight.block_offset), out.data_ptr(), n,
-        threads or torch.get_num_threads())
+    status = weight.bound()(rows.data_ptr(), rows.shape[0], k, out.data_ptr(), n, threads or torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"int8_linear failed ({status})")
     return out.view(*x.shape[:-1], n)

@@ -130,9 +130,10 @@ void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, 
 #define ROW_CHUNK 128
 
 /* y [m][n] (stride y_stride) = x [m][k] (stride x_stride) times the packed weight.
- * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. */
-int int8_linear(int isa, int format, const float *x, long m, long k, long x_stride, const uint8_t *packed,
-                long n, const float *column_scale, const float *block_scale, const float *block_offset, float *y,
+ * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. The
+ * weight's arguments come first: the caller binds them once per layer. */
+int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, const float *column_scale,
+                const float *block_scale, const float *block_offset, const float *x, long m, long x_stride, float *y,
                 long y_stride, int threads) {
     if (!int8_isa_supported(isa)) return 1;
     if (k % QBLOCK != 0 || m < 0 || n <= 0) return 2;

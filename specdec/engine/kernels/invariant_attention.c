@@ -13,14 +13,15 @@
  * every query row of the kv head: no horizontal sums); the softmax max, the exponent sum
  * and the weighted sum of values column after column (a masked column's weight is exactly 0 and
  * adds nothing to the sum; its values are never read). Rows run in parallel (OpenMP); a row is
- * never split; work items are (sequence, kv head, up to CHUNK query positions). The exponential is our own (exp_fixed), a fixed sequence of float operations the
- * compiler vectorizes: libm's expf, one call per column, was most of a verification step's
+ * never split; work items are (sequence, kv head, up to CHUNK query positions). The exponential
+ * is our own (fixed_math.h): libm's expf, one call per column, was most of a verification step's
  * attention time.
  *
  * q   [B, H, N, D]   strides q_b, q_h, q_n; D contiguous
- * k,v [B, KVH, C, D] strides kv_b, kv_h, kv_c (the same for k and v); D contiguous
+ * k,v [slots, KVH, C, D] strides kv_b, kv_h, kv_c (the same for k and v); D contiguous; row b
+ *                    reads slot slots[b] (the KV cache itself: no gathered copy), or b if slots is NULL
  * allowed [B, N, C]  bytes (0 / 1), strides m_b, m_n; C contiguous
- * out [B, H, N, D]   contiguous
+ * out [B, N, H, D]   contiguous (the layout the output projection reads)
  * Head h reads kv head h / (H / KVH) (grouped-query attention).
  *
  * The work item is compiled three times, for AVX-512, AVX2 and the baseline, and picked from the
@@ -30,39 +31,18 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "fixed_math.h"
 
 #define COLUMNS 16 /* keys per transposed block: one per lane */
 #define CHUNK 64    /* query positions per work item, at most */
 #define ROWS 8      /* query rows scored together against one block of keys */
 
-/* e^x for x <= 0 (softmax weights after the max is subtracted), within 2 ulp: Cody-Waite range
- * reduction and Cephes' expf polynomial. Plain float operations only, so every build and every
- * vector width gives the same bits (-ffp-contract=off). x < -87 (and -inf) gives 0. */
-static inline __attribute__((always_inline)) float exp_fixed(float x) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds half to even */
-    const float zero_below = x; /* e^x < 2^-125: 0 (a masked column's -inf too) */
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504088896341f + magic) - magic;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 0] */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return zero_below < -87.0f ? 0.0f : p * two_n;
-}
-
 typedef struct {
     const float *q, *k, *v;
     long q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, group;
     const unsigned char *allowed;
+    const int64_t *slots;
     float *out, scale;
 } attention_call;
 
@@ -73,8 +53,9 @@ static inline __attribute__((always_inline)) void attend_item(const attention_ca
                                                               float *keys, float *score, float *acc, float *allowed,
                                                               const long D) {
     const long C = a->C, positions = n1 - n0, rows = a->group * positions;
-    const float *kr = a->k + b * a->kv_b + g * a->kv_h;
-    const float *vr = a->v + b * a->kv_b + g * a->kv_h;
+    const long slot = a->slots ? (long)a->slots[b] : b;
+    const float *kr = a->k + slot * a->kv_b + g * a->kv_h;
+    const float *vr = a->v + slot * a->kv_b + g * a->kv_h;
     for (long c0 = 0; c0 < C; c0 += COLUMNS) {
         const long width = C - c0 < COLUMNS ? C - c0 : COLUMNS;
         for (long d = 0; d < D; d++)
@@ -97,7 +78,7 @@ static inline __attribute__((always_inline)) void attend_item(const attention_ca
     for (long r = 0; r < rows; r++) {
         const long h = g * a->group + r / positions, n = n0 + r % positions;
         const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
-        float *sr = score + r * C, *o = a->out + ((b * a->H + h) * a->N + n) * D;
+        float *sr = score + r * C, *o = a->out + ((b * a->N + n) * a->H + h) * D;
         for (long c = 0; c < C; c++) allowed[c] = (float)mask[c]; /* float, so the selects below vectorize */
         float best = -INFINITY;
         for (long c = 0; c < C; c++) best = allowed[c] != 0.0f && sr[c] > best ? sr[c] : best;
@@ -150,11 +131,12 @@ static item_kernel pick_item_kernel(void) {
 
 int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         const float *k, const float *v, long kv_b, long kv_h, long kv_c,
-                        const unsigned char *allowed, long m_b, long m_n,
+                        const int64_t *slots, const unsigned char *allowed, long m_b, long m_n,
                         float *out, long B, long H, long KVH, long N, long C, long D,
                         float scale, int threads) {
     if (H % KVH != 0) return 1;
-    const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, out, scale};
+    const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, slots, out,
+                              scale};
     const item_kernel kernel = pick_item_kernel();
     /* positions per item: at most CHUNK, and small enough that every thread gets work */
     long chunk = N < CHUNK ? N : CHUNK;

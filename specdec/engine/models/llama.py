@@ -190,6 +190,8 @@ class Attention(nn.Module):
         B, N = batch.tokens.shape
         h, kvh = self.n_heads, self.n_kv
         qkv = self.wqkv(x).to(x.dtype)  # to the cache dtype
+        if step.invariant and not self.qk_norm:
+            return self.wo(self._invariant(qkv, step, cache))
         if step.packing is not None:
             return self.wo(self._packed(qkv, step, cache))
         qkv = qkv.view(B, N, h + 2 * kvh, self.hd)
@@ -216,6 +218,27 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd))
+
+    def _invariant(self, qkv: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        """The invariant forward's attention (the quantized formats): RoPE and the cache write in one
+        kernel pass over the new tokens, then the batch-invariant kernel reading every row's slot in
+        the cache itself. Rows padded [B, N] or packed [T] (real tokens only; unpacked for attention)."""
+        h, kvh, hd = self.n_heads, self.n_kv, self.hd
+        batch, packing = step.batch, step.packing
+        B, N = batch.tokens.shape
+        rows = qkv.reshape(-1, qkv.shape[-1])
+        if packing is not None:
+            cos, sin, slot, column, columns = packing.cos, packing.sin, packing.token_slot, packing.token_position, packing.context
+        else:
+            cos, sin, slot, column, columns = step.cos, step.sin, step.row_slot, step.row_column, batch.context_len
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
+        q = kernels.rope_and_cache(rows, cos.reshape(-1, hd), sin.reshape(-1, hd), h, kvh, k_cache, v_cache, slot, column)
+        if packing is not None:
+            q = packing.unpack(q)
+        q = q.view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
+        out = invariant_attention(q, k_cache, v_cache, batch.attn_mask[:, 0], slots=batch.slots, columns=columns)
+        out = out.transpose(1, 2).reshape(B, N, h * hd)  # contiguous already: a view
+        return packing.pack(out) if packing is not None else out
 
     def _context(self, batch: ForwardBatch, cache: KVCache, columns: int) -> tuple[Tensor, Tensor]:
         """Every row's cached keys and values [B, kvh, columns, hd]: views when slots are contiguous."""
@@ -292,8 +315,12 @@ class MLP(nn.Module):
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's gate; SiLU otherwise
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+    def forward(self, x: Tensor, fused: bool = False) -> Tensor:
+        """fused: silu(gate) * up in one kernel pass (the invariant forward)."""
+        gate_up = self.w13(x)
+        if fused and not self.gelu:
+            return self.w2(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up))
 
 
@@ -318,7 +345,7 @@ class Block(nn.Module):
             normed = kernels.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
             x = x.clone()  # the caller's x (a tap, the embedding) stays as it was
             normed = kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, residual=self.attn(normed, step, cache))
-            return x.add_(self.mlp(normed))
+            return x.add_(self.mlp(normed, fused=True))
         x = x + self.attn(self.attn_norm(x), step, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -407,6 +434,8 @@ class Step:
     packing: Packing | None = None  # the residual stream is [T, H] (real tokens only) when set
     rest_mask: Tensor | None = None  # [R, 1, M, C] of the long rows' later tokens (packing.split); mask is then the first tokens'
     invariant: bool = False  # attention by kernels.invariant_attention on batch.attn_mask (mask unused)
+    row_slot: Tensor | None = None  # invariant, unpacked: [B * N] int64 cache slot of every row's token
+    row_column: Tensor | None = None  # invariant, unpacked: [B * N] int64 cache column it writes
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -424,7 +453,10 @@ def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack
     p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
     packing = Packing(batch, cos, sin, split=not invariant) if pack and Packing.worth_it(batch.num_new) else None
     if invariant:
-        return Step(batch, cos, sin, torch.empty(0), p0, packing, invariant=True)
+        B, N = batch.tokens.shape
+        row_slot = batch.slots[:, None].expand(B, N).reshape(-1).contiguous()
+        return Step(batch, cos, sin, torch.empty(0), p0, packing, invariant=True, row_slot=row_slot,
+                    row_column=batch.write_index.reshape(-1).contiguous())
     if packing is not None and batch.fresh_prompts:
         mask = torch.empty(0)  # attention runs per prompt, causally (Attention._packed)
     elif packing is not None and packing.split is not None:

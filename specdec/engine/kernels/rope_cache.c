@@ -1,0 +1,64 @@
+/* RoPE on the new tokens' queries and keys, and their keys and values written to the KV cache,
+ * in one pass (specdec/engine/kernels): on the invariant forward this replaces a dozen PyTorch
+ * operators per layer (views, roll, multiply-adds, transposes, two scattered cache writes), about
+ * a third of a decode step's time outside the matmuls. Per row, elementwise: a row's bits never
+ * depend on the rows beside it.
+ *
+ * qkv   [T][(H + 2 KVH) D]  one row per new token: queries, keys, values
+ * cos, sin [T][D]           the row's rotation (sin's first half negated: HF's rotate-half as a roll)
+ * q_out [T][H D]            the rotated queries
+ * k, v  the layer's cache [slots][KVH][capacity][D], strides s_slot, s_head, s_col; row t writes
+ *       column column[t] of slot slot[t] (rotated key, value)
+ */
+#include <stdint.h>
+
+static inline __attribute__((always_inline)) void rotate(const float *x, const float *cos, const float *sin, float *out,
+                                                         long D) {
+    const long half = D / 2;
+    for (long i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (long i = half; i < D; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+static inline __attribute__((always_inline)) void rope_row(const float *qkv, long t, long H, long KVH, long D,
+                                                           const float *cos, const float *sin, float *q_out, float *k,
+                                                           float *v, long s_slot, long s_head, long s_col,
+                                                           const int64_t *slot, const int64_t *column) {
+    const float *row = qkv + t * (H + 2 * KVH) * D, *c = cos + t * D, *s = sin + t * D;
+    for (long h = 0; h < H; h++) rotate(row + h * D, c, s, q_out + (t * H + h) * D, D);
+    const long at = slot[t] * s_slot + column[t] * s_col;
+    for (long h = 0; h < KVH; h++) {
+        rotate(row + (H + h) * D, c, s, k + at + h * s_head, D);
+        const float *value = row + (H + KVH + h) * D;
+        float *dst = v + at + h * s_head;
+        for (long i = 0; i < D; i++) dst[i] = value[i];
+    }
+}
+
+typedef void (*rope_kernel)(const float *, long, long, long, long, const float *, const float *, float *, float *,
+                            float *, long, long, long, const int64_t *, const int64_t *);
+
+#define ROPE_ARGS                                                                                                      \
+    const float *qkv, long t, long H, long KVH, long D, const float *cos, const float *sin, float *q_out, float *k,     \
+        float *v, long s_slot, long s_head, long s_col, const int64_t *slot, const int64_t *column
+#define ROPE_CALL rope_row(qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column)
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void rope_avx512(ROPE_ARGS) { ROPE_CALL; }
+__attribute__((target("avx2"))) static void rope_avx2(ROPE_ARGS) { ROPE_CALL; }
+#endif
+static void rope_baseline(ROPE_ARGS) { ROPE_CALL; }
+
+int rope_and_cache(const float *qkv, long T, long H, long KVH, long D, const float *cos, const float *sin, float *q_out,
+                   float *k, float *v, long s_slot, long s_head, long s_col, const int64_t *slot,
+                   const int64_t *column, int threads) {
+    if (D % 2 != 0) return 1;
+    rope_kernel kernel = rope_baseline;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) kernel = rope_avx512;
+    else if (__builtin_cpu_supports("avx2")) kernel = rope_avx2;
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= 64)
+    for (long t = 0; t < T; t++) kernel(qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column);
+    return 0;
+}
