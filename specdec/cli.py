@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-drafters", help="every drafting family side by side (MAL, draft ms, tok/s vs baseline), in process -> results/drafters/")
     sub.add_parser("check-stops", help="stop strings: every method ends where the baseline ends (text, ids, reason) -> results/stops/")
     sub.add_parser("bench-formats", help="the target's plain decode in each weight format (float32, bfloat16, int8, gguf) -> results/quantized/")
+    sub.add_parser("format-quality", help="each quantized format's next-token distribution vs float32 (KL, top-1) -> results/quantized/")
     sub.add_parser("bench-peers", help="llama.cpp (plain, its speculation) beside our server on the same GGUF, c=1 and 16 -> results/peers/")
     sub.add_parser("greedy-margin", help="greedy identity as a margin: baseline top-1/top-2 gaps vs each method's logit distance -> results/identity/")
     sub.add_parser("readme-tables", help="render the README's results tables from results/ (--check: fail when they differ)")
@@ -201,6 +202,7 @@ OWN_FLAGS = {
     "check-stops": ("specdec.tools.check_stops", "main"),
     "greedy-margin": ("specdec.tools.greedy_margin", "main"),
     "bench-formats": ("specdec.tools.bench_formats", "main"),
+    "format-quality": ("specdec.tools.format_quality", "main"),
     "bench-peers": ("specdec.tools.bench_peers", "main"),
     "readme-tables": ("specdec.tools.readme_tables", "main"),
     "trtllm-config": ("trtllm_repository", "main"),

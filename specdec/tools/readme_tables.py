@@ -57,7 +57,15 @@ def provenance(path: str) -> tuple[str, str, str]:
 # Sources measured before a change that moves their figures, with the command that refreshes
 # them: the table stays (it is what was measured) and says so.
 INT8_DEFAULT = "the int8 weight default (float32 weights then)"
+INT8_KERNELS = "the row-invariant int8 kernels (issue 59; PyTorch's int8 kernels then)"
 HISTORY = {
+    "results/quantized/formats.json": (INT8_KERNELS, "make bench-formats"),
+    "results/peers/peers.json": (INT8_KERNELS, "make bench-peers"),
+    "results/bench/matrix-greedy/summary.json": (INT8_KERNELS, "make bench-matrix"),
+    "results/identity/int8.json": (INT8_KERNELS, "make greedy-margin"),
+    "results/identity/gguf.json": (INT8_KERNELS, "make greedy-margin"),
+    "results/gemma/c1/summary.json": (INT8_KERNELS, "make bench-gemma"),
+    "results/gemma/smollm2-c1/summary.json": (INT8_KERNELS, "make bench-gemma"),
     "results/bench/heads-greedy/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
     "results/bench/heads-t07/summary.json": (f"in-flight batching (979e861), the v5 head and {INT8_DEFAULT}", "make bench-heads"),
     "results/bench/v5-greedy/summary.json": (f"in-flight batching (979e861) and {INT8_DEFAULT}", "make bench-v5"),
@@ -299,6 +307,37 @@ def weight_formats() -> Table:
     return Table(table(header, rows), [path])
 
 
+def verify_cost() -> Table:
+    """The whole int8 / gguf forward against rows verified, this tree and the commit before the
+    kernels, side by side in one run (python -m specdec.tools.experiments.kernels.forward_vs_commit)."""
+    path = "results/kernels/forward_vs_2e7831c.json"
+    data = read(path)
+    rows = []
+    for name, r in data["formats"].items():
+        for tree in ("before", "after"):
+            ms = r["forward_ms"][tree]
+            label = f"{name}, {data['before'] if tree == 'before' else 'the row-invariant kernels'}"
+            rows.append([label, *(f"{ms[k]:.1f}" for k in ("1", "2", "4", "8", "16", "32", "b16_k1")),
+                         f"{ms['16'] / ms['1']:.2f}"])
+    header = ["weights, kernels", "1 row (ms)", "2", "4", "8", "16", "32", "16 sequences x 1 row", "16 rows / 1 row"]
+    return Table(table(header, rows), [path])
+
+
+def format_quality() -> Table:
+    """Each quantized format's next-token distribution against float32 (specdec format-quality)."""
+    path = "results/quantized/quality.json"
+    data = read(path)
+    rows = [[f"ours, {name}", f"{r['positions']:,}", f"{r['top1_agreement']:.4f}", f"{r['kl_mean']:.5f}",
+             f"{r['kl_median']:.5f}", f"{r['kl_p99']:.5f}"] for name, r in data["formats"].items()]
+    peer = data.get("llama_cpp_q4_1")
+    if peer:
+        rows.append(["llama.cpp, its Q4_1 file", f"{data['windows']} windows", f"{peer.get('top1_agreement', float('nan')):.4f}",
+                     f"{peer.get('kl_mean', float('nan')):.5f}", f"{peer.get('kl_median', float('nan')):.5f}",
+                     f"{peer.get('kl_p99', float('nan')):.5f}"])
+    header = ["engine, weights", "positions", "top-1 agreement with float32", "mean KL", "median KL", "99th percentile KL"]
+    return Table(table(header, rows), [path])
+
+
 def peers() -> Table:
     """llama.cpp beside us (make bench-peers): one row per engine and mode, c=1 and c=16 of
     the same run, ratios over llama.cpp plain (the run's baseline)."""
@@ -341,6 +380,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "v5": v5,
     "greedy-margin": greedy_margin,
     "weight-formats": weight_formats,
+    "verify-cost": verify_cost,
+    "format-quality": format_quality,
     "peers": peers,
     "second-model": second_model,
 }
