@@ -16,7 +16,7 @@ setup(ext_modules=[Extension(
         "int8_linear.c", "int8_linear_avx2.c", "int8_linear_avx512.c", "int8_linear_amx.c",  # weight-only int8 matmuls
         "invariant_attention.c", "rms_norm.c", "rope_cache.c", "silu_mul.c",  # the rest of the invariant forward
     )],
-    depends=[KERNELS + "int8_linear.h", KERNELS + "fixed_math.h"],
+    depends=[KERNELS + name for name in ("int8_linear.h", "fixed_math.h", "vector_paths.h")],
     extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],
     libraries=["m"],

@@ -54,7 +54,7 @@ class PackedInt8:
     out_features: int
     in_features: int
     isa: int
-    packed: Tensor  # uint8 [tiles, K / 4, 16, 4]
+    packed: Tensor  # uint8 [tiles, K / 4, 16, 4]; Q4_1 [tiles, K / 8, 16, 4] (nibbles)
     column_scale: Tensor | None  # ROW: float32 [tiles * 16]
     block_scale: Tensor | None  # Q8_0, Q4_1: float32 [tiles, K / 32, 16]
     block_offset: Tensor | None  # Q4_1: float32 [tiles, K / 32, 16]
@@ -73,7 +73,8 @@ class PackedInt8:
             raise ValueError(f"this CPU does not run the {ISA.NAMES.get(isa, isa)} path")
         tiles = -(-n // TILE_N)
         codes8 = codes.to(torch.int8).contiguous()
-        packed = torch.empty(tiles, k // 4, TILE_N, 4, dtype=torch.uint8)
+        quads = k // 8 if fmt == Format.Q4_1 else k // 4  # Q4_1: two codes a byte, as the file holds them
+        packed = torch.empty(tiles, quads, TILE_N, 4, dtype=torch.uint8)
         if kernels.native().int8_pack(codes8.data_ptr(), n, k, fmt, isa, packed.data_ptr()) != 0:
             raise ValueError(f"int8_pack refused a [{n}, {k}] weight")
         if fmt == Format.ROW:

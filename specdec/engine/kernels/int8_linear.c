@@ -46,7 +46,8 @@ static tile_kernel kernel_for(int isa) {
 }
 
 /* ---- packing ------------------------------------------------------------------------------- */
-/* codes [n][k] (int8 for ROW and Q8_0; 0..15 for Q4_1) -> out [tiles][k / 4][16][4]. */
+/* codes [n][k] (int8 for ROW and Q8_0; 0..15 for Q4_1) -> out [tiles][k / 4][16][4] (Q4_1:
+ * [tiles][k / 8][16][4], two codes a byte). */
 int int8_pack(const int8_t *codes, long n, long k, int format, int isa, uint8_t *out) {
     if (k % QBLOCK != 0 || n <= 0) return 1;
     const long tiles = (n + TILE_N - 1) / TILE_N, quads = k / 4;
@@ -55,9 +56,15 @@ int int8_pack(const int8_t *codes, long n, long k, int format, int isa, uint8_t 
         for (long q = 0; q < quads; q++)
             for (long c = 0; c < TILE_N; c++) {
                 const long col = t * TILE_N + c;
-                uint8_t *dst = out + ((t * quads + q) * TILE_N + c) * 4;
-                for (int j = 0; j < 4; j++)
-                    dst[j] = (uint8_t)(col < n ? codes[col * k + q * 4 + j] + bias : bias);
+                for (int j = 0; j < 4; j++) {
+                    const int code = col < n ? codes[col * k + q * 4 + j] : 0;
+                    if (format == FORMAT_Q4_1) {
+                        uint8_t *dst = out + t * (k / 4) * QUAD_BYTES(format) + ((q / 2) * TILE_N + c) * 4 + j;
+                        *dst = q % 2 ? (uint8_t)(*dst | code << 4) : (uint8_t)(code & 0x0F);
+                    } else {
+                        out[((t * quads + q) * TILE_N + c) * 4 + j] = (uint8_t)(code + bias);
+                    }
+                }
             }
     return 0;
 }
@@ -96,7 +103,7 @@ static void quantize_row(const float *x, long k, int8_t *codes, float *scale, in
 void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
     const long quads = w->k / 4, blocks = x->blocks;
     const int is_signed = w->format != FORMAT_Q4_1; /* packed with no bias for this path: int8 codes */
-    const uint8_t *base = w->packed + tile * quads * TILE_N * 4;
+    const uint8_t *base = w->packed + tile * quads * QUAD_BYTES(w->format);
     for (long m = 0; m < x->rows; m++)
         for (long c = 0; c < columns; c++) {
             float acc = 0.0f;
@@ -105,8 +112,8 @@ void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, 
                 for (long q = b * (QBLOCK / 4); q < (b + 1) * (QBLOCK / 4); q++)
                     for (int j = 0; j < 4; j++)
                     {
-                        const uint8_t stored = base[(q * TILE_N + c) * 4 + j];
-                        dot += (is_signed ? (int32_t)(int8_t)stored : (int32_t)stored) * x->codes[m * x->k + q * 4 + j];
+                        const int32_t code = is_signed ? (int8_t)base[(q * TILE_N + c) * 4 + j] : q4_code(base, q * 4 + j, c);
+                        dot += code * x->codes[m * x->k + q * 4 + j];
                     }
                 const float a_s = x->scale[m * blocks + b];
                 const long wb = (tile * blocks + b) * TILE_N + c;

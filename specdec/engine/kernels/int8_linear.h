@@ -21,7 +21,10 @@
  * Packed weight: columns in tiles of TILE_N = 16 (N padded with zero columns), inputs in quads:
  * byte [tile][k / 4][column % 16][k % 4], the layout vpdpbusd reads (16 int32 lanes, 4 bytes
  * each). Signed codes (ROW, Q8_0) are stored + `bias` (128 for the AVX-512 and AMX paths, whose
- * unsigned operand they are; 0 for the AVX2 path and the reference). Q4_1 codes are stored as they are (0..15).
+ * unsigned operand they are; 0 for the AVX2 path and the reference). Q4_1 codes (0..15) keep the
+ * file's density, two to a byte: byte [tile][k / 8][column % 16][k % 4] holds quad 2p in its low
+ * nibble and quad 2p + 1 in its high one (p = k / 8), so one 64-byte load gives two quads' vectors
+ * after a mask and a shift (q4_code() reads one).
  * Per-block weight scales (Q8_0's w_s, Q4_1's d and m): float [tile][K / 32][16].
  */
 #ifndef SPECDEC_INT8_LINEAR_H
@@ -38,6 +41,15 @@ enum isa { ISA_REFERENCE = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AMX = 3 };
 /* Activation codes are allocated for a multiple of PAD_ROWS rows, the padding zero (AMX reads 16 rows). */
 #define PAD_ROWS 16
 
+/* Bytes of a packed weight row-tile per 4 inputs: 64, or 32 for Q4_1's nibbles. */
+#define QUAD_BYTES(format) ((format) == FORMAT_Q4_1 ? TILE_N * 2 : TILE_N * 4)
+
+/* Q4_1's code for input k of column c in a tile's packed bytes. */
+static inline uint8_t q4_code(const uint8_t *tile_bytes, long k, long c) {
+    const uint8_t byte = tile_bytes[((k / 8) * TILE_N + c) * 4 + k % 4];
+    return (k / 4) % 2 ? byte >> 4 : byte & 0x0F;
+}
+
 /* The activations of one call, quantized once and shared by every column tile. */
 typedef struct {
     long rows, k, blocks;  /* blocks = k / QBLOCK */
@@ -51,7 +63,7 @@ typedef struct {
 typedef struct {
     int format;
     long n, k, tiles;          /* tiles = ceil(n / TILE_N) */
-    const uint8_t *packed;     /* [tiles][k / 4][16][4] */
+    const uint8_t *packed;     /* [tiles][k / 4][16][4], Q4_1: [tiles][k / 8][16][4] (nibbles) */
     const float *column_scale; /* ROW: [tiles * 16] */
     const float *block_scale;  /* Q8_0, Q4_1: [tiles][k / 32][16] */
     const float *block_offset; /* Q4_1: [tiles][k / 32][16] */

@@ -59,22 +59,32 @@ static inline __attribute__((always_inline)) void rows16(const quantized_rows *x
                                                          long columns) {
     const long k = x->k, blocks = x->blocks, quads = k / 4;
     const int rows = (int)(x->rows - m0 < AMX_ROWS ? x->rows - m0 : AMX_ROWS);
-    const uint8_t *weight = w->packed + tile * quads * TILE_N * 4;
+    const uint8_t *weight = w->packed + tile * quads * QUAD_BYTES(format);
+    uint8_t unpacked[QBLOCK / 4][TILE_N * 4] __attribute__((aligned(64))); /* Q4_1: one block's quads, a byte each */
     /* every block's products first, then every block's epilogue: a vector load right after the
      * tile store that wrote it stalls, so the two phases are kept apart */
     int32_t sums[MAX_BLOCKS][AMX_ROWS][TILE_N] __attribute__((aligned(64)));
     for (long b = 0; b < blocks; b++) {
         const int t = (int)(b & 1);
+        const uint8_t *block = weight + b * (QBLOCK / 4) * TILE_N * 4;
+        if (format == FORMAT_Q4_1) {
+            for (int pair = 0; pair < QBLOCK / 8; pair++) {
+                const __m512i both = _mm512_loadu_si512(weight + (b * (QBLOCK / 8) + pair) * 64);
+                _mm512_store_si512(unpacked[2 * pair], _mm512_and_si512(both, _mm512_set1_epi8(0x0F)));
+                _mm512_store_si512(unpacked[2 * pair + 1], _mm512_and_si512(_mm512_srli_epi16(both, 4), _mm512_set1_epi8(0x0F)));
+            }
+            block = unpacked[0];
+        }
         if (t == 0) {
             _tile_zero(0);
             _tile_loadd(1, x->codes + m0 * k + b * QBLOCK, k);
-            _tile_loadd(2, weight + b * (QBLOCK / 4) * TILE_N * 4, TILE_N * 4);
+            _tile_loadd(2, block, TILE_N * 4);
             _tile_dpbsud(0, 1, 2);
             _tile_stored(0, sums[b], TILE_N * 4);
         } else {
             _tile_zero(3);
             _tile_loadd(4, x->codes + m0 * k + b * QBLOCK, k);
-            _tile_loadd(5, weight + b * (QBLOCK / 4) * TILE_N * 4, TILE_N * 4);
+            _tile_loadd(5, block, TILE_N * 4);
             _tile_dpbsud(3, 4, 5);
             _tile_stored(3, sums[b], TILE_N * 4);
         }

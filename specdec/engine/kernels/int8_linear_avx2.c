@@ -25,15 +25,24 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
                                                             long m0, const int rows, const int format, float *out,
                                                             long out_stride, long columns) {
     const long k = x->k, blocks = x->blocks, quads = k / 4;
-    const __m256i *weight = (const __m256i *)(w->packed + tile * quads * TILE_N * 4);
+    const uint8_t *weight = w->packed + tile * quads * QUAD_BYTES(format);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[ROWS_PER_STEP][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         __m256i dot[ROWS_PER_STEP][2];
         for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
         for (int q = 0; q < QBLOCK / 4; q++) {
-            const long at = (b * (QBLOCK / 4) + q) * 2;
-            const __m256i lo = _mm256_loadu_si256(weight + at), hi = _mm256_loadu_si256(weight + at + 1);
+            __m256i lo, hi; /* columns 0..7 and 8..15 of quad q */
+            if (format == FORMAT_Q4_1) { /* quads 2p and 2p + 1 share bytes: low nibbles, then high */
+                const uint8_t *pair = weight + (b * (QBLOCK / 8) + q / 2) * 64;
+                lo = _mm256_loadu_si256((const __m256i *)pair), hi = _mm256_loadu_si256((const __m256i *)(pair + 32));
+                if (q % 2) lo = _mm256_srli_epi16(lo, 4), hi = _mm256_srli_epi16(hi, 4);
+                lo = _mm256_and_si256(lo, low), hi = _mm256_and_si256(hi, low);
+            } else {
+                const uint8_t *quad = weight + (b * (QBLOCK / 4) + q) * 64;
+                lo = _mm256_loadu_si256((const __m256i *)quad), hi = _mm256_loadu_si256((const __m256i *)(quad + 32));
+            }
             for (int r = 0; r < rows; r++) {
                 int32_t four;
                 memcpy(&four, x->codes + (m0 + r) * k + b * QBLOCK + q * 4, 4);

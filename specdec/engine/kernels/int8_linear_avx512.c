@@ -28,17 +28,32 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
                                                             long m0, const int rows, const int format, float *out,
                                                             long out_stride, long columns) {
     const long k = x->k, blocks = x->blocks, quads = k / 4;
-    const __m512i *weight = (const __m512i *)(w->packed + tile * quads * TILE_N * 4);
+    const uint8_t *weight = w->packed + tile * quads * QUAD_BYTES(format);
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS_PER_STEP];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         __m512i dot[ROWS_PER_STEP];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
-        for (int q = 0; q < QBLOCK / 4; q++) {
-            const __m512i wv = _mm512_loadu_si512(weight + b * (QBLOCK / 4) + q);
-            if (m0 == 0) _mm_prefetch((const char *)(weight + b * (QBLOCK / 4) + q + PREFETCH), _MM_HINT_T0);
-            for (int r = 0; r < rows; r++)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], wv, broadcast_codes(x->codes + (m0 + r) * k + b * QBLOCK + q * 4));
+        if (format == FORMAT_Q4_1) { /* a 64-byte load is two quads: low nibbles, then high */
+            for (int pair = 0; pair < QBLOCK / 8; pair++) {
+                const __m512i both = _mm512_loadu_si512(weight + (b * (QBLOCK / 8) + pair) * 64);
+                if (m0 == 0) _mm_prefetch((const char *)(weight + (b * (QBLOCK / 8) + pair) * 64 + PREFETCH * 64), _MM_HINT_T0);
+                const __m512i first = _mm512_and_si512(both, low);
+                const __m512i second = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *codes = x->codes + (m0 + r) * k + b * QBLOCK + pair * 8;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], first, broadcast_codes(codes));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], second, broadcast_codes(codes + 4));
+                }
+            }
+        } else {
+            for (int q = 0; q < QBLOCK / 4; q++) {
+                const __m512i wv = _mm512_loadu_si512(weight + (b * (QBLOCK / 4) + q) * 64);
+                if (m0 == 0) _mm_prefetch((const char *)(weight + (b * (QBLOCK / 4) + q) * 64 + PREFETCH * 64), _MM_HINT_T0);
+                for (int r = 0; r < rows; r++)
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], wv, broadcast_codes(x->codes + (m0 + r) * k + b * QBLOCK + q * 4));
+            }
         }
         const long wb = (tile * blocks + b) * TILE_N;
         for (int r = 0; r < rows; r++) {

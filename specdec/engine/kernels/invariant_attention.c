@@ -24,15 +24,15 @@
  * out [B, N, H, D]   contiguous (the layout the output projection reads)
  * Head h reads kv head h / (H / KVH) (grouped-query attention).
  *
- * The work item is compiled three times, for AVX-512, AVX2 and the baseline, and picked from the
- * CPU's flags: built with -ffp-contract=off (setup.py) all perform the same float operations, so
- * they give the same bits; the wider ones only do them 16 or 8 at a time.
+ * The work item is compiled for AVX-512, AVX2 and the baseline, picked from the CPU's flags, with
+ * the same bits on each (vector_paths.h).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "fixed_math.h"
+#include "vector_paths.h"
 
 #define COLUMNS 16 /* keys per transposed block: one per lane */
 #define CHUNK 64    /* query positions per work item, at most */
@@ -97,37 +97,19 @@ static inline __attribute__((always_inline)) void attend_item(const attention_ca
     }
 }
 
+/* The common head size compiled with D fixed (accumulators in registers; the same operations). */
+static inline __attribute__((always_inline)) void attend(const attention_call *a, long b, long g, long n0, long n1,
+                                                         float *keys, float *score, float *acc, float *allowed) {
+    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
+               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
+}
+
 typedef void (*item_kernel)(const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score,
                             float *acc, float *allowed);
-
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) static void attend_item_avx512(const attention_call *a, long b, long g, long n0,
-                                                                   long n1, float *keys, float *score, float *acc, float *allowed) {
-    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
-               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
-}
-
-__attribute__((target("avx2"))) static void attend_item_avx2(const attention_call *a, long b, long g, long n0, long n1,
-                                                              float *keys, float *score, float *acc, float *allowed) {
-    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
-               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
-}
-#endif
-
-static void attend_item_baseline(const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score,
-                                 float *acc, float *allowed) {
-    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
-               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
-}
-
-static item_kernel pick_item_kernel(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return attend_item_avx512;
-    if (__builtin_cpu_supports("avx2")) return attend_item_avx2;
-#endif
-    return attend_item_baseline;
-}
+VECTOR_PATHS(attend, item_kernel,
+             (const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score, float *acc,
+              float *allowed),
+             (a, b, g, n0, n1, keys, score, acc, allowed))
 
 int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         const float *k, const float *v, long kv_b, long kv_h, long kv_c,
@@ -137,7 +119,7 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
     if (H % KVH != 0) return 1;
     const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, slots, out,
                               scale};
-    const item_kernel kernel = pick_item_kernel();
+    const item_kernel kernel = attend_pick();
     /* positions per item: at most CHUNK, and small enough that every thread gets work */
     long chunk = N < CHUNK ? N : CHUNK;
     while (chunk > 1 && B * KVH * ((N + chunk - 1) / chunk) < 2L * threads) chunk = (chunk + 1) / 2;

@@ -11,6 +11,8 @@
  */
 #include <math.h>
 
+#include "vector_paths.h"
+
 #define LANES 16
 
 static inline __attribute__((always_inline)) void norm_row(float *x, const float *residual, const float *weight,
@@ -29,31 +31,13 @@ static inline __attribute__((always_inline)) void norm_row(float *x, const float
 }
 
 typedef void (*norm_kernel)(float *x, const float *residual, const float *weight, float *out, long n, float eps);
-
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) static void norm_avx512(float *x, const float *residual, const float *weight,
-                                                            float *out, long n, float eps) {
-    norm_row(x, residual, weight, out, n, eps);
-}
-__attribute__((target("avx2"))) static void norm_avx2(float *x, const float *residual, const float *weight, float *out,
-                                                       long n, float eps) {
-    norm_row(x, residual, weight, out, n, eps);
-}
-#endif
-
-static void norm_baseline(float *x, const float *residual, const float *weight, float *out, long n, float eps) {
-    norm_row(x, residual, weight, out, n, eps);
-}
+VECTOR_PATHS(norm_row, norm_kernel, (float *x, const float *residual, const float *weight, float *out, long n, float eps),
+             (x, residual, weight, out, n, eps))
 
 /* x, residual, out: [rows][n] contiguous; weight [n]. Rows split over threads when there are many. */
 int rms_norm_rows(float *x, const float *residual, const float *weight, float *out, long rows, long n, float eps,
                   int threads) {
-    norm_kernel kernel = norm_baseline;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) kernel = norm_avx512;
-    else if (__builtin_cpu_supports("avx2")) kernel = norm_avx2;
-#endif
+    const norm_kernel kernel = norm_row_pick();
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
     for (long r = 0; r < rows; r++)
         kernel(x + r * n, residual ? residual + r * n : 0, weight, out + r * n, n, eps);

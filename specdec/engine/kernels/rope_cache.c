@@ -12,6 +12,8 @@
  */
 #include <stdint.h>
 
+#include "vector_paths.h"
+
 static inline __attribute__((always_inline)) void rotate(const float *x, const float *cos, const float *sin, float *out,
                                                          long D) {
     const long half = D / 2;
@@ -36,28 +38,16 @@ static inline __attribute__((always_inline)) void rope_row(const float *qkv, lon
 
 typedef void (*rope_kernel)(const float *, long, long, long, long, const float *, const float *, float *, float *,
                             float *, long, long, long, const int64_t *, const int64_t *);
-
-#define ROPE_ARGS                                                                                                      \
-    const float *qkv, long t, long H, long KVH, long D, const float *cos, const float *sin, float *q_out, float *k,     \
-        float *v, long s_slot, long s_head, long s_col, const int64_t *slot, const int64_t *column
-#define ROPE_CALL rope_row(qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column)
-
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) static void rope_avx512(ROPE_ARGS) { ROPE_CALL; }
-__attribute__((target("avx2"))) static void rope_avx2(ROPE_ARGS) { ROPE_CALL; }
-#endif
-static void rope_baseline(ROPE_ARGS) { ROPE_CALL; }
+VECTOR_PATHS(rope_row, rope_kernel,
+             (const float *qkv, long t, long H, long KVH, long D, const float *cos, const float *sin, float *q_out,
+              float *k, float *v, long s_slot, long s_head, long s_col, const int64_t *slot, const int64_t *column),
+             (qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column))
 
 int rope_and_cache(const float *qkv, long T, long H, long KVH, long D, const float *cos, const float *sin, float *q_out,
                    float *k, float *v, long s_slot, long s_head, long s_col, const int64_t *slot,
                    const int64_t *column, int threads) {
     if (D % 2 != 0) return 1;
-    rope_kernel kernel = rope_baseline;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) kernel = rope_avx512;
-    else if (__builtin_cpu_supports("avx2")) kernel = rope_avx2;
-#endif
+    const rope_kernel kernel = rope_row_pick();
 #pragma omp parallel for schedule(static) num_threads(threads) if (T >= 64)
     for (long t = 0; t < T; t++) kernel(qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column);
     return 0;
