@@ -4,7 +4,11 @@ run -> results/quantized/formats.json (issue 44).
 Per format (engine.weight_format: float32, bfloat16, int8, gguf): the bytes a decode step
 streams (every weight but the embedding, which is a lookup), the machine's read bandwidth and
 the weight-streaming floor (bandwidth / bytes), greedy decode at concurrency 1 (per-user
-tok/s) and 16 (aggregate tok/s), and forward latency at 1 and 16 rows. Nothing is asserted.
+tok/s) and 16 (aggregate tok/s), and the forward's latency against the rows verified (one
+sequence, 1 to 32 rows) and at 16 sequences of one row. Beside them, one layer's cost curve
+(the 3072 x 576 gate|up weight, 1 to 32 rows): our int8 kernel against PyTorch's weight-only
+int8 kernel (bfloat16 activations, what the formats ran on before) and oneDNN's int8 x int8
+`torch._int_mm` (the issue's timing baseline; it takes more than 16 rows). Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -52,7 +56,45 @@ def bench_format(weight_format: str, prompts: list[list[int]], max_tokens: int) 
     return {"streamed_bytes": weights, "read_bandwidth_gbs": round(bandwidth, 1), "floor_tok_s": round(floor, 1),
             "c1_per_user_tok_s": round(c1["per_user_tok_s"], 2), "c1_of_floor": round(c1["per_user_tok_s"] / floor, 3),
             "c16_aggregate_tok_s": round(c16["output_tok_s"], 1),
-            "forward_ms": {"b1_k1": round(forward_ms(model, 1, 1), 2), "b16_k1": round(forward_ms(model, 16, 1), 2)}}
+            "forward_ms": {"b1_k1": round(forward_ms(model, 1, 1), 2), "b16_k1": round(forward_ms(model, 16, 1), 2),
+                           **{f"b1_k{k}": round(forward_ms(model, 1, k), 2) for k in CURVE_ROWS if k > 1}}}
+
+
+CURVE_ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def layer_curve_us(repeats: int = 200) -> dict[str, dict[str, float]]:
+    """One layer (gate|up, 3072 x 576) in microseconds against rows, per kernel: the median of
+    `repeats` calls, the weight hot in cache (the compute side of the curve)."""
+    from specdec.engine.kernels.int8 import Format, PackedInt8, int8_linear
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (3072, 576), generator=g, dtype=torch.int32).to(torch.int8)
+    scale = torch.rand(3072, generator=g) * 0.01
+    ours = PackedInt8.pack(codes, Format.ROW, column_scale=scale)
+    codes_t = codes.t().contiguous()
+
+    def timed(fn) -> float:
+        for _ in range(10):
+            fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return round(sorted(samples)[len(samples) // 2] * 1e6, 1)
+
+    curve: dict[str, dict[str, float]] = {"ours": {}, "torch_weight_int8pack_mm_bf16": {}, "torch_int_mm": {}}
+    for rows in CURVE_ROWS:
+        x = torch.randn(rows, 576, generator=g)
+        curve["ours"][str(rows)] = timed(lambda: int8_linear(x, ours))
+        xb = x.to(torch.bfloat16)
+        curve["torch_weight_int8pack_mm_bf16"][str(rows)] = timed(
+            lambda: torch.ops.aten._weight_int8pack_mm(xb, codes, scale.to(torch.bfloat16)))
+        if rows > 16:
+            xq = torch.randint(-127, 128, (rows, 576), generator=g, dtype=torch.int32).to(torch.int8)
+            curve["torch_int_mm"][str(rows)] = timed(lambda: torch._int_mm(xq, codes_t))
+    return curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode_prompt(tokenizer, t) for t in sharegpt_prompts(16, seed=args.seed, tokenizer=tokenizer, min_tokens=8, max_tokens=200)]
     result = {**provenance(), "command": "specdec bench-formats " + " ".join(argv or []), "threads": torch.get_num_threads(),
               "max_tokens": args.max_tokens, "formats": {}}
+    result["layer_curve_us"] = layer_curve_us()
+    print("layer", json.dumps(result["layer_curve_us"]), flush=True)
     for weight_format in args.formats.split(","):
         t0 = time.monotonic()
         result["formats"][weight_format] = bench_format(weight_format, prompts, args.max_tokens)

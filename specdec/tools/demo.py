@@ -61,13 +61,17 @@ def summarize(label: str, gen) -> str:
 
 def demo_runs(prompt: str, max_tokens: int, method: str | None, num_draft_tokens: int | None) -> list:
     """(label, request) of the speculative run and the baseline: the speculative request
-    carries the method its label names (None: the server's default), the baseline none."""
+    carries the method its label names (None: the server's default), the baseline none. Each
+    its own cache salt, so neither finds the other's prompt in the prefix cache: both TTFTs
+    include the same prefill, and their difference is what speculation costs (the baseline ran
+    second and hit the cache before, which showed as speculation's cost)."""
     from specdec_client import GenerateRequest
 
     return [
         (f"speculative: {method or 'server default'}",
-         GenerateRequest(prompt, max_tokens=max_tokens, method=method, num_draft_tokens=num_draft_tokens)),
-        ("baseline", GenerateRequest(prompt, max_tokens=max_tokens, method=None, num_draft_tokens=0)),
+         GenerateRequest(prompt, max_tokens=max_tokens, method=method, num_draft_tokens=num_draft_tokens,
+                         cache_salt="demo-speculative")),
+        ("baseline", GenerateRequest(prompt, max_tokens=max_tokens, method=None, num_draft_tokens=0, cache_salt="demo-baseline")),
     ]
 
 

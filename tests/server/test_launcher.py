@@ -418,6 +418,8 @@ def test_demo_runs_the_method_it_names():
     assert "ngram-tree" in spec_label and (spec.method, spec.num_draft_tokens, spec.max_tokens) == ("ngram-tree", 4, 32)
     assert base_label == "baseline" and base.num_draft_tokens == 0 and base.method is None
     assert spec.prompt == base.prompt == "Hi"
+    # like with like: neither run finds the other's prompt in the prefix cache (the same prefill in both TTFTs)
+    assert spec.cache_salt and base.cache_salt and spec.cache_salt != base.cache_salt
     (default_label, default), _ = demo_runs("Hi", 32, None, None)
     assert "server default" in default_label and default.method is None and default.num_draft_tokens is None
 

@@ -46,18 +46,17 @@ typedef struct {
     float *out, scale;
 } attention_call;
 
-/* Every query row of kv head g of sequence b at positions n0..n1-1 (its `group` query heads).
- * Scratch: keys [D][COLUMNS], score [group * (n1 - n0)][C], acc [D], allowed [C]. D is a->D, passed apart so
- * that the common head sizes compile with it fixed (accumulators in registers; the same operations). */
-static inline __attribute__((always_inline)) void attend_item(const attention_call *a, long b, long g, long n0, long n1,
-                                                              float *keys, float *score, float *acc, float *allowed,
-                                                              const long D) {
+/* Scores of every query row of kv head g of sequence b at positions n0..n1-1 (its `group` query
+ * heads; row r is head g * group + r / positions, position n0 + r % positions) against columns
+ * c_begin..c_end-1 (c_begin a multiple of COLUMNS): score[r * C + c]. keys: scratch [D][COLUMNS]. */
+static inline __attribute__((always_inline)) void score_columns(const attention_call *a, long b, long g, long n0, long n1,
+                                                                long c_begin, long c_end, float *keys, float *score,
+                                                                const long D) {
     const long C = a->C, positions = n1 - n0, rows = a->group * positions;
     const long slot = a->slots ? (long)a->slots[b] : b;
     const float *kr = a->k + slot * a->kv_b + g * a->kv_h;
-    const float *vr = a->v + slot * a->kv_b + g * a->kv_h;
-    for (long c0 = 0; c0 < C; c0 += COLUMNS) {
-        const long width = C - c0 < COLUMNS ? C - c0 : COLUMNS;
+    for (long c0 = c_begin; c0 < c_end; c0 += COLUMNS) {
+        const long width = c_end - c0 < COLUMNS ? c_end - c0 : COLUMNS;
         for (long d = 0; d < D; d++)
             for (long j = 0; j < COLUMNS; j++) keys[d * COLUMNS + j] = j < width ? kr[(c0 + j) * a->kv_c + d] : 0.0f;
         for (long r0 = 0; r0 < rows; r0 += ROWS) { /* ROWS independent chains hide the add latency */
@@ -75,7 +74,17 @@ static inline __attribute__((always_inline)) void attend_item(const attention_ca
                 for (long j = 0; j < width; j++) score[(r0 + i) * C + c0 + j] = lane[i][j] * a->scale;
         }
     }
-    for (long r = 0; r < rows; r++) {
+}
+
+/* Softmax over the allowed columns and the weighted sum of values, rows r_begin..r_end-1 of the
+ * same (b, g, n0..n1) group, from their scores. Scratch: acc [D], allowed [C]. */
+static inline __attribute__((always_inline)) void finish_rows(const attention_call *a, long b, long g, long n0, long n1,
+                                                              long r_begin, long r_end, float *score, float *acc,
+                                                              float *allowed, const long D) {
+    const long C = a->C, positions = n1 - n0;
+    const long slot = a->slots ? (long)a->slots[b] : b;
+    const float *vr = a->v + slot * a->kv_b + g * a->kv_h;
+    for (long r = r_begin; r < r_end; r++) {
         const long h = g * a->group + r / positions, n = n0 + r % positions;
         const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
         float *sr = score + r * C, *o = a->out + ((b * a->N + n) * a->H + h) * D;
@@ -98,18 +107,73 @@ static inline __attribute__((always_inline)) void attend_item(const attention_ca
 }
 
 /* The common head size compiled with D fixed (accumulators in registers; the same operations). */
-static inline __attribute__((always_inline)) void attend(const attention_call *a, long b, long g, long n0, long n1,
-                                                         float *keys, float *score, float *acc, float *allowed) {
-    a->D == 64 ? attend_item(a, b, g, n0, n1, keys, score, acc, allowed, 64)
-               : attend_item(a, b, g, n0, n1, keys, score, acc, allowed, a->D);
+static inline __attribute__((always_inline)) void scores(const attention_call *a, long b, long g, long n0, long n1,
+                                                         long c_begin, long c_end, float *keys, float *score) {
+    a->D == 64 ? score_columns(a, b, g, n0, n1, c_begin, c_end, keys, score, 64)
+               : score_columns(a, b, g, n0, n1, c_begin, c_end, keys, score, a->D);
 }
 
-typedef void (*item_kernel)(const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score,
-                            float *acc, float *allowed);
-VECTOR_PATHS(attend, item_kernel,
-             (const attention_call *a, long b, long g, long n0, long n1, float *keys, float *score, float *acc,
-              float *allowed),
-             (a, b, g, n0, n1, keys, score, acc, allowed))
+static inline __attribute__((always_inline)) void finish(const attention_call *a, long b, long g, long n0, long n1,
+                                                         long r_begin, long r_end, float *score, float *acc,
+                                                         float *allowed) {
+    a->D == 64 ? finish_rows(a, b, g, n0, n1, r_begin, r_end, score, acc, allowed, 64)
+               : finish_rows(a, b, g, n0, n1, r_begin, r_end, score, acc, allowed, a->D);
+}
+
+typedef void (*score_kernel)(const attention_call *a, long b, long g, long n0, long n1, long c_begin, long c_end,
+                             float *keys, float *score);
+typedef void (*finish_kernel)(const attention_call *a, long b, long g, long n0, long n1, long r_begin, long r_end,
+                              float *score, float *acc, float *allowed);
+VECTOR_PATHS(scores, score_kernel,
+             (const attention_call *a, long b, long g, long n0, long n1, long c_begin, long c_end, float *keys,
+              float *score),
+             (a, b, g, n0, n1, c_begin, c_end, keys, score))
+VECTOR_PATHS(finish, finish_kernel,
+             (const attention_call *a, long b, long g, long n0, long n1, long r_begin, long r_end, float *score,
+              float *acc, float *allowed),
+             (a, b, g, n0, n1, r_begin, r_end, score, acc, allowed))
+
+/* Two phases when the (sequence, kv head) groups are too few to keep every thread busy (decode
+ * at one sequence: 3 groups on 2 threads): first the scores, split by column blocks, then the
+ * rows, split by row. A row's scores and its reductions are the same operations either way. */
+#define TWO_PHASE_BYTES (8L << 20) /* the score buffer of every row at once, at most */
+
+static int attend_in_two_phases(const attention_call *a, long B, long KVH, score_kernel score_fn, finish_kernel finish_fn,
+                                int threads) {
+    const long C = a->C, N = a->N, rows = a->group * N, groups = B * KVH;
+    const long blocks = (C + COLUMNS - 1) / COLUMNS, per_item = (blocks + 3) / 4; /* up to 4 column ranges a group */
+    const long ranges = (blocks + per_item - 1) / per_item;
+    float *score = malloc(sizeof(float) * groups * rows * (C > 0 ? C : 1));
+    if (score == NULL) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *keys = malloc(sizeof(float) * (a->D > 0 ? a->D : 1) * COLUMNS);
+        float *acc = malloc(sizeof(float) * (a->D > 0 ? a->D : 1));
+        float *allowed_f = malloc(sizeof(float) * (C > 0 ? C : 1));
+        const int ok = keys != NULL && acc != NULL && allowed_f != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long item = 0; item < groups * ranges; item++) {
+            const long group = item / ranges, c_begin = (item % ranges) * per_item * COLUMNS;
+            const long c_end = c_begin + per_item * COLUMNS < C ? c_begin + per_item * COLUMNS : C;
+            if (ok) score_fn(a, group / KVH, group % KVH, 0, N, c_begin, c_end, keys, score + group * rows * C);
+        }
+#pragma omp for schedule(static)
+        for (long item = 0; item < groups * rows; item++) {
+            const long group = item / rows, r = item % rows;
+            if (ok) finish_fn(a, group / KVH, group % KVH, 0, N, r, r + 1, score + group * rows * C, acc, allowed_f);
+        }
+        free(keys);
+        free(acc);
+        free(allowed_f);
+    }
+    free(score);
+    return failed ? 2 : 0;
+}
 
 int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         const float *k, const float *v, long kv_b, long kv_h, long kv_c,
@@ -119,7 +183,10 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
     if (H % KVH != 0) return 1;
     const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, slots, out,
                               scale};
-    const item_kernel kernel = attend_pick();
+    const score_kernel score_fn = scores_pick();
+    const finish_kernel finish_fn = finish_pick();
+    if (B * KVH < 2L * threads && (long)sizeof(float) * B * H * N * C <= TWO_PHASE_BYTES)
+        return attend_in_two_phases(&a, B, KVH, score_fn, finish_fn, threads);
     /* positions per item: at most CHUNK, and small enough that every thread gets work */
     long chunk = N < CHUNK ? N : CHUNK;
     while (chunk > 1 && B * KVH * ((N + chunk - 1) / chunk) < 2L * threads) chunk = (chunk + 1) / 2;
@@ -138,8 +205,11 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
 #pragma omp for schedule(static)
         for (long item = 0; item < items; item++) {
             const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
-            if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL)
-                kernel(&a, b, g, n0, n0 + chunk < N ? n0 + chunk : N, keys, score, acc, allowed_f);
+            if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL) {
+                const long n1 = n0 + chunk < N ? n0 + chunk : N;
+                score_fn(&a, b, g, n0, n1, 0, C, keys, score);
+                finish_fn(&a, b, g, n0, n1, 0, a.group * (n1 - n0), score, acc, allowed_f);
+            }
         }
         free(keys);
         free(score);
