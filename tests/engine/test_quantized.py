@@ -91,6 +91,13 @@ def test_each_format_multiplies_as_its_dequantized_weight(rows):
     own = torch.round(dense.double() / scale_row[:, None]).clamp(-127, 127) * scale_row[:, None]
     assert _close(row(x).double(), seen @ own.T) < KERNEL_ROUNDING  # its own weights
     assert _close(row(x), x @ dense.T) < ACTIVATION_ROUNDING  # and near the float ones: int8 is not the file's numbers
+    block = Q.QuantizedLinear.per_block(dense)  # weight_format int8: one scale per 32 inputs of a row
+    blocks = dense.double().view(N, -1, Q.GROUP)
+    scale_block = blocks.abs().amax(-1, keepdim=True) / 127
+    own = (torch.round(blocks / scale_block).clamp(-127, 127) * scale_block).view(N, K)
+    assert _close(block(x).double(), seen @ own.T) < KERNEL_ROUNDING
+    assert (own - dense.double()).abs().mean() < (torch.round(dense.double() / scale_row[:, None]) * scale_row[:, None]
+                                                  - dense.double()).abs().mean()  # finer than one scale a row
 
     # A row's output does not depend on the rows beside it (verify rows equal decode rows)
     assert torch.equal(q4_1(x[:1]), out[:1])

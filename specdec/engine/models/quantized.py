@@ -2,8 +2,9 @@
 
 Three formats (engine.weight_format), one kernel (engine/kernels/int8.py, int8_linear.h):
 
-- `int8` (the served default; from float weights, any checkpoint): one symmetric scale per
-  output row. Not the file's numbers: a new quantization of the float weights.
+- `int8` (the served default; from float weights, any checkpoint): one symmetric scale per 32
+  inputs of each row, Q8_0's layout. Not the file's numbers: a new quantization of the float
+  weights (for the embedded target, of its de-quantized Q4_1 weights).
 - `gguf`: the embedded target's own file, whose linear weights are Q4_1 (32 weights share a
   float16 scale d and offset m; w = d * q + m, q in 0..15) and whose tied embedding / lm_head
   is Q8_0 (w = d * q per 32 weights). The codes and scales are kept exactly as stored.
@@ -44,11 +45,21 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def per_row(cls, weight: Tensor) -> "QuantizedLinear":
-        """Per-output-row symmetric int8 of a float weight [N, K] (weight_format int8)."""
+        """Per-output-row symmetric int8 of a float weight [N, K] (the kernels' ROW layout; no format
+        serves it since int8 moved to per-block scales, which measured closer to float32)."""
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
         codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(PackedInt8.pack(codes, Format.ROW, column_scale=scale))
+
+    @classmethod
+    def per_block(cls, weight: Tensor) -> "QuantizedLinear":
+        """Symmetric int8 of a float weight [N, K] with one scale per 32 inputs of a row (Q8_0's
+        layout, weight_format int8): a row's outlier then coarsens only its own block."""
+        w = weight.detach().float().view(weight.shape[0], -1, GROUP)
+        scale = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [N, K / 32]
+        codes = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(weight.shape)
+        return cls(PackedInt8.pack(codes, Format.Q8_0, block_scale=scale))
 
     @classmethod
     def q8_0(cls, codes: Tensor, scale: Tensor) -> "QuantizedLinear":
@@ -175,13 +186,16 @@ def quantize_gguf(model: nn.Module, gguf_path: Path) -> nn.Module:
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace the model's linear layers (and lm_head) by per-row int8 copies of their weights."""
+    """Replace the model's linear layers (and lm_head) by int8 copies of their weights, one scale
+    per 32 inputs of a row (QuantizedLinear.per_block). Measured against float32 (make
+    format-quality, same kernels and activations): one scale per row, KL 0.0077; per block, 0.0044,
+    at the same forward time (the block scales cost one multiply a block)."""
     for layer in model.layers:
-        layer.attn.wqkv = QuantizedLinear.per_row(layer.attn.wqkv.weight)
-        layer.attn.wo = QuantizedLinear.per_row(layer.attn.wo.weight)
-        layer.mlp.w13 = QuantizedLinear.per_row(layer.mlp.w13.weight)
-        layer.mlp.w2 = QuantizedLinear.per_row(layer.mlp.w2.weight)
-    model.lm_head = QuantizedLinear.per_row(model.lm_head.weight)
+        layer.attn.wqkv = QuantizedLinear.per_block(layer.attn.wqkv.weight)
+        layer.attn.wo = QuantizedLinear.per_block(layer.attn.wo.weight)
+        layer.mlp.w13 = QuantizedLinear.per_block(layer.mlp.w13.weight)
+        layer.mlp.w2 = QuantizedLinear.per_block(layer.mlp.w2.weight)
+    model.lm_head = QuantizedLinear.per_block(model.lm_head.weight)
     return model
 
 
