@@ -7,11 +7,11 @@ point puts them all in the same interleaved blocks of the same prompts, with lla
 as the baseline, so every ratio in the report is measured side by side. At c=16 each llama-server has 16 slots (`-np 16`).
 
 Our server runs once per weight format asked (`--weight-formats`, engine.weight_format):
-float32 (the de-quantized weights), int8 (the served default) and gguf (the file's own
-Q4_1/Q8_0 codes through PyTorch's weight-only kernels), each its own Triton server, all in the
-same blocks. The engines compute in different precisions (llama.cpp in the GGUF's Q4_1/Q8_0 with
-its own kernels and 8-bit activations), so greedy outputs may part between engines while each
-is exact for its own weights: identity is counted within each engine and format.
+int8 (the served default) and gguf (the file's own Q4_1/Q8_0 codes) by default, both on our
+row-invariant int8 kernels, and float32 (the de-quantized weights) when asked; each its own
+Triton server, all in the same blocks. The engines round differently (both quantize activations
+to 8 bits in blocks of 32, with their own kernels), so greedy outputs may part between engines
+while each is exact for its own weights: identity is counted within each engine and format.
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--ours", type=lambda s: [m for m in s.split(",") if m], default=["eagle3-hybrid", "suffix"],
                         help="our methods beside our baseline")
-    parser.add_argument("--weight-formats", type=lambda s: [f for f in s.split(",") if f], default=["float32", "int8", "gguf"],
+    parser.add_argument("--weight-formats", type=lambda s: [f for f in s.split(",") if f], default=["int8", "gguf"],
                         help="our server once per engine.weight_format")
     parser.add_argument("--prompts", type=int, default=16, help="prompts at c=1")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per slot at c>1")

@@ -59,8 +59,6 @@ def provenance(path: str) -> tuple[str, str, str]:
 INT8_DEFAULT = "the int8 weight default (float32 weights then)"
 INT8_KERNELS = "the row-invariant int8 kernels (issue 59; PyTorch's int8 kernels then)"
 HISTORY = {
-    "results/quantized/formats.json": (INT8_KERNELS, "make bench-formats"),
-    "results/peers/peers.json": (INT8_KERNELS, "make bench-peers"),
     "results/bench/matrix-greedy/summary.json": (INT8_KERNELS, "make bench-matrix"),
     "results/identity/int8.json": (INT8_KERNELS, "make greedy-margin"),
     "results/identity/gguf.json": (INT8_KERNELS, "make greedy-margin"),
