@@ -17,7 +17,7 @@ import specdec_wire as P
 
 pytestmark = pytest.mark.server
 
-PROMPT = "What is the capital of Italy?"
+PROMPT = "What is the capital of Italy? Answer in one word."  # an answer that ends by itself, well before 30 tokens
 COLORS = "Name three colors."
 REPETITIVE = "Repeat after me: speculative decoding is lossless. Repeat it again."
 # Co-located chain and tree, n-gram lookup, and a tree handed in by the drafter model.
