@@ -1,15 +1,14 @@
 """Weight-only int8 linear layers, row-invariant and flat in rows (int8_linear.h has the numerics).
 
-Three weight formats share one kernel: per-output-column int8 (`int8`, the served default) and
-the GGUF block formats Q8_0 and Q4_1 (`gguf`). Each activation row is quantized on its own to
+Three weight layouts share one kernel: one scale per output column (ROW), and the GGUF block
+layouts Q8_0 (also what `int8`, the served default, quantizes float weights into) and Q4_1 (`gguf`). Each activation row is quantized on its own to
 int8 in blocks of 32 (as llama.cpp does), the block dot products are exact int32 and the float
 part runs in a fixed order, so a row's output bits are the same alone or among 64 rows, on any
-path (the AVX-512 VNNI and AVX2 paths equal the plain C reference bit for bit).
+path (the AVX2, AVX-512 VNNI and AMX paths equal the plain C reference bit for bit).
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -58,7 +57,6 @@ class PackedInt8:
     column_scale: Tensor | None  # ROW: float32 [tiles * 16]
     block_scale: Tensor | None  # Q8_0, Q4_1: float32 [tiles, K / 32, 16]
     block_offset: Tensor | None  # Q4_1: float32 [tiles, K / 32, 16]
-    _call: list = field(default_factory=list, repr=False, compare=False)  # the kernel with this weight bound (once)
 
     @classmethod
     def pack(cls, codes: Tensor, fmt: int, column_scale: Tensor | None = None, block_scale: Tensor | None = None,
@@ -85,20 +83,13 @@ class PackedInt8:
         return cls(fmt, n, k, isa, packed, None, _tiled(block_scale, n), offset)
 
     def tensors(self) -> dict[str, Tensor]:
-        """The tensors to keep as a module's buffers (PackedLinear)."""
+        """The tensors to keep as a module's buffers (QuantizedLinear)."""
         return {name: t for name in ("packed", "column_scale", "block_scale", "block_offset")
                 if (t := getattr(self, name)) is not None}
 
 
-    def bound(self):
-        """The kernel call with this weight's arguments bound: a decode step makes 121 of these calls,
-        and converting the same eight arguments each time was a tenth of the call's cost."""
-        if not self._call:
-            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-            self._call.append(functools.partial(kernels.native().int8_linear, self.isa, self.format, self.packed.data_ptr(),
-                                                self.out_features, self.in_features, ptr(self.column_scale),
-                                                ptr(self.block_scale), ptr(self.block_offset)))
-        return self._call[0]
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def int8_linear(x: Tensor, weight: PackedInt8, threads: int | None = None) -> Tensor:
@@ -110,7 +101,9 @@ def int8_linear(x: Tensor, weight: PackedInt8, threads: int | None = None) -> Te
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    status = weight.bound()(rows.data_ptr(), rows.shape[0], k, out.data_ptr(), n, threads or torch.get_num_threads())
+    status = kernels.native().int8_linear(
+        weight.isa, weight.format, weight.packed.data_ptr(), n, k, _ptr(weight.column_scale), _ptr(weight.block_scale),
+        _ptr(weight.block_offset), rows.data_ptr(), rows.shape[0], k, out.data_ptr(), n, threads or torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"int8_linear failed ({status})")
     return out.view(*x.shape[:-1], n)

@@ -110,8 +110,7 @@ void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, 
             for (long b = 0; b < blocks; b++) {
                 int32_t dot = 0;
                 for (long q = b * (QBLOCK / 4); q < (b + 1) * (QBLOCK / 4); q++)
-                    for (int j = 0; j < 4; j++)
-                    {
+                    for (int j = 0; j < 4; j++) {
                         const int32_t code = is_signed ? (int8_t)base[(q * TILE_N + c) * 4 + j] : q4_code(base, q * 4 + j, c);
                         dot += code * x->codes[m * x->k + q * 4 + j];
                     }
@@ -137,8 +136,7 @@ void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, 
 #define ROW_CHUNK 128
 
 /* y [m][n] (stride y_stride) = x [m][k] (stride x_stride) times the packed weight.
- * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. The
- * weight's arguments come first: the caller binds them once per layer. */
+ * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. */
 int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, const float *column_scale,
                 const float *block_scale, const float *block_offset, const float *x, long m, long x_stride, float *y,
                 long y_stride, int threads) {

@@ -12,11 +12,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-
 #define ROWS_PER_STEP 8
-#ifndef PREFETCH
-#define PREFETCH 16
-#endif
 
 static inline __attribute__((always_inline)) __m512i broadcast_codes(const int8_t *codes) {
     int32_t four;
@@ -38,7 +34,6 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
         if (format == FORMAT_Q4_1) { /* a 64-byte load is two quads: low nibbles, then high */
             for (int pair = 0; pair < QBLOCK / 8; pair++) {
                 const __m512i both = _mm512_loadu_si512(weight + (b * (QBLOCK / 8) + pair) * 64);
-                if (m0 == 0) _mm_prefetch((const char *)(weight + (b * (QBLOCK / 8) + pair) * 64 + PREFETCH * 64), _MM_HINT_T0);
                 const __m512i first = _mm512_and_si512(both, low);
                 const __m512i second = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
                 for (int r = 0; r < rows; r++) {
@@ -50,7 +45,6 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
         } else {
             for (int q = 0; q < QBLOCK / 4; q++) {
                 const __m512i wv = _mm512_loadu_si512(weight + (b * (QBLOCK / 4) + q) * 64);
-                if (m0 == 0) _mm_prefetch((const char *)(weight + (b * (QBLOCK / 4) + q) * 64 + PREFETCH * 64), _MM_HINT_T0);
                 for (int r = 0; r < rows; r++)
                     dot[r] = _mm512_dpbusd_epi32(dot[r], wv, broadcast_codes(x->codes + (m0 + r) * k + b * QBLOCK + q * 4));
             }

@@ -341,9 +341,9 @@ class Block(nn.Module):
         if self.sandwich:
             x = x + self.attn_out_norm(self.attn(self.attn_norm(x), step, cache))
             return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
-        if step.invariant and x.is_contiguous():  # the invariant forward: each norm one row-wise kernel pass
+        if step.invariant:  # the invariant forward: each norm one row-wise kernel pass, never PyTorch's
+            x = x.clone(memory_format=torch.contiguous_format)  # the caller's x (a tap, the embedding) stays as it was
             normed = kernels.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
-            x = x.clone()  # the caller's x (a tap, the embedding) stays as it was
             normed = kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, residual=self.attn(normed, step, cache))
             return x.add_(self.mlp(normed, fused=True))
         x = x + self.attn(self.attn_norm(x), step, cache)

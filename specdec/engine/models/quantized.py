@@ -58,8 +58,7 @@ class QuantizedLinear(nn.Module):
         layout, weight_format int8): a row's outlier then coarsens only its own block."""
         w = weight.detach().float().view(weight.shape[0], -1, GROUP)
         scale = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [N, K / 32]
-        codes = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(weight.shape)
-        return cls(PackedInt8.pack(codes, Format.Q8_0, block_scale=scale))
+        return cls.q8_0(torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(weight.shape), scale)
 
     @classmethod
     def q8_0(cls, codes: Tensor, scale: Tensor) -> "QuantizedLinear":
