@@ -41,9 +41,10 @@ def histogram_median(diff: dict, name: str) -> float | None:
     return next(le for le, count in buckets if count >= total / 2)
 
 
-def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens: int, concurrency: int) -> dict:
+def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens: int, concurrency: int,
+                  stream: bool = True) -> dict:
     """Closed loop: `concurrency` client threads, each sending the next prompt when its last
-    one ends."""
+    one ends (streamed, or one response per request)."""
     from specdec_client import GenerateRequest, SpecDecClient
     from specdec_client.server_metrics import delta, scrape
 
@@ -60,7 +61,7 @@ def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens:
                 except queue.Empty:
                     return
                 gen = client.generate(GenerateRequest(text, max_tokens=max_tokens, method=method, num_draft_tokens=k,
-                                                      ignore_eos=True))
+                                                      ignore_eos=True), stream=stream)
                 with lock:
                     results.append(gen)
 
