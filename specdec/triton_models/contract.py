@@ -1,6 +1,8 @@
-"""The models' internal contract: what the speculative loop sends the `verifier` and the
-`drafter`, and what they answer. Not a public API (the public tensors are specdec_wire's);
-the tests check the verifier's and drafter's config.pbtxt against MODELS here."""
+"""The models' internal contract: what the relays in front send the verifier (hosted in the
+`ensemble` model, ENGINE_HOST) and what the verifier sends the `drafter`, and what they
+answer. Not a public API (the public tensors are specdec_wire's); the tests check the
+drafter's config.pbtxt against MODELS here, and the ensemble's against its public contract
+plus ENGINE_WIRE."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,25 +83,50 @@ CONTROL_CORRID = "CORRID"
 # takes the whole SamplingParams at once (GENERATION).
 SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS, (W.CACHE_SALT, "TYPE_STRING", (1,), True))
 
-# model name -> (inputs, outputs), as specdec_wire.MODELS.
-MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
-    # Decoupled: one request per sequence, answered round by round (ids, text, stats) until
-    # the final response; or a STOP for a live sequence.
-    "verifier": (
-        W.tensor_specs(
-            (W.INPUT_IDS, "TYPE_INT32", (-1,), True),
-            (W.SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
-            (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
-            (GENERATION, "TYPE_STRING", (1,), True),
-            (STOP, "TYPE_BOOL", (1,), True),
-            (ROUNDS, "TYPE_BOOL", (1,), True),
-            (INTERNAL_KEY, "TYPE_STRING", (1,), True),
-        ),
-        W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
-                       (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (-1, len(STEP_STATS_FIELDS))),
-                       (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1,)),
-                       (W.TOP_LOG_PROB_IDS, "TYPE_INT32", (-1, -1)), (W.TOP_LOG_PROBS, "TYPE_FP32", (-1, -1))),
+# The model that hosts the verifier (the engine and its scheduler: verifier_model.py) beside its
+# own public contract: the one a client talks to, so a streamed token crosses one Python stub.
+# The other served names (speculative_loop, ensemble_unary) relay to it through ENGINE_WIRE.
+ENGINE_HOST = "ensemble"
+# specdec.json's threads entry for the engine's forwards (the host's own entry is its main
+# thread's, which runs no forward).
+VERIFIER_THREADS = "verifier"
+
+# The verifier's wire (decoupled): one request per sequence, answered round by round (ids,
+# text, stats) until the final response; or a STOP for a live sequence. Its tensors share the
+# host's config.pbtxt, so a name the public contract has too keeps the public shape.
+ENGINE_WIRE: tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]] = (
+    W.tensor_specs(
+        (W.INPUT_IDS, "TYPE_INT32", (-1,), True),
+        (W.SPECULATIVE_METHOD, "TYPE_STRING", (1,), True),
+        (NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), True),
+        (GENERATION, "TYPE_STRING", (1,), True),
+        (STOP, "TYPE_BOOL", (1,), True),
+        (ROUNDS, "TYPE_BOOL", (1,), True),
+        (INTERNAL_KEY, "TYPE_STRING", (1,), True),
     ),
+    W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
+                   (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (-1, len(STEP_STATS_FIELDS))),
+                   (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)),
+                   (W.TOP_LOG_PROB_IDS, "TYPE_INT32", (-1, -1, -1)), (W.TOP_LOG_PROBS, "TYPE_FP32", (-1, -1, -1))),
+)
+# Inputs only the wire carries: a request with any of them is the wire's (and needs the key).
+WIRE_ONLY_INPUTS = frozenset({GENERATION, STOP, ROUNDS, INTERNAL_KEY})
+
+
+def served_tensors(model: str, public: dict) -> tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]:
+    """What `model`'s config.pbtxt declares: its public contract (public: specdec_wire.MODELS),
+    plus the wire on the engine's host; the internal models' from MODELS."""
+    if model in MODELS:
+        return MODELS[model]
+    inputs, outputs = public[model]
+    if model != ENGINE_HOST:
+        return inputs, outputs
+    wire_in, wire_out = ENGINE_WIRE
+    return {**wire_in, **inputs}, {**outputs, **wire_out}
+
+
+# internal model name -> (inputs, outputs), as specdec_wire.MODELS.
+MODELS: dict[str, tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]] = {
     "drafter": (
         W.tensor_specs(
             (W.INPUT_IDS, "TYPE_INT32", (-1,), True),

@@ -1,21 +1,26 @@
-"""The speculative loop as a Triton model: a decoupled BLS model that parses a request,
-admits it to a sequence slot, hands it to the `verifier` as ONE decoupled request (whose
-scheduler batches every live sequence into each target forward and drafts beside it, or
-calls the drafter served apart) and relays the rounds it streams back as the client's
-responses. Every request ends with exactly one final response.
+"""The speculative loop as a Triton model: a decoupled model that parses a request, admits
+it to a sequence slot, hands it to the verifier (whose scheduler batches every live sequence
+into each target forward and drafts beside it, or calls the drafter served apart) and turns
+the rounds it hands back into the client's responses. Every request ends with exactly one
+final response.
 
-Served under two names (each model.py re-exports this class):
+Served under three names (each model.py re-exports this class):
   * `ensemble`: the TensorRT-LLM ensemble's contract (text_input in, text_output and the
     perf outputs out). One decoupled model rather than Triton's ensemble scheduler, because
     that scheduler (<= 2.51) checks a client's cancellation only between its steps and
     never tells a running decoupled step: a cancelled stream would run to max_tokens.
+    It hosts the verifier (verifier_model.Verifier, contract.ENGINE_HOST): its requests go
+    to the scheduler in process (LocalStream), so a streamed token crosses one Python stub.
   * `speculative_loop`: the same, plus input_ids in and output_ids out (like TensorRT-LLM's
-    tensorrt_llm_bls).
+    tensorrt_llm_bls), and `ensemble_unary` (unary_model.py): these relay each generation to
+    the host as ONE decoupled BLS request (VerifierStream, contract.ENGINE_WIRE).
 """
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import secrets
+import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -34,8 +39,10 @@ from specdec.serving.runtime import encode_prompt, load_tokenizer
 from specdec.serving.state import RequestState
 from specdec.engine.logits_processing import TokenLogProbs
 from specdec.triton_models.bls import RetiredIterators, decoupled_responses
+from specdec.triton_models.verifier_model import Verifier, round_stats
 from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
+from specdec.serving.spec_engine import StepOutput
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS, C.ROUND_TOKENS]
@@ -66,6 +73,126 @@ def received_log_probs(out: dict, top_n: int) -> TokenLogProbs | None:
     return TokenLogProbs(values, [tuple(zip(i, p)) for i, p in zip(ids, lps)])
 
 
+def round_update(req: RequestState, stats: C.RoundStats, tokens: list[int], log_probs: TokenLogProbs | None, text: str,
+                 reason: str, error: str | None, seconds: float) -> LoopUpdate:
+    """One round of the verifier's, recorded on the loop's record of the request (its ids, log
+    probs, stats, end) and returned as the update the client hears; reason: the finish reason
+    when this round ends the sequence ("" otherwise), error: the error it ends with."""
+    req.output_ids.extend(tokens)
+    if log_probs is not None:
+        req.log_probs.extend(log_probs)
+    if stats.verified:
+        req.stats.draft_seconds += stats.draft_seconds
+        req.stats.verify_seconds += stats.verify_seconds
+        req.stats.record_step(stats.draft_depth, stats.draft_tokens, stats.accepted, len(tokens), stats.forced_accepted)
+    elif tokens:  # the prompt's first token
+        req.stats.cached_prompt_tokens = stats.cached_tokens
+    finished = bool(reason) and error is None
+    if finished:
+        req.finish(reason)
+    return LoopUpdate(tokens, text, finished, reason if finished else None, stats.verified, stats.draft_depth,
+                      stats.draft_tokens, stats.accepted, stats.draft_seconds, stats.verify_seconds, seconds, log_probs, error)
+
+
+class RoundPost:
+    """Rounds from the scheduler's thread to the coroutines on this process's event loop, with
+    one wake-up for all that arrive together: a round of sixteen sequences writes the loop's
+    self-pipe once, not sixteen times (each write can preempt a thread of the next forward)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, tuple]] = []
+        self._lock = threading.Lock()
+        self._wake_pending = False
+
+    def put(self, queue: asyncio.Queue, item: tuple) -> bool:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._wake_pending:
+                return True
+            self._wake_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._hand_out)
+            return True
+        except RuntimeError:  # the event loop is closed: the model is shutting down
+            return False
+
+    def _hand_out(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._wake_pending = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class QueueSink:
+    """A sequence's rounds handed from the scheduler's thread to the coroutine serving its
+    request (engine_loop.Sink): the scheduler goes on to the next forward while the event
+    loop's thread builds and sends the client's response."""
+
+    def __init__(self, post: RoundPost, batch_sequences: Callable[[], int]):
+        self.post, self.batch_sequences = post, batch_sequences
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.listening = True
+
+    def emit(self, out: StepOutput) -> bool:
+        return self.listening and self.post.put(self.queue, (out, round_stats(out, self.batch_sequences()), time.perf_counter()))
+
+    def fail(self, exc: BaseException) -> None:
+        self.post.put(self.queue, (exc, None, time.perf_counter()))
+
+
+class LocalStream:
+    """One sequence on the verifier this process hosts: submitted to its scheduler, its rounds
+    read from a QueueSink. The same interface as VerifierStream, without the BLS hop."""
+
+    def __init__(self, verifier: Verifier, post: RoundPost, req: RequestState):
+        self.verifier, self.post, self.req = verifier, post, req
+
+    async def updates(self, is_cancelled: Callable[[], bool]) -> AsyncIterator[LoopUpdate]:
+        """The sequence's updates until it finishes; a client gone (asked at most every POLL_S,
+        a round trip to the server each) stops it, and the stream ends `cancelled`."""
+        req, loop = self.req, asyncio.get_running_loop()
+        sink = QueueSink(self.post, lambda: self.verifier.batch_sequences)
+        self.verifier.scheduler.submit(req.request_id, req.prompt_ids, req.params, req.method, req.num_draft_tokens, sink,
+                                       validated=True)
+        stopping, asked, last = False, time.monotonic(), time.perf_counter()
+        try:
+            while True:
+                if not stopping and time.monotonic() - asked >= POLL_S:
+                    asked = time.monotonic()
+                    if await loop.run_in_executor(None, is_cancelled):
+                        stopping = True
+                        await self.stop()
+                if sink.queue.empty():
+                    try:
+                        item, stats, at = await asyncio.wait_for(sink.queue.get(), POLL_S)
+                    except asyncio.TimeoutError:
+                        continue
+                else:
+                    item, stats, at = sink.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise SpecDecError(str(item))
+                out: StepOutput = item
+                error = None if out.error is None else str(out.error)
+                reason = (out.finish_reason or "") if out.finished else ""
+                update = round_update(req, stats, out.new_token_ids, out.log_probs, out.text_delta, reason, error, at - last)
+                last = at
+                if error is not None:  # its tokens first, then the error
+                    if update.token_ids or update.text:
+                        yield update
+                    raise SpecDecError(error)
+                yield update
+                if update.finished:
+                    return
+        finally:
+            sink.listening = False  # the scheduler drops a sequence nobody reads any more
+
+    async def stop(self) -> None:
+        """End the sequence before the verifier's next forward."""
+        self.verifier.scheduler.cancel(self.req.request_id)
+
+
 class VerifierStream:
     """One sequence on the verifier: ONE decoupled BLS request whose responses are the
     sequence's rounds (ids, text, stats), and a STOP request when it must end early. The
@@ -85,7 +212,7 @@ class VerifierStream:
         if self.key is not None:
             inputs = {**inputs, C.INTERNAL_KEY: self.key}
         return pb_utils.InferenceRequest(
-            model_name="verifier", inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
+            model_name=C.ENGINE_HOST, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
             correlation_id=self.cid if correlation_id is None else correlation_id,
         )
 
@@ -161,26 +288,11 @@ class VerifierStream:
         updates, start = [], 0
         for n, (row, count) in enumerate(zip(rows, counts)):
             last = n == len(rows) - 1
-            stats = C.RoundStats.from_row(row)
-            tokens = ids[start : start + count]
             log_probs = None if all_log_probs is None else all_log_probs[start : start + count]
+            updates.append(round_update(req, C.RoundStats.from_row(row), ids[start : start + count], log_probs,
+                                        text if last else "", reason if last else "", error if last else None,
+                                        seconds / len(rows)))
             start += count
-            req.output_ids.extend(tokens)
-            if log_probs is not None:
-                req.log_probs.extend(log_probs)
-            verified, depth, drafted, accepted = stats.verified, stats.draft_depth, stats.draft_tokens, stats.accepted
-            if verified:
-                req.stats.draft_seconds += stats.draft_seconds
-                req.stats.verify_seconds += stats.verify_seconds
-                req.stats.record_step(depth, drafted, accepted, len(tokens), stats.forced_accepted)
-            elif tokens:  # the prompt's first token
-                req.stats.cached_prompt_tokens = stats.cached_tokens
-            finished = last and bool(reason) and error is None
-            if finished:
-                req.finish(reason)
-            updates.append(LoopUpdate(tokens, text if last else "", finished, reason if finished else None, verified, depth,
-                                      drafted, accepted, stats.draft_seconds, stats.verify_seconds,
-                                      seconds / len(rows), log_probs, error if last else None))
         if not rows and error is not None:  # an end with no round in it
             updates.append(LoopUpdate([], "", False, None, error=error))
         return updates
@@ -195,6 +307,7 @@ class VerifierStream:
 class TritonPythonModel:
     def initialize(self, args):
         self.inputs, outputs = P.MODELS[args["model_name"]]  # the served name's contract
+        self.public_outputs = frozenset(outputs)  # what a client hears (the host's config has the wire's too)
         # A step whose text is all held back (it may start a stop string) still streams its
         # ids where ids are served, so a client's ids are complete; text-only clients hear
         # only text (and the end).
@@ -211,6 +324,9 @@ class TritonPythonModel:
         self._waiting = 0  # requests of this process waiting for a slot
         self._live_cids: set[int] = set()
         self._executor_set = False
+        # The engine's host serves the wire too: a request carrying any input only the wire has.
+        self.verifier = Verifier(self.settings) if self.name == C.ENGINE_HOST else None
+        self._wire_only = frozenset(C.ENGINE_WIRE[0]) - frozenset(self.inputs)
 
     async def execute(self, requests):
         if not self._executor_set:  # each in-flight BLS call holds a pool thread; the default pool is tiny
@@ -218,12 +334,20 @@ class TritonPythonModel:
             # One permit per KV-cache slot, shared with the other served name's process.
             self._slots = SharedSlots(self.settings.engine.max_batch_size)
             self._slot_gauges()  # the series exist from the start (an autoscaler reads 0, not nothing)
+            self._post = RoundPost(asyncio.get_running_loop())
             self._executor_set = True
+        if self.verifier is not None:
+            wire = [r for r in requests if any(pb_utils.get_input_tensor_by_name(r, n) is not None for n in self._wire_only)]
+            if wire:
+                self.verifier.serve_internal(wire)  # hands them to the scheduler; never waits
+                requests = [r for r in requests if not any(r is w for w in wire)]
         # One request's failure must never take the others (or the stub) down with it.
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
         return None
 
     def finalize(self):
+        if self.verifier is not None:
+            self.verifier.close()
         self.metrics.close()
 
     def _parse(self, request):
@@ -300,7 +424,8 @@ class TritonPythonModel:
     async def _generate(self, request, sender, parsed, req):
         stream = parsed.stream
         pieces = []
-        verifier = VerifierStream(int(req.request_id), self.key, req, rounds=stream)
+        verifier = (LocalStream(self.verifier, self._post, req) if self.verifier is not None
+                    else VerifierStream(int(req.request_id), self.key, req, rounds=stream))
         finished = False
         try:
             updates = verifier.updates(request.is_cancelled)
@@ -335,27 +460,26 @@ class TritonPythonModel:
             self.metrics.flush()
 
     @staticmethod
-    async def _stop_quietly(verifier: VerifierStream) -> None:
+    async def _stop_quietly(verifier: VerifierStream | LocalStream) -> None:
         try:
             await verifier.stop()
         except Exception:  # noqa: BLE001 - the verifier gone too: nothing left to stop
             pass
 
-    @staticmethod
-    def _response(request, req, text, token_ids, log_probs, parsed):
+    def _response(self, request, req, text, token_ids, log_probs, parsed):
         """Only the outputs the caller asked for (the ensemble asks for its own six); the
         log-prob outputs, when nothing in particular was asked for, only with return_log_probs
         (asked for without it they are zeros, as TensorRT-LLM's are); the token counts only
         with their return_num_* flag (TensorRT-LLM's rule; num_output_tokens counts the ids
         this response carries, so a non-streamed echo of the prompt counts it too, as there)."""
         stats = req.stats
-        wanted = set(request.requested_output_names())
+        wanted = set(request.requested_output_names()) & self.public_outputs
         with_log_probs = req.params.wants_log_probs
         top_n = req.params.top_logprobs
         flagged = {P.NUM_INPUT_TOKENS: parsed.return_num_input_tokens, P.NUM_OUTPUT_TOKENS: parsed.return_num_output_tokens,
                    P.TOP_LOG_PROB_IDS: top_n > 0, P.TOP_LOG_PROBS: top_n > 0}
-        log_probs = TokenLogProbs.joined([log_probs if with_log_probs else None], [len(token_ids)], top_n)
-        top_ids, top_values = log_probs.top_tables(top_n)
+        joined = functools.cache(lambda: TokenLogProbs.joined([log_probs if with_log_probs else None], [len(token_ids)], top_n))
+        tables = functools.cache(lambda: joined().top_tables(top_n))
         values = {
             P.TEXT_OUTPUT: lambda: text_tensor(P.TEXT_OUTPUT, text),
             P.OUTPUT_IDS: lambda: batched(P.OUTPUT_IDS, np.asarray(token_ids, dtype=np.int32)),
@@ -368,15 +492,15 @@ class TritonPythonModel:
             P.NUM_CACHED_TOKENS: lambda: batched(P.NUM_CACHED_TOKENS, np.int32([stats.cached_prompt_tokens])),
             P.FINISH_REASON: lambda: text_tensor(P.FINISH_REASON, req.finish_reason or ""),
             P.CUM_LOG_PROBS: lambda: batched(P.CUM_LOG_PROBS, np.float32([sum(req.log_probs.values)])),
-            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([log_probs.values]).reshape(1, -1)),
-            P.TOP_LOG_PROB_IDS: lambda: batched(P.TOP_LOG_PROB_IDS, top_ids[None]),
-            P.TOP_LOG_PROBS: lambda: batched(P.TOP_LOG_PROBS, top_values[None]),
+            P.OUTPUT_LOG_PROBS: lambda: batched(P.OUTPUT_LOG_PROBS, np.float32([joined().values]).reshape(1, -1)),
+            P.TOP_LOG_PROB_IDS: lambda: batched(P.TOP_LOG_PROB_IDS, tables()[0][None]),
+            P.TOP_LOG_PROBS: lambda: batched(P.TOP_LOG_PROBS, tables()[1][None]),
             P.NUM_INPUT_TOKENS: lambda: batched(P.NUM_INPUT_TOKENS, np.int32([len(req.prompt_ids)])),
             P.NUM_OUTPUT_TOKENS: lambda: batched(P.NUM_OUTPUT_TOKENS, np.int32([len(token_ids)])),
         }
         return pb_utils.InferenceResponse([
             make() for name, make in values.items()
-            if flagged.get(name, True)
+            if name in self.public_outputs and flagged.get(name, True)
             and (name in wanted or (not wanted and (with_log_probs or name not in LOG_PROB_OUTPUTS)))
         ])
 

@@ -1,11 +1,15 @@
-"""verifier: the target model, the drafters that live beside it (EAGLE-3 heads, Medusa,
+"""The verifier: the target model, the drafters that live beside it (EAGLE-3 heads, Medusa,
 n-gram lookup) and the one scheduler that owns every live sequence (in-flight batching,
-specdec.serving.engine_loop). Decoupled, like TensorRT-LLM's `tensorrt_llm` model: the
-speculative loop sends ONE request per sequence; execute() only hands it to the scheduler,
-whose thread puts every ready sequence into each target forward (prompt chunks, decode
-steps and verification trees together) and streams each sequence's tokens and text round
-by round through its response sender, the last one with the final flag. No step of a
-sequence crosses Triton's scheduler.
+specdec.serving.engine_loop), hosted inside the `ensemble` model (loop_model.py), the model
+a client talks to: a streamed token crosses one Python stub, not two (issue 60: the relay
+stub and its per-round BLS responses cost a third of the served throughput at 16 streams).
+
+Two ways in. The ensemble's own requests are handed to the scheduler in process
+(LocalStream in loop_model.py). The other served names (`speculative_loop`,
+`ensemble_unary`) relay through the internal wire, like TensorRT-LLM's BLS in front of its
+decoupled `tensorrt_llm` model: ONE decoupled request per sequence, carrying the internal
+key, answered round by round (ids, text, stats) through its response sender, the last one
+with the final flag (serve_internal). No step of a sequence crosses Triton's scheduler.
 
 A STOP request (same correlation id) ends a live sequence before the next forward (a client
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
@@ -15,10 +19,11 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
-from specdec.config import METHOD_NONE, resolve_model_dir
+from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
@@ -27,12 +32,21 @@ from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
 from specdec.triton_models.common import (
-    HeapTrimmer, Metrics, array, batched, check_max_batch_size, error_response, from_the_loop, internal_key, load_settings,
-    refused, scalar, strings, text_tensor,
+    HeapTrimmer, Metrics, array, batched, error_response, from_the_loop, internal_key, refused, scalar, strings, text_tensor,
 )
 from specdec.triton_models.drafter_calls import DrafterCalls
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def round_stats(out: StepOutput, batch_sequences: int) -> C.RoundStats:
+    """The verifier's numbers for one round of one sequence."""
+    step = out.step
+    of_step = {} if step is None else dict(
+        accepted=step.accepted, draft_depth=step.draft_depth, draft_tokens=step.draft_tokens, verify_seconds=step.verify_seconds,
+        draft_seconds=step.draft_seconds, num_draft_tokens=step.num_draft_tokens, forced_accepted=step.forced_accepted,
+        cached_tokens=step.cached_tokens)
+    return C.RoundStats(verified=out.verified, batch_sequences=batch_sequences, **of_step)
 
 
 class SenderSink:
@@ -52,13 +66,7 @@ class SenderSink:
         self._closed = False
 
     def emit(self, out: StepOutput) -> bool:
-        step = out.step
-        of_step = {} if step is None else dict(
-            accepted=step.accepted, draft_depth=step.draft_depth, draft_tokens=step.draft_tokens, verify_seconds=step.verify_seconds,
-            draft_seconds=step.draft_seconds, num_draft_tokens=step.num_draft_tokens, forced_accepted=step.forced_accepted,
-            cached_tokens=step.cached_tokens)
-        stats = C.RoundStats(verified=out.verified, batch_sequences=self.batch_sequences(), **of_step)
-        self._held.append((out, stats.to_row()))
+        self._held.append((out, round_stats(out, self.batch_sequences()).to_row()))
         final = out.finished or out.error is not None
         if not (self.rounds or final):
             return True
@@ -83,10 +91,11 @@ class SenderSink:
         ]
         if self.log_probs:
             log_probs = TokenLogProbs.joined([o.log_probs for o, _ in held], [len(o.new_token_ids) for o, _ in held], self.top_logprobs)
-            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs.values)))
+            # In the ensemble's shapes (C.ENGINE_WIRE: the wire shares the host's tensor names).
+            outputs.append(batched(P.OUTPUT_LOG_PROBS, np.float32(log_probs.values)[None]))
             if self.top_logprobs:
                 ids, values = log_probs.top_tables(self.top_logprobs)
-                outputs += [batched(P.TOP_LOG_PROB_IDS, ids), batched(P.TOP_LOG_PROBS, values)]
+                outputs += [batched(P.TOP_LOG_PROB_IDS, ids[None]), batched(P.TOP_LOG_PROBS, values[None])]
         return pb_utils.InferenceResponse(outputs)
 
     def fail(self, exc: BaseException) -> None:
@@ -104,15 +113,18 @@ class SenderSink:
             pass
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        settings = load_settings(args)
-        check_max_batch_size(args, settings)
+class Verifier:
+    """The engine and its scheduler inside the model that hosts them (loop_model.py)."""
+
+    def __init__(self, settings: ServingConfig):
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         target_cfg = read_model_config(model_dir)
+        threads = settings.threads.get(C.VERIFIER_THREADS)
 
         def build_engine():  # on the scheduler's thread, where every forward will run
+            if threads:  # OpenMP's team size is per thread: this one runs the forwards
+                torch.set_num_threads(int(threads))
             return SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir),
                               speculator=build_colocated_speculator(settings))
 
@@ -137,7 +149,13 @@ class TritonPythonModel:
         self._prefix_published = (0, 0, 0)  # prefix-cache counters already published
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="verifier")
 
-    def execute(self, requests):
+    @property
+    def batch_sequences(self) -> int:
+        """Sequences in the last round's forward."""
+        return self._batch_sequences
+
+    def serve_internal(self, requests) -> None:
+        """Requests of the internal wire (C.ENGINE_WIRE), from the relays in front."""
         for request in requests:
             sender = request.get_response_sender()
             if not from_the_loop(request, self.key):  # refused without touching any sequence
@@ -162,8 +180,6 @@ class TritonPythonModel:
                 self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink, validated=True)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
-        return None
-
     def _on_round(self, info: RoundInfo) -> None:
         """Scheduler thread, after each forward: the batch-size histogram and gauges."""
         self._batch_sequences = info.sequences
@@ -204,6 +220,6 @@ class TritonPythonModel:
             return True
         return False
 
-    def finalize(self):
+    def close(self) -> None:
         self.scheduler.close()
         self.metrics.close()

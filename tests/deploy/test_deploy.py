@@ -778,8 +778,8 @@ def test_loadtest_master_writes_csv_and_html_reports_to_a_volume():
 
 
 # ---- served settings ----------------------------------------------------------------------
-def _verifier_max_batch_size() -> int:
-    return read_pbtxt(ROOT / "model_repository" / "verifier" / "config.pbtxt").max_batch_size
+def _verifier_max_batch_size() -> int:  # the KV-cache slots of the served repository
+    return ServingConfig.from_file(ROOT / "model_repository" / "specdec.json").engine.max_batch_size
 
 
 @pytest.mark.parametrize("name, device, dtype", [("cpu", "cpu", None), ("gpu", "cuda", "bfloat16")])
@@ -1255,6 +1255,6 @@ def test_every_model_repository_config_matches_the_protocol(model):
 
     config = read_pbtxt(ROOT / "model_repository" / model / "config.pbtxt")
     assert config.name == model
-    inputs, outputs = {**P.MODELS, **contract.MODELS}[model]
+    inputs, outputs = contract.served_tensors(model, P.MODELS)
     assert pbtxt_tensors(config, "input") == {s.name: (s.dtype, s.dims, s.optional) for s in inputs.values()}
     assert pbtxt_tensors(config, "output") == {s.name: (s.dtype, s.dims, s.optional) for s in outputs.values()}

@@ -104,7 +104,7 @@ def test_a_malformed_generation_is_refused_by_the_verifier_alone_and_changes_not
 
 
 class _VerifierCaller:
-    """Talks to the decoupled verifier as the loop does (one stream per sequence; STOP by
+    """Talks to the decoupled verifier (in its host, C.ENGINE_HOST) as a relay does (one stream per sequence; STOP by
     correlation id), with `key` or without."""
 
     def __init__(self, triton_server, key: str | None):
@@ -134,7 +134,7 @@ class _VerifierCaller:
         return tensors
 
     def send(self, seq_id, arrays, outputs=(P.OUTPUT_IDS,)):
-        self.client.async_stream_infer("verifier", self._inputs(arrays), sequence_id=seq_id, enable_empty_final_response=True,
+        self.client.async_stream_infer(C.ENGINE_HOST, self._inputs(arrays), sequence_id=seq_id, enable_empty_final_response=True,
                                        outputs=[self.grpcclient.InferRequestedOutput(n) for n in outputs])
 
     def collect(self, timeout_s: float = 120.0) -> list:
@@ -303,11 +303,10 @@ def two_slot_server(tmp_path_factory, smol_dir):
     root = tmp_path_factory.mktemp("two_slots")
     repo = root / "model_repository"
     shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
-    for model in ("verifier", "drafter"):
+    for model in ("drafter",):
         config = read_pbtxt(repo / model / "config.pbtxt")
         config.max_batch_size = 2
-        if config.HasField("sequence_batching"):  # the drafter's (the verifier schedules its own sequences)
-            config.sequence_batching.oldest.max_candidate_sequences = 2
+        config.sequence_batching.oldest.max_candidate_sequences = 2
         write_pbtxt(repo / model / "config.pbtxt", config)
     settings = json.loads((repo / "specdec.json").read_text())
     settings["engine"].update(max_batch_size=2, max_seq_len=512, max_tokens_limit=512)

@@ -57,7 +57,7 @@ def stub_of(server_pid: int, model: str) -> int:
     raise AssertionError(f"no stub of {model}")
 
 
-def start_long_stream(address: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+def start_long_stream(address: str, max_tokens: int, model: str = "ensemble") -> tuple[threading.Thread, dict]:
     """A long stream on a thread of its own, returned once its first chunk arrived. outcome
     gets "finished" or "error", and "at" (time.monotonic()) when the stream ended."""
     outcome: dict = {}
@@ -65,7 +65,7 @@ def start_long_stream(address: str, max_tokens: int) -> tuple[threading.Thread, 
 
     def stream() -> None:
         try:
-            with SpecDecClient(address, protocol="grpc", timeout_s=120) as client:
+            with SpecDecClient(address, protocol="grpc", timeout_s=120, model=model) as client:
                 for _ in client.stream(GenerateRequest("Tell me a long story.", max_tokens=max_tokens, ignore_eos=True)):
                     first_chunk.set()
             outcome["finished"] = True

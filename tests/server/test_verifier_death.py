@@ -3,9 +3,10 @@
 Triton does not end a decoupled BLS call whose callee's stub died: the loop would wait for the
 verifier's next round forever. So a stream quiet for PROBE_AFTER_S sends the verifier a STOP
 with correlation id 0 (no sequence has it): a live verifier answers it, a dead one's error ends
-the stream. Here the verifier's stub is killed under a running stream, on a server of its own
-(only `ensemble` and `verifier` loaded, one method, so it starts quickly): the client hears an
-error within a bound, and the loop gives its slot back.
+the stream. The verifier lives in the `ensemble` model's stub (contract.ENGINE_HOST); a relay
+(`speculative_loop`) reaches it over BLS. Here the host's stub is killed under a stream through
+the relay, on a server of its own (only those two loaded, one method, so it starts quickly):
+the client hears an error within a bound, and the relay gives its slot back.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def small_server(tmp_path, smol_dir):
     server = TritonServer(log_path=tmp_path / "triton.log")
     server.start(DEFAULT_MODEL_REPOSITORY, http_port=http, grpc_port=grpc, metrics_port=metrics,
                  env={"SPECDEC_SETTINGS": str(tmp_path / "specdec.json")}, model_control_mode="explicit",
-                 load_models=("ensemble", "verifier"))
+                 load_models=("ensemble", "speculative_loop"))
     try:
         server.wait_ready(timeout=300)
         yield server
@@ -49,12 +50,12 @@ def small_server(tmp_path, smol_dir):
 
 @pytest.mark.server
 def test_a_stream_whose_verifier_died_ends_with_an_error(small_server):
-    streamer, outcome = start_long_stream(small_server.endpoints.grpc, max_tokens=500)
-    os.kill(stub_of(small_server.pid, "verifier"), signal.SIGKILL)
+    streamer, outcome = start_long_stream(small_server.endpoints.grpc, max_tokens=500, model="speculative_loop")
+    os.kill(stub_of(small_server.pid, "ensemble"), signal.SIGKILL)
     killed = time.monotonic()
     streamer.join(ENDS_WITHIN_S + 5)
     assert not streamer.is_alive(), f"the stream still runs {ENDS_WITHIN_S + 5:g} s after its verifier died"
     assert "error" in outcome, outcome  # ended by the error, not run to max_tokens
     assert outcome["at"] - killed <= ENDS_WITHIN_S, outcome["at"] - killed
     samples = server_metrics.scrape(small_server.endpoints.metrics_url)
-    assert server_metrics.total(samples, W.SLOT_OCCUPANCY, model="ensemble") == 0  # the loop gave its slot back
+    assert server_metrics.total(samples, W.SLOT_OCCUPANCY, model="speculative_loop") == 0  # the relay gave its slot back

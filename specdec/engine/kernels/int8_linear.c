@@ -165,7 +165,10 @@ int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, cons
             const long chunk = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
             const quantized_rows part = {chunk, k, blocks, rows.codes + r0 * k, rows.scale + r0 * blocks,
                                          rows.sum + r0 * blocks, rows.offset_scale + r0 * blocks};
-#pragma omp for schedule(static)
+        /* dynamic: a thread the OS preempts (a stub's response, the server's gRPC on the same
+         * cores) leaves its tiles to the others instead of stalling the region at its barrier.
+         * Which thread computes a tile changes nothing in its bits. */
+#pragma omp for schedule(guided)
             for (long t = 0; t < w.tiles; t++) {
                 const long columns = n - t * TILE_N < TILE_N ? n - t * TILE_N : TILE_N;
                 kernel(&part, &w, t, y + r0 * y_stride + t * TILE_N, y_stride, columns);

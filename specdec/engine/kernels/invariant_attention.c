@@ -156,13 +156,13 @@ static int attend_in_two_phases(const attention_call *a, long B, long KVH, score
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
         for (long item = 0; item < groups * ranges; item++) {
             const long group = item / ranges, c_begin = (item % ranges) * per_item * COLUMNS;
             const long c_end = c_begin + per_item * COLUMNS < C ? c_begin + per_item * COLUMNS : C;
             if (ok) score_fn(a, group / KVH, group % KVH, 0, N, c_begin, c_end, keys, score + group * rows * C);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
         for (long item = 0; item < groups * rows; item++) {
             const long group = item / rows, r = item % rows;
             if (ok) finish_fn(a, group / KVH, group % KVH, 0, N, r, r + 1, score + group * rows * C, acc, allowed_f);
@@ -202,7 +202,7 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
         for (long item = 0; item < items; item++) {
             const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
             if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL) {

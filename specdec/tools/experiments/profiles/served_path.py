@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 for pid in pids[1:-1]:
                     label = process_label(pid).replace("stub:", "")
                     spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--threads",
-                                                   "--idle", "--format", "raw", "--nonblocking",
+                                                   "--format", "raw", "--nonblocking",
                                                    "--output", f"{args.py_spy}/{label}_c{c}.txt"],
                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 time.sleep(1.0)
