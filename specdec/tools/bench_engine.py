@@ -9,6 +9,7 @@ side by side in one run; nothing here is asserted.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -35,8 +36,26 @@ def env_record(dtype: str) -> dict:
     return {
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": dtype,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": git_commit(), **cpu_topology(),
     }
+
+
+def cpu_topology() -> dict:
+    """What makes the same model's speed differ between machines sold as alike (issue 60): the
+    vector path our kernels take here (AVX2 / AVX-512 VNNI / AMX: a CPU without VNNI runs the
+    AVX2 path at about half the int8 rate) and whether the vCPUs are two cores or the two
+    hyperthreads of one (two threads then share one core's vector units)."""
+    from specdec.engine import kernels
+
+    siblings = set()
+    for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list"):
+        siblings.add(path.read_text().strip())
+    record = {"physical_cores_of_vcpus": len(siblings) or None, "vcpus": os.cpu_count()}
+    if kernels.available():
+        from specdec.engine.kernels.int8 import ISA, best_isa
+
+        record["kernel_path"] = ISA.NAMES.get(best_isa(), str(best_isa()))
+    return record
 
 
 def read_bandwidth_gbs(mbytes: int = 256, repeats: int = 15) -> float:

@@ -4,7 +4,8 @@ The same prompts (ShareGPT first turns, greedy, EOS ignored), closed loop at eac
 concurrency, once through Triton (the real server, gRPC streams from `c` client threads)
 and once through the in-process engine (SpecEngine, the same closed loop), mode by mode
 and block by block, so drift hits both sides of a ratio alike. Reports output tok/s of
-both and their ratio, TTFT p50, how many streams shared each target forward (the
+both and their ratio, TTFT p50 of both, the TTFT of 50-, 200- and 1,000-token prompts at
+c=1 both ways (no prefix reused), how many streams shared each target forward (the
 verifier's `specdec_batch_sequences` histogram) against the live streams, and the share of
 the machine's CPU the benchmark client itself used (it runs on the same cores).
 Nothing is asserted.
@@ -86,6 +87,51 @@ def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens:
     }
 
 
+def prompt_of_length(tokenizer, texts: list[str], tokens: int, chat: bool) -> str:
+    """A prompt that encodes (chat template included, when served with one) to `tokens`
+    tokens, within a few: ShareGPT text joined and cut."""
+    words = " ".join(texts).split()
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose prompt stays within `tokens`
+        mid = (lo + hi + 1) // 2
+        if len(encode_prompt(tokenizer, " ".join(words[:mid]), chat=chat)) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def ttft_by_length(endpoints, engine, tokenizer, texts: list[str], lengths: list[int], chat: bool, repeats: int) -> list[dict]:
+    """TTFT of one prompt of each length at c=1, through Triton and in process, side by side;
+    each request with a salt of its own, so no prefix is reused."""
+    from specdec_client import GenerateRequest, SpecDecClient
+
+    rows = []
+    with SpecDecClient(endpoints.grpc) as client:
+        for length in lengths:
+            text = prompt_of_length(tokenizer, texts, length, chat)
+            ids = encode_prompt(tokenizer, text, chat=chat)
+            served, local = [], []
+            for r in range(repeats):
+                salt = f"ttft-{length}-{r}-{time.time_ns()}"
+                gen = client.generate(GenerateRequest(text, max_tokens=2, method="none", num_draft_tokens=0, cache_salt=salt))
+                served.append(gen.ttft_s * 1e3)
+                t0 = time.perf_counter()
+                engine.add_request(salt, ids, SamplingParams(max_tokens=2, cache_salt=salt), "none", 0)
+                while not any(out.new_token_ids for out in engine.step()):
+                    pass
+                local.append((time.perf_counter() - t0) * 1e3)
+                while engine.has_work():
+                    engine.step()
+            row = {"prompt_tokens": len(ids), "triton_ttft_p50_ms": statistics.median(served),
+                   "in_process_ttft_p50_ms": statistics.median(local)}
+            row["triton_over_in_process"] = row["triton_ttft_p50_ms"] / row["in_process_ttft_p50_ms"]
+            rows.append(row)
+            print(f"TTFT {len(ids)}-token prompt: Triton {row['triton_ttft_p50_ms']:.0f} ms, in process "
+                  f"{row['in_process_ttft_p50_ms']:.0f} ms", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specdec bench-load", description=__doc__)
     p.add_argument("--out", default="results/bench/load/in_flight.json")
@@ -95,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="eagle3-hybrid,ngram-adaptive", help="comma list beside the baseline")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--prompts-at-1", type=int, default=16, help="prompts at concurrency 1 (a wave is one request)")
+    p.add_argument("--ttft-lengths", default="50,200,1000", help="prompt lengths (tokens) whose TTFT is measured at c=1; '' for none")
+    p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     args = p.parse_args(argv)
     repo = Path(args.model_repository)
@@ -127,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                     result["points"].append(point)
                     print(f"c={c} block {block} {label}: Triton {served['output_tok_s']:.1f} tok/s, in process "
                           f"{local['output_tok_s']:.1f} tok/s, ratio {point['triton_over_in_process']:.2f}; TTFT p50 "
-                          f"{served['ttft_p50_ms']:.0f} ms; median streams per forward {served['median_batch_sequences']}; "
+                          f"{served['ttft_p50_ms']:.0f} ms (in process {local['ttft_p50_ms']:.0f}); median streams per forward {served['median_batch_sequences']}; "
                           f"MAL {served['mean_acceptance_length']:.2f} / {local['mean_acceptance_length']:.2f}; "
                           f"client CPU {served['client_cpu_share']:.1%}", flush=True)
+        lengths = [int(n) for n in args.ttft_lengths.split(",") if n]
+        if lengths:
+            long_texts = sharegpt_prompts(64, seed=1, tokenizer=tokenizer, min_tokens=64, max_tokens=2048)
+            result["ttft_by_prompt_length"] = ttft_by_length(server.endpoints, engine, tokenizer, long_texts, lengths,
+                                                             settings.apply_chat_template, args.ttft_repeats)
     finally:
         server.stop()
     out = Path(args.out)

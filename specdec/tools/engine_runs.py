@@ -28,7 +28,7 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
     request's token ids (by request id); past `limit_s` it raises (a stuck engine must not
     hold a short GPU lease; the caller builds a fresh one)."""
     todo = list(enumerate(prompts))
-    first, last, count = {}, {}, {}
+    added, first, last, count = {}, {}, {}, {}
     stats_before = engine.stats.as_dict()
     drafted_before = list(engine.stats.drafted_per_position)
     accepted_before = list(engine.stats.accepted_per_position)
@@ -41,6 +41,7 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
         while todo and len(engine.sequences) < concurrency:
             i, p = todo.pop(0)
             engine.add_request(str(i), p, params, method, k)
+            added[str(i)] = time.perf_counter()
         for out in engine.step():
             now = time.perf_counter()
             if out.new_token_ids:
@@ -64,6 +65,8 @@ def run_requests(engine: SpecEngine, prompts: list[list[int]], params: SamplingP
             for n, a, n0, a0 in zip(after.drafted_per_position, after.accepted_per_position, padded(drafted_before), padded(accepted_before))
         ],
         "tokens": sum(count.values()),
+        # From joining the engine (a free sequence slot) to the first token, as a client would see it.
+        "ttft_p50_ms": 1e3 * statistics.median(first[r] - added[r] for r in first) if first else 0.0,
         # Per sequence step (a verification of one sequence; at c=1 an engine step): drafting and verifying time.
         "draft_ms_per_seq_step": 1e3 * (after.draft_seconds - stats_before["draft_seconds"]) / steps if steps else 0.0,
         "verify_ms_per_seq_step": 1e3 * (after.verify_seconds - stats_before["verify_seconds"]) / steps if steps else 0.0,

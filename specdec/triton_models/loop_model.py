@@ -31,6 +31,7 @@ import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.serving.spec_engine import eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
+from specdec.serving.engine_loop import name_os_thread
 from specdec.serving.loop import LoopUpdate
 from specdec.serving.request import TokenRules, parse_request, served_offer
 from specdec.engine.models.loading import read_model_config
@@ -203,14 +204,15 @@ class VerifierStream:
         """req: the loop's record of the request, validated (its ids, settings, log probs,
         stats, end); rounds: a response per round (a streamed request), else one with every round."""
         self.cid, self.req, self.rounds = cid, req, rounds
-        self.key = None if key is None else np.array([key], dtype=np.object_)
+        # Always sent, empty without a key: Triton counts a request's inputs against the host's
+        # required ones (text_input, max_tokens) and refuses a STOP that carries only `stop`.
+        self.key = np.array([key or b""], dtype=np.object_)
         wanted = [P.OUTPUT_LOG_PROBS] if req.params.wants_log_probs else []
         wanted += [P.TOP_LOG_PROB_IDS, P.TOP_LOG_PROBS] if req.params.top_logprobs else []
         self.outputs = VERIFIER_OUT + wanted
 
     def _request(self, inputs, outputs, correlation_id: int | None = None):
-        if self.key is not None:
-            inputs = {**inputs, C.INTERNAL_KEY: self.key}
+        inputs = {**inputs, C.INTERNAL_KEY: self.key}
         return pb_utils.InferenceRequest(
             model_name=C.ENGINE_HOST, inputs=[batched(k, v) for k, v in inputs.items()], requested_output_names=outputs,
             correlation_id=self.cid if correlation_id is None else correlation_id,
@@ -335,6 +337,7 @@ class TritonPythonModel:
             self._slots = SharedSlots(self.settings.engine.max_batch_size)
             self._slot_gauges()  # the series exist from the start (an autoscaler reads 0, not nothing)
             self._post = RoundPost(asyncio.get_running_loop())
+            name_os_thread("specdec-loop")
             self._executor_set = True
         if self.verifier is not None:
             wire = [r for r in requests if any(pb_utils.get_input_tensor_by_name(r, n) is not None for n in self._wire_only)]
