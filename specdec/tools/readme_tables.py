@@ -72,7 +72,6 @@ HISTORY = {
     "results/bench/structured/summary.json": (INT8_DEFAULT, "make bench-structured"),
     "results/bench/conversations/summary.json": (INT8_DEFAULT, "make bench-conversations"),
     "results/bench/suffix/summary.json": (INT8_DEFAULT, "make bench-suffix"),
-    "results/bench/load/in_flight.json": (INT8_DEFAULT, "make bench-load"),
     "results/bench/load/closed_greedy/summary.json": (INT8_DEFAULT, "make bench-load-sweep"),
 }
 
@@ -226,13 +225,27 @@ def in_flight() -> Table:
 
     rows = [
         ["Triton baseline, output tok/s"] + [each(c, "baseline", lambda p: p["triton"]["output_tok_s"], ".1f") for c in loads],
-        ["Triton / in-process engine (baseline)"] + [each(c, "baseline", lambda p: p["triton_over_in_process"], ".2f") for c in loads],
+        ["in-process baseline, output tok/s"] + [each(c, "baseline", lambda p: p["in_process"]["output_tok_s"], ".1f") for c in loads],
+    ]
+    rows += [[f"Triton / in-process engine ({mode})"] + [each(c, mode, lambda p: p["triton_over_in_process"], ".2f") for c in loads]
+             for mode in ["baseline", *modes]]
+    rows += [
         ["streams per target forward (median)"] + [each(c, "baseline", lambda p: p["triton"]["median_batch_sequences"], ".0f") for c in loads],
         ["TTFT p50, Triton baseline (ms)"] + [each(c, "baseline", lambda p: p["triton"]["ttft_p50_ms"], ".0f") for c in loads],
     ]
+    if all("ttft_p50_ms" in p["in_process"] for p in data["points"]):  # recorded since issue 60
+        rows.append(["TTFT p50, in-process baseline (ms)"]
+                    + [each(c, "baseline", lambda p: p["in_process"]["ttft_p50_ms"], ".0f") for c in loads])
     rows += [[f"{mode} / baseline, Triton"] + [gain(c, mode) for c in loads] for mode in modes]
     rows.append(["benchmark client's CPU share"] + [each(c, "baseline", lambda p: 100 * p["triton"]["client_cpu_share"], ".1f") + " %" for c in loads])
     return Table(table(["", *(f"c={c}" for c in loads)], rows), [path])
+
+
+def ttft_by_length() -> Table:
+    path = "results/bench/load/in_flight.json"
+    rows = [[str(r["prompt_tokens"]), f"{r['triton_ttft_p50_ms']:.0f}", f"{r['in_process_ttft_p50_ms']:.0f}",
+             f"{r['triton_over_in_process']:.2f}"] for r in read(path)["ttft_by_prompt_length"]]
+    return Table(table(["prompt tokens", "TTFT p50, Triton (ms)", "in process (ms)", "Triton / in process"], rows), [path])
 
 
 def heads() -> Table:
@@ -373,6 +386,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "conversations": conversations,
     "suffix": suffix,
     "in-flight": in_flight,
+    "ttft-by-length": ttft_by_length,
     "load-sweep": lambda: by_concurrency("results/bench/load/closed_greedy/summary.json"),
     "matrix-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "heads": heads,

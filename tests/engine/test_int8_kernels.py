@@ -158,3 +158,19 @@ def test_a_library_that_does_not_load_says_which_file(monkeypatch, tmp_path):
     finally:
         monkeypatch.delenv(kernels.LIBRARY_ENV)
         kernels.reset()
+
+
+def test_the_path_can_be_capped_to_emulate_a_smaller_cpu_and_a_wrong_name_is_refused(monkeypatch):
+    """SPECDEC_INT8_PATH: what a CPU without AMX or VNNI runs, measured where they exist (the
+    bits are the same on every path: test_every_path_gives_the_references_bits)."""
+    from specdec.engine.kernels.int8 import PATH_ENV, best_isa
+
+    monkeypatch.setenv(PATH_ENV, "reference")
+    assert best_isa() == ISA.REFERENCE
+    codes = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
+    packed = PackedInt8.pack(codes, Format.ROW, column_scale=torch.rand(48) + 0.5)
+    assert packed.isa == ISA.REFERENCE
+    monkeypatch.setenv(PATH_ENV, "neon")
+    with pytest.raises(ConfigError) as err:
+        best_isa()
+    assert err.value.field == PATH_ENV

@@ -8,12 +8,14 @@ path (the AVX2, AVX-512 VNNI and AMX paths equal the plain C reference bit for b
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from specdec.engine import kernels
+from specdec.errors import ConfigError
 
 QBLOCK = 32  # activation (and GGUF weight) block: inputs per scale
 TILE_N = 16  # output columns per packed tile
@@ -28,8 +30,21 @@ class ISA:
     NAMES = {0: "reference", 1: "avx2", 2: "avx512_vnni", 3: "amx"}
 
 
+# Caps the path (reference, avx2, avx512_vnni, amx): what a CPU without AMX or VNNI would run,
+# measured on one that has them (the same bits on every path; only the speed differs).
+PATH_ENV = "SPECDEC_INT8_PATH"
+
+
 def best_isa() -> int:
-    """The fastest path this CPU runs (picked by the library from the CPU's flags)."""
+    """The fastest path this CPU runs (picked by the library from the CPU's flags), or the one
+    SPECDEC_INT8_PATH names."""
+    forced = os.environ.get(PATH_ENV)
+    if forced:
+        isa = {name: isa for isa, name in ISA.NAMES.items()}.get(forced)
+        if isa is None or not isa_supported(isa):
+            raise ConfigError(PATH_ENV, f"{forced!r} is not a path this CPU runs (one of "
+                                        f"{', '.join(n for i, n in ISA.NAMES.items() if isa_supported(i))})")
+        return isa
     return int(kernels.native().int8_best_isa())
 
 
