@@ -133,6 +133,18 @@ VECTOR_PATHS(finish, finish_kernel,
               float *acc, float *allowed),
              (a, b, g, n0, n1, r_begin, r_end, score, acc, allowed))
 
+/* 1 + the last column any row n0..n1-1 of sequence b may attend to (0: none). */
+static long columns_in_use(const attention_call *a, long b, long n0, long n1) {
+    long used = 0;
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
+        long c = a->C;
+        while (c > used && !mask[c - 1]) c--;
+        used = c;
+    }
+    return used;
+}
+
 /* Two phases when the (sequence, kv head) groups are too few to keep every thread busy (decode
  * at one sequence: 3 groups on 2 threads): first the scores, split by column blocks, then the
  * rows, split by row. A row's scores and its reductions are the same operations either way. */
@@ -207,8 +219,14 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
             const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
             if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL) {
                 const long n1 = n0 + chunk < N ? n0 + chunk : N;
-                score_fn(&a, b, g, n0, n1, 0, C, keys, score);
-                finish_fn(&a, b, g, n0, n1, 0, a.group * (n1 - n0), score, acc, allowed_f);
+                /* Only the columns up to the item's last allowed one: a causal prompt chunk's
+                 * rows skip the columns after them, a short sequence beside long ones the
+                 * columns past its end. The columns cut are masked for every row of the item:
+                 * their weights were exact zeros that changed no sum, so the bits are the same. */
+                attention_call item_call = a;
+                item_call.C = columns_in_use(&a, b, n0, n1);
+                score_fn(&item_call, b, g, n0, n1, 0, item_call.C, keys, score);
+                finish_fn(&item_call, b, g, n0, n1, 0, a.group * (n1 - n0), score, acc, allowed_f);
             }
         }
         free(keys);
