@@ -306,7 +306,8 @@ async def cancel_storm(server, prompt: str, n: int, model: str, protocol: str) -
 
 
 async def crash_drill(server, prompt: str, args) -> dict:
-    """Kill the verifier's stub while streams run: every stream must end (with an error)."""
+    """Kill the verifier's stub (the `ensemble` model hosts it) while streams run: every stream
+    must end (with an error)."""
     from specdec.launcher.processes import _proc_cmdline, group_members
 
     async def stream_once(client):
@@ -318,7 +319,7 @@ async def crash_drill(server, prompt: str, args) -> dict:
         except Exception as exc:  # noqa: BLE001 - the expected ending
             return {"outcome": "error", "seconds": time.monotonic() - t0, "error": str(exc)[:200]}
 
-    stubs = [p for p in group_members(server.pgid) if "verifier" in _proc_cmdline(p)]
+    stubs = [p for p in group_members(server.pgid) if "/ensemble/1/model.py" in _proc_cmdline(p)]
     async with AsyncSpecDecClient(_url(server, args.protocol), args.protocol, timeout_s=args.drill_timeout_s) as client:
         tasks = [asyncio.create_task(stream_once(client)) for _ in range(4)]
         await asyncio.sleep(3.0)
