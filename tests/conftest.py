@@ -121,6 +121,15 @@ def smol_model(smol_dir):
 
 
 @pytest.fixture(scope="session")
+def smol_int8_model(smol_dir):
+    """The target as it ships (specdec.json's weight_format: int8, the row-invariant kernels)."""
+    from specdec.config import EngineConfig
+    from specdec.serving.runtime import load_target
+
+    return load_target(smol_dir, EngineConfig(weight_format="int8"))
+
+
+@pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir):
     from specdec.serving.runtime import load_tokenizer
 

@@ -2,7 +2,7 @@
 chunks in the same forward as the running sequence's steps. The running sequence keeps
 emitting meanwhile, and every output equals the one computed with whole-prompt prefill
 (greedy identity), the EAGLE-3 head's drafts included (its prompt features come from the
-chunks, concatenated)."""
+chunks, concatenated). On float32 and on the int8 weights that ship (issue 61)."""
 from __future__ import annotations
 
 import pytest
@@ -43,8 +43,14 @@ def run_overlapped(engine: SpecEngine, short: list[int], long: list[int], method
     return out, steps
 
 
+@pytest.fixture(params=["smol_model", "smol_int8_model"], ids=["float32", "int8"])
+def target(request):
+    return request.getfixturevalue(request.param)
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "eagle3"])
-def test_a_running_stream_keeps_emitting_while_a_long_prompt_is_prefilled(smol_model, smol_tokenizer, method):
+def test_a_running_stream_keeps_emitting_while_a_long_prompt_is_prefilled(target, smol_tokenizer, method):
+    smol_model = target
     short, long = encode_prompt(smol_tokenizer, SHORT), encode_prompt(smol_tokenizer, LONG)
     chunk = 48
     assert len(long) > 3 * chunk
@@ -62,11 +68,12 @@ def test_a_running_stream_keeps_emitting_while_a_long_prompt_is_prefilled(smol_m
         assert chunked.stats.accepted_per_position == whole.stats.accepted_per_position
 
 
-def test_chunked_prefill_through_the_loop_hooks(smol_model, smol_tokenizer):
+def test_chunked_prefill_through_the_loop_hooks(target, smol_tokenizer):
     """A START that does not finish its prompt answers no tokens; the caller's next steps
     continue it (what the Triton loop does), and its first token is the whole-prompt one."""
     from specdec.engine.speculator import StartItem, StepItem
 
+    smol_model = target
     long = encode_prompt(smol_tokenizer, LONG)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine = make_engine(smol_model, smol_tokenizer, 32)

@@ -26,12 +26,14 @@ FIRST, SECOND = "Name three colors.", "Name three animals."  # the chat template
 OTHER = "Write a haiku about autumn leaves."
 
 
-@pytest.fixture(scope="module")
-def engines():
+@pytest.fixture(scope="module", params=[None, "int8"], ids=["float32", "int8"])
+def engines(request):
+    """Cache on and off, on float32 and on the int8 weights that ship (issue 61)."""
     from specdec.serving.runtime import build_engine, served_methods
 
     methods = {"eagle3": served_methods()["eagle3"]}  # a drafter that reads the target's taps
-    return {cached: build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=512, enable_prefix_caching=cached),
+    return {cached: build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=512, enable_prefix_caching=cached,
+                                                     weight_format=request.param),
                                  speculative=methods) for cached in (True, False)}
 
 
