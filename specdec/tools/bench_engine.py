@@ -54,7 +54,8 @@ def cpu_topology() -> dict:
     if kernels.available():
         from specdec.engine.kernels.int8 import ISA, best_isa
 
-        record["kernel_path"] = ISA.NAMES.get(best_isa(), str(best_isa()))
+        isa = best_isa()
+        record["kernel_path"] = ISA.NAMES.get(isa, str(isa))
     return record
 
 

@@ -109,8 +109,6 @@ ENGINE_WIRE: tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]] = (
                    (ROUND_TOKENS, "TYPE_INT32", (-1,)), (W.OUTPUT_LOG_PROBS, "TYPE_FP32", (-1, -1)),
                    (W.TOP_LOG_PROB_IDS, "TYPE_INT32", (-1, -1, -1)), (W.TOP_LOG_PROBS, "TYPE_FP32", (-1, -1, -1))),
 )
-# Inputs only the wire carries: a request with any of them is the wire's (and needs the key).
-WIRE_ONLY_INPUTS = frozenset({GENERATION, STOP, ROUNDS, INTERNAL_KEY})
 
 
 def served_tensors(model: str, public: dict) -> tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]]:

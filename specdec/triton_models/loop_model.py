@@ -29,7 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
 from specdec.triton_models import contract as C
-from specdec.serving.spec_engine import eos_ids_of_config
+from specdec.serving.spec_engine import StepOutput, eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
 from specdec.serving.engine_loop import name_os_thread
 from specdec.serving.loop import LoopUpdate
@@ -43,7 +43,6 @@ from specdec.triton_models.bls import RetiredIterators, decoupled_responses
 from specdec.triton_models.verifier_model import Verifier, round_stats
 from specdec.triton_models.slots import SharedSlots
 from specdec.triton_models.common import Metrics, batched, error_response, inputs_of, internal_key, load_settings, text_tensor
-from specdec.serving.spec_engine import StepOutput
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 VERIFIER_OUT = [P.OUTPUT_IDS, P.TEXT_OUTPUT, P.FINISH_REASON, C.STEP_STATS, C.ROUND_TOKENS]
@@ -340,10 +339,9 @@ class TritonPythonModel:
             name_os_thread("specdec-loop")
             self._executor_set = True
         if self.verifier is not None:
-            wire = [r for r in requests if any(pb_utils.get_input_tensor_by_name(r, n) is not None for n in self._wire_only)]
-            if wire:
-                self.verifier.serve_internal(wire)  # hands them to the scheduler; never waits
-                requests = [r for r in requests if not any(r is w for w in wire)]
+            on_wire = [any(pb_utils.get_input_tensor_by_name(r, n) is not None for n in self._wire_only) for r in requests]
+            self.verifier.serve_internal([r for r, wire in zip(requests, on_wire) if wire])  # hands them over; never waits
+            requests = [r for r, wire in zip(requests, on_wire) if not wire]
         # One request's failure must never take the others (or the stub) down with it.
         await asyncio.gather(*(self._serve(request) for request in requests), return_exceptions=True)
         return None

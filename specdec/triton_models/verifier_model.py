@@ -180,6 +180,7 @@ class Verifier:
                 self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink, validated=True)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
+
     def _on_round(self, info: RoundInfo) -> None:
         """Scheduler thread, after each forward: the batch-size histogram and gauges."""
         self._batch_sequences = info.sequences
