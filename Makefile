@@ -264,7 +264,7 @@ loadtest-prod: prepare
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# Mutation score (issue 43): each mutant in tests/support/mutants.toml applied alone to a private copy of the working tree, the
+# Mutation score (issue 43): each mutant in tests/support/mutants/*.toml applied alone to a private copy of the working tree, the
 # make-test tests it names run there -> results/mutants.json. Fails below 95% killed, or when a mutant no longer applies
 # (~15 min on 2 cores)
 mutants: prepare

@@ -1,12 +1,16 @@
 """`make mutants`: does `make test` catch small semantic bugs in the engine and serving code?
 
-tests/support/mutants.toml lists the mutants: each is one edit of one source file (an `old` snippet
-that occurs exactly once, replaced by `new`) that models a bug a correct test suite must
-catch (acceptance, the residual, tree merges, KV compaction, the prefix index, taps reuse,
-grammar masks, the planner, stop handling, seeds, the scheduler's failure path), and names
-the `make test` tests that should catch it. This tool applies them one at a time and runs
-those tests (`-m "not slow"`, so a kill is a kill by `make test`), then writes
-results/mutants.json: per mutant its outcome and seconds, the totals and the score.
+tests/support/mutants/*.toml list the mutants, one file per area: each is one edit of one source
+file (an `old` snippet that occurs exactly once, replaced by `new`) that models a bug a correct
+test suite must catch (acceptance, the residual, tree merges, KV compaction, the prefix index,
+grammar masks, the planner, stop handling, seeds, the scheduler's failure path, the C kernels,
+the weight formats, the OpenAI front end, the Triton models), and names the `make test` tests
+that should catch it. This tool applies them one at a time and runs those tests (`-m "not
+slow"`, so a kill is a kill by `make test`), then writes results/mutants.json: per mutant its
+outcome and seconds, the SHA-256 of its definition and of the file it mutated, the totals and
+the score. tests/project/test_mutants.py checks in `make test` that the record holds a result
+for every mutant listed today, and the README's score is rendered from it with the number of
+mutated files changed since, so a stale record shows itself.
 
 Outcomes:
   killed    its tests failed with the mutant in place;
@@ -14,14 +18,17 @@ Outcomes:
             mutant made them hang, so it counts as killed (recorded apart);
   survived  they passed: a bug the suite does not see;
   error     nothing was learnt: the `old` snippet no longer occurs exactly once (the code
-            moved on, the list must follow), the tests select nothing, or they fail
-            unmutated. Errors are not survivors and not in the score; any makes the run fail.
+            moved on, the list must follow), a C mutant does not compile, the tests select
+            nothing, they fail unmutated, or they could not be collected (a mutant that breaks
+            an import kills no test: it must model a bug, not a syntax slip). Errors are not
+            survivors and not in the score; any makes the run fail.
 
 Every run happens in a private copy of the working tree (tracked and untracked files that
 git does not ignore; the virtualenv is the caller's), never in the checkout itself: others
 may edit it meanwhile, and a mutant left behind by a killed run would corrupt their work.
-Each worker (--jobs) has its own copy and restores the file after every mutant. Bytecode
-is never written there, so a mutated module is never served from a stale cache.
+Each worker (--jobs) has its own copy, with the kernel library built in it, and restores the file
+(and for a C mutant the library) after every mutant. Bytecode is never written there, so a
+mutated module is never served from a stale cache.
 
 The tests' names are checked by tests/project/test_mutants.py in `make test`: the list parses and
 every `old` snippet applies exactly once.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import os
 import platform
@@ -47,7 +55,7 @@ from pathlib import Path
 from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LIST = REPO_ROOT / "tests" / "support" / "mutants.toml"
+DEFAULT_LIST = REPO_ROOT / "tests" / "support" / "mutants"  # a directory of *.toml, or one file
 DEFAULT_OUT = Path("results") / "mutants.json"
 
 KILLED, TIMEOUT, SURVIVED, ERROR = "killed", "timeout", "survived", "error"
@@ -61,6 +69,9 @@ BASELINE_TIMEOUT_S = 900.0  # an unmutated selection that runs longer is not one
 PYTEST_FAILED, PYTEST_COLLECTION_ERROR, PYTEST_NO_TESTS = 1, 2, 5
 PYTEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-m", "not slow")
 _FIELDS = {"id", "file", "old", "new", "description", "tests", "k"}
+COMPILED_SUFFIXES = (".c", ".h")  # a mutant of these rebuilds the kernel library in its copy
+BUILD_KERNELS = ("setup.py", "-q", "build_ext", "--inplace", "--force")
+KERNEL_LIBRARY_GLOB = "specdec/engine/kernels/_native*.so"
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
@@ -85,14 +96,38 @@ class Mutant:
         """Mutants with the same selection share one unmutated (baseline) run."""
         return tuple(self.pytest_args())
 
+    @property
+    def compiled(self) -> bool:
+        return self.file.endswith(COMPILED_SUFFIXES)
+
+    def digest(self) -> str:
+        """The definition's hash: a record made for another edit or other tests is not this mutant's."""
+        fields = json.dumps([self.file, self.old, self.new, list(self.tests), self.k])
+        return hashlib.sha256(fields.encode()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def list_files(path: Path) -> list[Path]:
+    path = Path(path)
+    return sorted(path.glob("*.toml")) if path.is_dir() else [path]
+
 
 def load_mutants(path: Path = DEFAULT_LIST) -> list[Mutant]:
-    """Parse the list ([[mutant]] tables); unknown or missing fields are errors naming them."""
-    data = tomllib.loads(Path(path).read_text())
-    if set(data) != {"mutant"}:
-        raise MutantListError(f"{path}: expected only [[mutant]] tables, got {sorted(data)}")
+    """Parse the list ([[mutant]] tables, from one file or every *.toml of a directory); unknown or
+    missing fields, and an id used twice anywhere, are errors naming them."""
+    tables = []
+    for file in list_files(path):
+        data = tomllib.loads(file.read_text())
+        if set(data) != {"mutant"}:
+            raise MutantListError(f"{file}: expected only [[mutant]] tables, got {sorted(data)}")
+        tables += data["mutant"]
+    if not tables:
+        raise MutantListError(f"{path}: no mutants")
     mutants, seen = [], set()
-    for n, table in enumerate(data["mutant"]):
+    for n, table in enumerate(tables):
         name = table.get("id", f"#{n}")
         unknown = set(table) - _FIELDS
         if unknown:
@@ -145,6 +180,8 @@ class Result:
     outcome: str
     seconds: float
     detail: str
+    digest: str  # Mutant.digest(): which definition this result belongs to
+    file_sha256: str  # the unmutated file it was applied to
 
 
 def snapshot(repo: Path, dest: Path) -> None:
@@ -229,8 +266,10 @@ def classify(baseline: PytestRun, run: PytestRun, limit: float) -> tuple[str, st
         return TIMEOUT, f"ran past {limit:.0f}s; unmutated they pass in {baseline.seconds:.0f}s"
     if run.returncode == 0:
         return SURVIVED, "its tests passed"
-    if run.returncode in (PYTEST_FAILED, PYTEST_COLLECTION_ERROR):
+    if run.returncode == PYTEST_FAILED:
         return KILLED, first_failure(run.output_tail)
+    if run.returncode == PYTEST_COLLECTION_ERROR:
+        return ERROR, f"its tests could not be collected (not a kill): {first_failure(run.output_tail)}"
     if run.returncode == PYTEST_NO_TESTS:
         return ERROR, "its tests select nothing"
     return ERROR, f"pytest exited {run.returncode}: {first_failure(run.output_tail)}"
@@ -251,10 +290,14 @@ class Workers:
 
     def __init__(self, repo: Path, jobs: int, root: Path):
         self.free: queue.Queue[Path] = queue.Queue()
+        self.file_sha256: dict[str, str] = {}
         self.threads = max(1, (os.cpu_count() or 1) // jobs)
         for n in range(jobs):
             copy = root / f"worker{n}"
             snapshot(repo, copy)
+            build = build_kernels(copy)
+            if build is not None:
+                raise RuntimeError(f"the kernels do not build in the copy {copy}: {build}")
             self.free.put(copy)
         self.first = self.free.get()
         check_imports_from(self.first, child_env(self.first, self.threads))
@@ -266,6 +309,8 @@ class Workers:
         problems = {}
         for mutant in mutants:
             path = self.first / mutant.file
+            if path.is_file():  # read before any mutant runs: the record's hash of the unmutated file
+                self.file_sha256.setdefault(mutant.file, file_digest(path))
             try:
                 mutated(mutant, path.read_text())
             except FileNotFoundError:
@@ -284,24 +329,40 @@ class Workers:
     def mutant(self, mutant: Mutant, baseline: PytestRun) -> Result:
         problem = baseline_error(baseline)
         if problem is not None:
-            return result_of(mutant, ERROR, problem)
+            return self.result(mutant, ERROR, problem)
         copy = self.free.get()
         path = copy / mutant.file
+        libraries = {lib: lib.read_bytes() for lib in copy.glob(KERNEL_LIBRARY_GLOB)} if mutant.compiled else {}
         try:
             original = path.read_text()
             path.write_text(mutated(mutant, original))
             try:
+                failed_build = build_kernels(copy) if mutant.compiled else None
+                if failed_build is not None:
+                    return self.result(mutant, ERROR, f"the mutant does not compile: {failed_build}")
                 limit = time_limit(baseline)
                 run = run_pytest(copy, mutant.pytest_args(), child_env(copy, self.threads), limit)
             finally:
                 path.write_text(original)
+                for lib, data in libraries.items():  # the unmutated build, without rebuilding
+                    lib.write_bytes(data)
         finally:
             self.free.put(copy)
-        return result_of(mutant, *classify(baseline, run, limit), seconds=run.seconds)
+        return self.result(mutant, *classify(baseline, run, limit), seconds=run.seconds)
+
+    def result(self, mutant: Mutant, outcome: str, detail: str, seconds: float = 0.0) -> Result:
+        return Result(mutant.id, mutant.file, mutant.description, mutant.pytest_args(), outcome, seconds, detail,
+                      mutant.digest(), self.file_sha256.get(mutant.file, ""))
 
 
-def result_of(mutant: Mutant, outcome: str, detail: str, seconds: float = 0.0) -> Result:
-    return Result(mutant.id, mutant.file, mutant.description, mutant.pytest_args(), outcome, seconds, detail)
+def build_kernels(copy: Path) -> str | None:
+    """Build the kernel library in place in a copy; None, or why it failed."""
+    done = subprocess.run([sys.executable, *BUILD_KERNELS], cwd=copy, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    if done.returncode != 0 or not list(copy.glob(KERNEL_LIBRARY_GLOB)):
+        errors = [ln for ln in (done.stderr + done.stdout).splitlines() if "error" in ln.lower()]
+        return (errors or ["no library was built"])[0][:300]
+    return None
 
 
 def run_all(mutants: Sequence[Mutant], jobs: int, repo: Path = REPO_ROOT) -> tuple[list[Result], dict]:
@@ -321,7 +382,7 @@ def run_all(mutants: Sequence[Mutant], jobs: int, repo: Path = REPO_ROOT) -> tup
                 for selection, run in baselines.items():
                     print(f"unmutated {run.seconds:6.1f}s rc={run.returncode} {' '.join(selection)}", flush=True)
                 futures = {m.id: pool.submit(workers.mutant, m, baselines[m.selection()]) for m in runnable}
-                results = [report(result_of(m, ERROR, broken[m.id]) if m.id in broken else futures[m.id].result())
+                results = [report(workers.result(m, ERROR, broken[m.id]) if m.id in broken else futures[m.id].result())
                            for m in mutants]
             except BaseException:  # Ctrl-C included: nothing new starts, the runs in flight end now
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -345,11 +406,13 @@ def git(repo: Path, *args: str) -> str:
 
 
 def write_report(out: Path, command: str, results: Sequence[Result], baselines: dict, seconds: float, jobs: int) -> dict:
-    """The copies were made from the working tree: the commit and what differed from it."""
+    """The copies were made from the working tree: the commit, whether it was clean, what differed."""
+    uncommitted = [line[3:] for line in git(REPO_ROOT, "status", "--porcelain", "--untracked-files=all").splitlines()]
     report = {
         "command": command,
         "commit": git(REPO_ROOT, "rev-parse", "HEAD").strip(),
-        "uncommitted": [line[3:] for line in git(REPO_ROOT, "status", "--porcelain", "--untracked-files=all").splitlines()],
+        "clean": not uncommitted,
+        "uncommitted": uncommitted,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "pytest": f"python -m pytest {' '.join(PYTEST_ARGS)} <tests>",
@@ -362,6 +425,25 @@ def write_report(out: Path, command: str, results: Sequence[Result], baselines: 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+@dataclass(frozen=True)
+class RecordStatus:
+    """How a record (results/mutants.json) stands against today's list and code."""
+    missing: list[str]  # listed mutants with no result for their current definition
+    unlisted: list[str]  # results for mutants no longer listed
+    changed_files: list[str]  # mutated files whose content differs from what the record ran on
+    files: list[str]  # every file the record mutated
+
+
+def record_status(record: dict, mutants: Sequence[Mutant], repo: Path = REPO_ROOT) -> RecordStatus:
+    recorded = {r["id"]: r for r in record["mutants"]}
+    missing = [m.id for m in mutants if recorded.get(m.id, {}).get("digest") != m.digest()]
+    listed = {m.id for m in mutants}
+    hashes = {r["file"]: r.get("file_sha256", "") for r in record["mutants"]}
+    changed = [f for f, digest in sorted(hashes.items())
+               if not (repo / f).is_file() or file_digest(repo / f) != digest]
+    return RecordStatus(missing, sorted(set(recorded) - listed), changed, sorted(hashes))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Behaviour no other `make test` test held, found by mutants that survived it (`make
-mutants`, tests/support/mutants.toml names the mutant each test kills).
+mutants`, tests/support/mutants/ names the mutant each test kills).
 
 Seeds: a seeded request draws from a stream of its own (alone or batched), and its drafter
 from another. top-k and top-p keep exactly the reference set. Stop strings: several

@@ -1,22 +1,45 @@
 """The mutant list behind `make mutants` stays runnable (specdec/tools/mutants.py): it parses,
 every `old` snippet occurs exactly once in today's code (a mutant that no longer applies is
-an error there, not a survivor), every mutant still compiles, and the tests it names are
-files `make test` runs. Also the runner's verdicts on a run's exit status."""
+an error there, not a survivor), every Python mutant still compiles, and the tests it names are
+files `make test` runs. The record (results/mutants.json) holds a result for every mutant as
+listed today and reaches the score the README claims. Also the runner's verdicts on a run's
+exit status."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from specdec.tools.mutants import (DEFAULT_LIST, ERROR, KILLED, REPO_ROOT, SURVIVED, TIMEOUT, MutantListError, PytestRun,
-                                   baseline_error, classify, load_mutants, mutated, summary, Result)
+from specdec.tools.mutants import (DEFAULT_LIST, DEFAULT_OUT, ERROR, KILLED, REPO_ROOT, SURVIVED, TIMEOUT, MutantListError,
+                                   PytestRun, Result, baseline_error, classify, load_mutants, mutated, record_status, summary)
 
 MUTANTS = load_mutants(DEFAULT_LIST)
+RECORD = REPO_ROOT / DEFAULT_OUT
 
 
-def test_the_list_is_at_least_25_mutants_over_the_engine_and_serving_code():
-    assert len(MUTANTS) >= 25
-    assert {m.file.split("/")[1] for m in MUTANTS} == {"engine", "serving"}
+def test_the_list_is_at_least_80_mutants_where_bugs_hurt_most():
+    assert len(MUTANTS) >= 80
+    areas = {
+        "the engine": "specdec/engine/", "serving": "specdec/serving/", "the C kernels": "specdec/engine/kernels/",
+        "the OpenAI front end": "specdec_openai/", "the Triton models": "specdec/triton_models/",
+    }
+    for area, prefix in areas.items():
+        assert any(m.file.startswith(prefix) for m in MUTANTS), f"no mutant of {area} ({prefix})"
+    assert any(m.file.endswith(".c") for m in MUTANTS), "no mutant of a C kernel"
+    for subject in ("format", "guide", "tool"):
+        assert any(subject in m.id for m in MUTANTS), f"no mutant whose id names {subject!r}"
+
+
+def test_the_record_holds_a_result_for_every_listed_mutant_and_the_score_the_readme_claims():
+    record = json.loads(RECORD.read_text())
+    status = record_status(record, MUTANTS)
+    assert not status.missing, (f"results/mutants.json has no result for {status.missing} as listed today: "
+                                "run `make mutants`")
+    assert not status.unlisted, f"results/mutants.json holds mutants no longer listed: {status.unlisted}"
+    totals = record["totals"]
+    assert totals == summary([Result(**r) for r in record["mutants"]])  # the totals are the results'
+    assert totals["errors"] == [] and totals["score"] >= 0.95 and totals["mutants"] >= 80
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.id for m in MUTANTS])
@@ -24,7 +47,8 @@ def test_each_mutant_applies_exactly_once_and_compiles(mutant):
     source = (REPO_ROOT / mutant.file).read_text()
     changed = mutated(mutant, source)
     assert changed != source
-    compile(changed, mutant.file, "exec")
+    if mutant.file.endswith(".py"):  # a C mutant's build is checked by `make mutants` (an error if it fails)
+        compile(changed, mutant.file, "exec")
     for test in mutant.tests:
         path = REPO_ROOT / test.split("::")[0]
         assert path.is_file() and path.name.startswith("test_"), f"{mutant.id}: no test file {path}"
@@ -53,12 +77,31 @@ def test_a_malformed_list_names_the_field(tmp_path: Path):
 def test_verdicts():
     passed = PytestRun(0, 10.0, "")
     assert classify(passed, PytestRun(1, 3.0, "FAILED tests/test_a.py::t - x"), 60)[0] == KILLED
-    assert classify(passed, PytestRun(2, 3.0, "ERROR tests/test_a.py - ImportError"), 60)[0] == KILLED  # broke an import
+    # a mutant that breaks an import kills nothing: it is an error, whatever the tests would have seen
+    assert classify(passed, PytestRun(2, 3.0, "ERROR tests/test_a.py - ImportError"), 60)[0] == ERROR
     assert classify(passed, PytestRun(0, 10.0, ""), 60)[0] == SURVIVED
     assert classify(passed, PytestRun(None, 60.0, ""), 60)[0] == TIMEOUT  # hung: counted as killed
     assert classify(passed, PytestRun(5, 1.0, ""), 60)[0] == ERROR  # its tests select nothing
     assert baseline_error(passed) is None
     assert "fail unmutated: FAILED tests/test_a.py::t" in baseline_error(PytestRun(1, 3.0, "ERROR    log: x\nFAILED tests/test_a.py::t"))
-    results = [Result(str(n), "f", "d", [], outcome, 1.0, "") for n, outcome in enumerate([KILLED, TIMEOUT, SURVIVED, ERROR])]
+    results = [Result(str(n), "f", "d", [], outcome, 1.0, "", "", "") for n, outcome in enumerate([KILLED, TIMEOUT, SURVIVED, ERROR])]
     totals = summary(results)
     assert totals["score"] == round(2 / 3, 4) and totals["survivors"] == ["2"] and totals["errors"] == ["3"]
+
+
+def test_the_record_shows_a_changed_file_and_a_changed_definition(tmp_path: Path):
+    """record_status: what the README renders as a stale record, and what the record test fails on."""
+    source = tmp_path / "m.py"
+    source.write_text("x = 1\n")
+    listed = tmp_path / "list.toml"
+    listed.write_text("[[mutant]]\nid = 'a'\nfile = 'm.py'\nold = '1'\nnew = '2'\ndescription = 'd'\ntests = ['t']\n")
+    mutant, = load_mutants(listed)
+    from specdec.tools.mutants import file_digest
+    record = {"mutants": [{"id": "a", "file": "m.py", "digest": mutant.digest(), "file_sha256": file_digest(source)},
+                          {"id": "gone", "file": "m.py", "digest": "", "file_sha256": file_digest(source)}]}
+    status = record_status(record, [mutant], repo=tmp_path)
+    assert (status.missing, status.unlisted, status.changed_files) == ([], ["gone"], [])
+    source.write_text("x = 1  # edited\n")
+    assert record_status(record, [mutant], repo=tmp_path).changed_files == ["m.py"]
+    listed.write_text(listed.read_text().replace("new = '2'", "new = '3'"))
+    assert record_status(record, load_mutants(listed), repo=tmp_path).missing == ["a"]
