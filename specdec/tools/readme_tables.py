@@ -46,11 +46,14 @@ def provenance(path: str) -> tuple[str, str, str]:
         machine = f"{host['cpu_model']} x {host.get('cpus_usable') or host['cpu_count']}"
         if host.get("gpu_models"):
             machine += ", " + ", ".join(host["gpu_models"])
+    elif isinstance(data.get("machine"), str):
+        machine = data["machine"]
     else:
         machine = f"{env.get('cpu', '?')} x {env.get('threads', '?')}"
     if not commit or not date:
         raise ValueError(f"{path} records no commit or date: rerun its benchmark (every result writes both)")
-    short = commit[:7] + (" with local changes" if commit.endswith("+dirty") else "")
+    dirty = commit.endswith("+dirty") or data.get("clean") is False or env.get("clean") is False or bool(data.get("uncommitted"))
+    short = commit[:7] + (" with local changes" if dirty else "")
     return short, date[:10], machine
 
 
@@ -380,7 +383,28 @@ def peers() -> Table:
     return Table(table(header, rows), [path])
 
 
+def mutation_score() -> Table:
+    """`make mutants`' record against today's list and code: a record made before a mutated file
+    changed says how many changed (tests/project/test_mutants.py fails when a listed mutant has
+    no result)."""
+    from specdec.tools.mutants import DEFAULT_LIST, DEFAULT_OUT, load_mutants, record_status
+    path = str(DEFAULT_OUT)
+    record = read(path)
+    totals = record["totals"]
+    status = record_status(record, load_mutants(DEFAULT_LIST), ROOT)
+    areas = sorted({r["file"].split("/")[0] if r["file"].count("/") < 2 else "/".join(r["file"].split("/")[:2])
+                    for r in record["mutants"]})
+    rows = [[f"{totals['mutants']}", f"{totals['killed']}", f"{totals['timeout']}", f"{totals['survived']}",
+             f"{totals['error']}", f"{totals['score']:.1%}", ", ".join(f"`{s}`" for s in totals["survivors"]) or "none",
+             f"{len(status.changed_files)} of {len(status.files)}" + (f" ({', '.join(status.changed_files)})" if 0 < len(status.changed_files) <= 6 else ""),
+             ", ".join(f"`{a}`" for a in areas)]]
+    header = ["mutants", "killed", "killed by timeout", "survived", "errors", "score", "survivors",
+              "mutated files changed since the record", "code mutated"]
+    return Table(table(header, rows), [path])
+
+
 TABLES: dict[str, Callable[[], Table]] = {
+    "mutants": mutation_score,
     "structured": structured,
     "tools": lambda: structured("results/bench/tools/summary.json", "are one call whose arguments validate"),
     "conversations": conversations,
