@@ -63,6 +63,33 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
     return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
 
 
+def tree_paths_that_differ_from_their_prefill(model, tree_window) -> list[tuple[int, int]]:
+    """(trial, leaf) of every root-to-leaf path of random 9-node trees over an 11-token prefix
+    whose tree-forward logits differ from a prefill of that path (the model's own window); the
+    tree forward gets `tree_window`."""
+    window = model.cfg.sliding_window
+    rng = random.Random(0)
+    prefix = [rng.randrange(96) for _ in range(11)]
+    differ = []
+    for trial in range(4):
+        tree = random_tree(rng, 9, 96)
+        cache = model.new_cache(2, 128, 16)
+        slot = cache.allocate()
+        model(build_batch([slot], [0], [prefix], sliding_window=window), cache)
+        cache.commit(slot, range(len(prefix)))
+        tokens, depths, mask = tree.input_rows(root_token=5)
+        tree_logits = model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask], sliding_window=tree_window),
+                            cache).logits[0]
+        for leaf in range(len(tree)):
+            path = tree.path_to(leaf)
+            seq = prefix + [5] + [tree.tokens[i] for i in path]
+            ref = our_prefill_logits(model, seq)
+            rows = [0] + [i + 1 for i in path]
+            if not torch.allclose(tree_logits[rows], ref[len(prefix):], atol=1e-5):
+                differ.append((trial, leaf))
+    return differ
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_tree_forward_equals_sequential_paths(tiny_llama_dir, tmp_path, window):
     """Every root-to-leaf path of a draft tree gets the logits a prefill of that path gets. With
@@ -71,22 +98,15 @@ def test_tree_forward_equals_sequential_paths(tiny_llama_dir, tmp_path, window):
     share positions, and what lies past a node's window, or on another branch, is never read."""
     model = load_transformer(tiny_llama_dir if window is None else save_tiny_hf(tmp_path, arch="mistral", sliding_window=window))
     assert model.cfg.sliding_window == window
-    rng = random.Random(0)
-    prefix = [rng.randrange(96) for _ in range(11)]
-    for trial in range(4):
-        tree = random_tree(rng, 9, 96)
-        cache = model.new_cache(2, 128, 16)
-        slot = cache.allocate()
-        model(build_batch([slot], [0], [prefix], sliding_window=window), cache)
-        cache.commit(slot, range(len(prefix)))
-        tokens, depths, mask = tree.input_rows(root_token=5)
-        tree_logits = model(build_batch([slot], [len(prefix)], [tokens], [depths], [mask], sliding_window=window), cache).logits[0]
-        for leaf in range(len(tree)):
-            path = tree.path_to(leaf)
-            seq = prefix + [5] + [tree.tokens[i] for i in path]
-            ref = our_prefill_logits(model, seq)
-            rows = [0] + [i + 1 for i in path]
-            assert torch.allclose(tree_logits[rows], ref[len(prefix):], atol=1e-5), f"trial {trial} leaf {leaf}"
+    assert tree_paths_that_differ_from_their_prefill(model, tree_window=window) == []
+
+
+def test_the_same_tree_without_the_window_fails(tmp_path):
+    """Control for the windowed case above: the tree forward on a 6-token-window model, its
+    mask built without the window, differs from the windowed prefills on most paths."""
+    model = load_transformer(save_tiny_hf(tmp_path, arch="mistral", sliding_window=6))
+    differ = tree_paths_that_differ_from_their_prefill(model, tree_window=None)
+    assert len(differ) > 4 * 9 // 2, differ
 
 
 def test_batched_ragged_equals_solo(tiny_llama_dir):

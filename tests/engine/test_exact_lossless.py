@@ -16,9 +16,14 @@ comes from a fresh step, itself drawn from the target.
 Power: any deviation above TOLERANCE (1e-5 in probability; float32 rounding leaves at most
 about 4e-7 here) fails, deterministically: no seed, no sample size. The negative controls
 below are bugs a sampled test must be lucky to catch, and each moves some conditional by
-more than 100x TOLERANCE: the hybrid merge that shipped lossy, a 2% tilt of the residual
-after a rejection, acceptance by argmax, a planner that keeps sampled drafts by their own
-confidence, and a drafter whose random stream is the verifier's.
+more than 100x TOLERANCE: the hybrid merge that shipped lossy
+(test_the_hybrid_merge_that_shipped_lossy_is_caught), a 2% tilt of the residual after a
+rejection (test_a_two_percent_tilt_of_the_residual_is_caught), acceptance by argmax
+(test_acceptance_by_argmax_is_caught), a planner that keeps sampled drafts by their own
+confidence (test_a_planner_that_keeps_sampled_drafts_by_their_own_confidence_is_caught), a
+drafter whose random stream is the verifier's
+(test_a_drafter_sharing_the_verifiers_random_stream_is_caught), and a reference without the
+sliding window (test_the_window_left_out_of_the_reference_fails).
 
 Budgets (model_repository/specdec.json): drafting that is a function of the context
 (EAGLE-2 top-k trees, Medusa trees, n-gram, suffix) runs at the shipped budget, the
@@ -177,6 +182,22 @@ def family_toy(request, tmp_path_factory):
 def test_other_decoder_families_keep_the_exact_distribution(family_toy, method):
     """Sampled chains and dynamic trees (a sliding window included) over two steps."""
     check(family_toy, method, TWO_STEPS[method])
+
+
+def test_the_window_left_out_of_the_reference_fails(tmp_path_factory, monkeypatch):
+    """Control for the sliding-window cases above: the same sampled EAGLE-3 trees on the
+    Mistral toy with a 4-token window, against a reference that attends to the whole prefix,
+    deviate far past the tolerance (so the windowed cases do test the window)."""
+    import exact
+
+    toy = build_toy(tmp_path_factory.mktemp("mistral-window-4"), arch="mistral", sliding_window=4)
+    case = TWO_STEPS["eagle3-tree"]
+    outcomes = request_outcomes(make_engine(toy, ["eagle3-tree"], cost=case.cost),
+                                [Request("eagle3-tree", case.params, case.budget)], 2, case.max_runs)
+    assert worst_deviation(toy, outcomes.marginal(), case.params)[0] < TOLERANCE
+    real = exact.build_batch
+    monkeypatch.setattr(exact, "build_batch", lambda *args, sliding_window=None, **kw: real(*args, **kw))
+    assert worst_deviation(toy, outcomes.marginal(), case.params)[0] > 100 * TOLERANCE
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@
   the same activation codes, block by block.
 - Row invariance: a row's output bits are the same alone and in any batch of 1..64 rows, at any
   position in it, on every path. The same harness catches PyTorch's float32 linear, which is not
-  row-invariant (its negative control, run here, so the harness is known to see a break).
+  row-invariant (its negative control, run here, so the harness is known to see a break:
+  test_the_harness_catches_a_linear_that_is_not_row_invariant).
 - A missing library is refused by name, never silent.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ quantized target a token's logits are the same bits however the token is compute
 alone, verified in a chain or a tree, beside another sequence, in a served batch of 16 x 17 rows
 beside a prompt chunk, after a chunked prefill), so greedy speculation equals the baseline by
 construction, for every method. The same checks run on the same weights with PyTorch's SDPA,
-and fail there: their negative control."""
+and fail there: their negative control (test_the_same_checks_catch_a_forward_that_is_not_invariant)."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +41,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_or_columns_beside_it():
     """A token three deep in a draft tree (its ancestors at tree columns, siblings masked in
     between, other rows and trailing columns in the call) gets bitwise what it gets decoded
     alone after its ancestors were committed to consecutive columns, and what SDPA computes up
-    to rounding (the model-level tests below fail with SDPA: their control)."""
+    to rounding (the model-level tests below fail with SDPA: their control,
+    test_the_same_checks_catch_a_forward_that_is_not_invariant)."""
     g = torch.Generator().manual_seed(5)
     H, KVH, D, L = 9, 3, 64, 37
     prefix_k, prefix_v = torch.randn(KVH, L, D, generator=g), torch.randn(KVH, L, D, generator=g)
@@ -168,7 +169,7 @@ def test_the_same_checks_catch_a_forward_that_is_not_invariant(quantized_target)
 def test_greedy_speculation_equals_the_baseline_on_the_quantized_target_for_every_method(weight_format):
     """Every served method, c=1 and two sequences at once, on ShareGPT-like chat prompts."""
     from specdec.serving.runtime import build_engine, encode_prompt
-    from specdec.tools.engine_runs import run_requests
+    from specdec.bench.engine_runs import run_requests
 
     engine = build_engine(config=EngineConfig(max_batch_size=2, max_seq_len=512, weight_format=weight_format))
     speculator = engine.speculator

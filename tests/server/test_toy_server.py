@@ -13,8 +13,9 @@ beside the target.
 
 What this test can and cannot see: 1,500 requests over 216 cells catch a broken wiring (a
 seed ignored, draft probabilities lost or misaligned across the wire, a distribution from
-the wrong context), which moves whole cells; the negative control below shows two such
-alternatives rejected at p < 1e-6 with these very counts. It cannot see a 2% bias in one
+the wrong context), which moves whole cells; the negative control below
+(test_the_served_distribution_test_rejects_wrong_distributions, slow like this test: make
+test-all) shows two such alternatives rejected at p < 1e-6 with these very counts. It cannot see a 2% bias in one
 step of acceptance: that is proven exactly, for every shipped method, in
 tests/engine/test_exact_lossless.py (deterministic, with such biases as its controls)."""
 from __future__ import annotations

@@ -16,7 +16,8 @@ stream, seeded across the wire) is a branch point.
 
 Two speculative steps, the shipped budget (3), top_k = 2 as in test_exact_lossless's
 draft_model case; a seeded request, so the drafter's stream is the one the wire's seed
-gives it (the verifier's seed plus an offset: with none, the generator control in
+gives it (the verifier's seed plus an offset: with none, the generator control
+(test_a_drafter_sharing_the_verifiers_random_stream_is_caught) in
 test_exact_lossless fails)."""
 from __future__ import annotations
 

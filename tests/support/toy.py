@@ -101,7 +101,7 @@ class BigramDrafter(Drafter):
 
 
 def argmax_path(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[int], int]:
-    """The lossy shortcut the acceptance tests' negative controls take: follow the draft while
+    """The lossy shortcut the acceptance tests' negative controls take (test_acceptance_by_argmax_is_caught): follow the draft while
     its token is the target's argmax. Returns (the nodes kept, the row to sample the next token from)."""
     row, path = 0, []
     kids = tree.children()
