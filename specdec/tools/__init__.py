@@ -1,2 +1,2 @@
-"""Tools around the server: in-process and served benchmarks, drafter training, the demo, the stop-string check, ShareGPT selection.
+"""Tools around the server: drafter training, the demo, the mutation harness, the README tables, ShareGPT selection, `specdec serve --model` (benchmarks live in specdec.bench).
 May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec_client, specdec_openai."""

@@ -599,7 +599,7 @@ def test_aiperf_cross_check_pairs_both_tools_per_mode_and_load():
     """specdec bench-aiperf's comparison: each (mode, c) of our summary next to aiperf's
     export, like with like (per-token ITL with inter_token_latency, chunk gaps with
     inter_chunk_latency), ratios per field, and each tool's own speedup over the baseline."""
-    from specdec.tools.bench_aiperf import aiperf_point, client_point, compare, markdown
+    from specdec.bench.bench_aiperf import aiperf_point, client_point, compare, markdown
 
     def ours(mode, c, tok_s, ttft, itl, icl):
         run = {"mode": mode, "concurrency": c, "requests": 16, "output_tok_s": tok_s, "ttft_ms": {"p50": ttft},
@@ -635,7 +635,7 @@ def test_aiperf_cross_check_counts_cpu_by_party_and_reads_the_servers_view():
     import subprocess
     import sys
 
-    from specdec.tools.bench_aiperf import cpu_use, server_view
+    from specdec.bench.bench_aiperf import cpu_use, server_view
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(1)"
     with cpu_use(every_s=0.1) as cores:

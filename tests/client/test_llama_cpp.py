@@ -3,7 +3,7 @@ built by `make bench-llamacpp`, outside make test)."""
 import json
 import stat
 
-from specdec.tools.llama_cpp import llama_bench
+from specdec.bench.llama_cpp import llama_bench
 
 
 def test_llama_bench_results_are_read_from_its_json(tmp_path):

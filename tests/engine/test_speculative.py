@@ -489,7 +489,7 @@ def test_greedy_margin_compares_each_emitted_token_with_the_decode_row_behind_it
     """specdec greedy-margin's bookkeeping: one logits row per emitted token, each the row
     whose argmax is that token, for the baseline and for trees alike; the verify rows of an
     identical output sit within float32 noise of the decode rows."""
-    from specdec.tools.greedy_margin import decode, margins
+    from specdec.bench.greedy_margin import decode, margins
 
     cfg = EngineConfig(max_batch_size=2, max_seq_len=128, max_num_draft_tokens=8, enable_prefix_caching=False)
     plain = SpecEngine(tiny_target, cfg)

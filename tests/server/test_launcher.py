@@ -435,7 +435,7 @@ def test_bench_serving_pairs_only_methods_that_can_be_served_apart():
     """make bench-serving --two-model failed on the shipped settings: it asked for an
     adaptive method served apart, which the config refuses."""
     from specdec.config import SERVED_SETTINGS, ServingConfig
-    from specdec.tools.bench_serving import add_apart_variants
+    from specdec.bench.bench_serving import add_apart_variants
 
     raw = json.loads(SERVED_SETTINGS.read_text())
     entries = list(raw["methods"])

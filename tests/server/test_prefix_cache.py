@@ -232,7 +232,7 @@ def test_a_bad_cache_salt_is_refused_naming_the_field(triton_server, grpc_client
 
 def test_arctic_suffix_drafts_when_installed_and_is_refused_by_name_when_not():
     """The optional comparison method: Arctic Inference's suffix decoding when its package is
-    installed (specdec/tools/experiments/suffix/build_arctic.sh), a ConfigError naming the method if not."""
+    installed (specdec/bench/experiments/suffix/build_arctic.sh), a ConfigError naming the method if not."""
     import importlib.util
 
     from specdec.config import ConfigError

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specdec.tools.check_stops import (Case, Outcome, check, compare, engine_runner, literal_decoder, passed, server_runner,
+from specdec.bench.check_stops import (Case, Outcome, check, compare, engine_runner, literal_decoder, passed, server_runner,
                                        stop_cut, stop_sets)
 from specdec.config import SamplingParams
 from specdec.serving.detok import IncrementalDetokenizer

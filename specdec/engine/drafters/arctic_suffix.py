@@ -1,7 +1,7 @@
 """Arctic Inference's suffix decoding (`arctic_inference.suffix_decoding.SuffixDecodingCache`,
 Snowflake's C++ suffix trees) as a drafter, to compare with ours (`suffix`) in the same
 run on the same server. Optional: `arctic_inference` is not a dependency of this project
-(its package builds against vLLM and a GPU torch; `specdec/tools/experiments/suffix/build_arctic.sh`
+(its package builds against vLLM and a GPU torch; `specdec/bench/experiments/suffix/build_arctic.sh`
 builds only its suffix-tree extension). Not in the shipped specdec.json.
 
 Arctic's cache keeps earlier requests' outputs in one global tree and the active request's
@@ -31,7 +31,7 @@ class ArcticSuffixDrafter(Drafter):
             from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError as exc:
             raise ConfigError("method", f"arctic_suffix needs arctic_inference's suffix decoding ({exc}); "
-                                        "see specdec/tools/experiments/suffix/build_arctic.sh") from exc
+                                        "see specdec/bench/experiments/suffix/build_arctic.sh") from exc
         self.config = config
         self._make = lambda: SuffixDecodingCache(max_tree_depth=config.suffix_max_match, max_cached_requests=10000)
         self._caches: OrderedDict[str | None, object] = OrderedDict()

@@ -20,9 +20,9 @@ from specdec.config import EngineConfig, SamplingParams, ServingConfig, default_
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_drafters, encode_prompt, load_tokenizer, served_methods
 from specdec.serving.spec_engine import SpecEngine
-from specdec.tools.bench_draft import save
-from specdec.tools.bench_engine import env_record
-from specdec.tools.engine_runs import run_requests
+from specdec.bench.bench_draft import save
+from specdec.bench.bench_engine import env_record
+from specdec.bench.engine_runs import run_requests
 from specdec.tools.sharegpt import sharegpt_prompts
 
 DEFAULT_METHODS = "eagle3,eagle3-tree,eagle3-hybrid,medusa,medusa-tree,draft_model-colocated,ngram"

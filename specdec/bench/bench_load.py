@@ -27,9 +27,9 @@ import specdec_wire as P
 from specdec.config import SamplingParams, ServingConfig, resolve_model_dir
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.serving.runtime import encode_prompt, load_tokenizer
-from specdec.tools.bench_engine import env_record
-from specdec.tools.engine_runs import run_requests
-from specdec.tools.bench_serving import in_process_engine
+from specdec.bench.bench_engine import env_record
+from specdec.bench.engine_runs import run_requests
+from specdec.bench.bench_serving import in_process_engine
 from specdec.tools.sharegpt import sharegpt_prompts
 
 

@@ -1,7 +1,7 @@
 """The target's whole forward, this tree against another commit's, side by side in one run
 (issue 59: "its 1-row forward is at least 2x faster than 2e7831c's, measured side by side").
 
-    python -m specdec.tools.experiments.kernels.forward_vs_commit --before 2e7831c \
+    python -m specdec.bench.experiments.kernels.forward_vs_commit --before 2e7831c \
         --formats int8,gguf --out results/kernels/forward_vs_2e7831c.json
 
 The other commit is checked out into a git worktree under tmp/ and imported from there
@@ -29,7 +29,7 @@ PROBE = """
 import json, sys, torch
 from specdec.config import EngineConfig
 from specdec.serving.runtime import load_target
-from specdec.tools.bench_engine import forward_ms
+from specdec.bench.bench_engine import forward_ms
 model = load_target(None, EngineConfig(weight_format=sys.argv[1]))
 curve = {str(k): forward_ms(model, 1, k, repeats=12) for k in %s}
 curve["b16_k1"] = forward_ms(model, 16, 1, repeats=8)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
                 by_tree[name].append(probe(trees[name], weight_format))
                 print(r, weight_format, name, json.dumps(by_tree[name][-1]), flush=True)
-    result = {**provenance(), "command": "python -m specdec.tools.experiments.kernels.forward_vs_commit "
+    result = {**provenance(), "command": "python -m specdec.bench.experiments.kernels.forward_vs_commit "
               + " ".join(argv if argv is not None else sys.argv[1:]), "before": args.before, "rounds": args.rounds,
               "formats": {}}
     for weight_format, by_tree in runs.items():

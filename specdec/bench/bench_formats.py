@@ -23,8 +23,8 @@ from specdec_client.envinfo import provenance
 from specdec.config import WEIGHT_FORMATS, EngineConfig, SamplingParams, default_model_dir
 from specdec.serving.runtime import encode_prompt, load_target, load_tokenizer
 from specdec.serving.spec_engine import SpecEngine
-from specdec.tools.bench_engine import forward_ms, read_bandwidth_gbs
-from specdec.tools.engine_runs import run_requests
+from specdec.bench.bench_engine import forward_ms, read_bandwidth_gbs
+from specdec.bench.engine_runs import run_requests
 from specdec.tools.sharegpt import sharegpt_prompts
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import specdec_wire as P
-from specdec.tools.bench_engine import env_record
+from specdec.bench.bench_engine import env_record
 from specdec.config import SamplingParams, ServingConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine

@@ -1,6 +1,6 @@
 """`specdec bench-peers`: llama.cpp beside our server on the same GGUF, in one run -> results/peers/.
 
-llama-server (built portable by `specdec.tools.llama_cpp` into tmp/llamacpp) serves the
+llama-server (built portable by `specdec.bench.llama_cpp` into tmp/llamacpp) serves the
 embedded target's GGUF plain and with its own prompt-lookup speculation; our Triton server
 serves the same model plain and with our methods. One `specdec-client bench` run per load
 point puts them all in the same interleaved blocks of the same prompts, with llama.cpp plain
@@ -32,7 +32,7 @@ from specdec_client.summary import identical_outputs
 from specdec.config import REPO_ROOT, SERVED_SETTINGS
 from specdec.engine.models.loading import default_gguf_path
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
-from specdec.tools.llama_cpp import build
+from specdec.bench.llama_cpp import build
 
 LLAMA_DIR = REPO_ROOT / "tmp" / "llamacpp"
 LLAMA_PLAIN, OURS_PLAIN = "llama.cpp", "ours"  # each engine's plain decoding, the labels identity is counted against

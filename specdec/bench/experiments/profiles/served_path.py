@@ -2,7 +2,7 @@
 gRPC streams, with every process's and thread's CPU time read from /proc before and after,
 and optionally py-spy's sampled stacks of the engine's process.
 
-    python -m specdec.tools.experiments.profiles.served_path --concurrency 1,16 \
+    python -m specdec.bench.experiments.profiles.served_path --concurrency 1,16 \
         --out results/profiles/served_path.json [--py-spy tmp/served_path]
 
 Reports, per concurrency: output tok/s, TTFT p50, and CPU milliseconds per output token of
@@ -25,8 +25,8 @@ from specdec.config import ServingConfig, resolve_model_dir
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.launcher.processes import descendants
 from specdec.serving.runtime import load_tokenizer
-from specdec.tools.bench_engine import env_record
-from specdec.tools.bench_load import through_triton
+from specdec.bench.bench_engine import env_record
+from specdec.bench.bench_load import through_triton
 from specdec.tools.sharegpt import sharegpt_prompts
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = sharegpt_prompts(args.num_prompts, seed=0, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
     k = settings.default_draft_tokens(args.method) if args.method != "none" else 0
     result = {"env": env_record(settings.engine.dtype), "method": args.method, "max_tokens": args.max_tokens,
-              "command": "python -m specdec.tools.experiments.profiles.served_path " + " ".join(argv or []), "points": []}
+              "command": "python -m specdec.bench.experiments.profiles.served_path " + " ".join(argv or []), "points": []}
     http, grpc, metrics = free_ports(3)
     server = TritonServer()
     server.start(repo, http_port=http, grpc_port=grpc, metrics_port=metrics)

@@ -118,7 +118,7 @@ def passed(report: dict) -> bool:
 # ---- in process ---------------------------------------------------------------------------
 
 def engine_runner(settings: ServingConfig, concurrency: int) -> Callable:
-    from specdec.tools.bench_serving import in_process_engine
+    from specdec.bench.bench_serving import in_process_engine
 
     engine = in_process_engine(settings)
 

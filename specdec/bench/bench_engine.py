@@ -19,7 +19,7 @@ import torch
 from specdec_client.envinfo import cpu_model, git_commit
 
 from specdec.config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
-from specdec.tools.engine_runs import run_requests
+from specdec.bench.engine_runs import run_requests
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine
 from specdec.engine.models.llama import build_batch
@@ -251,7 +251,7 @@ def run_engine_bench(args) -> dict:
     result["bf16_over_fp32_baseline"] = result["dtypes"]["bfloat16"]["baseline_tok_s"] / result["dtypes"]["float32"]["baseline_tok_s"]
     if getattr(args, "llama_bench", None):  # the peer on the same GGUF, same machine, same run
         from specdec.engine.models.loading import default_gguf_path
-        from specdec.tools.llama_cpp import llama_bench
+        from specdec.bench.llama_cpp import llama_bench
 
         wave_tokens = result["dtypes"]["float32"]["prefill"]["prompt_tokens"]
         peer = llama_bench(Path(args.llama_bench), default_gguf_path(), wave_tokens, NEW_TOKENS, torch.get_num_threads())

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.tools.bench_engine import env_record
-from specdec.tools.engine_runs import run_requests
+from specdec.bench.bench_engine import env_record
+from specdec.bench.engine_runs import run_requests
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine

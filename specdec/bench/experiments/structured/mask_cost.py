@@ -4,7 +4,7 @@ In process (SpecEngine, the served settings), the structured workload's first 32
 16 at a time (closed loop), greedy, max_tokens as each task says (160), per mode: every call into the grammar
 (pruning and forced drafts before the forward, the tree walk filling bitmasks, applying
 them to the logits, advancing the matchers) is timed, next to the engine's step wall time.
-Run: .venv/bin/python specdec/tools/experiments/structured/mask_cost.py > results/bench/structured/mask_cost.txt
+Run: .venv/bin/python specdec/bench/experiments/structured/mask_cost.py > results/bench/structured/mask_cost.txt
 """
 from __future__ import annotations
 

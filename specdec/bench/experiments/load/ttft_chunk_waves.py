@@ -3,7 +3,7 @@ in the engine (2026-12-02); it moved nothing and was not kept, so this script no
 import json, sys, tempfile
 from pathlib import Path
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
-from specdec.tools.bench_load import through_triton
+from specdec.bench.bench_load import through_triton
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.runtime import load_tokenizer
 from specdec.config import resolve_model_dir, ServingConfig

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 OUT=results/bench/suffix
-.venv/bin/python specdec/tools/experiments/suffix/settings.py "$OUT/specdec.json"
+.venv/bin/python specdec/bench/experiments/suffix/settings.py "$OUT/specdec.json"
 METHODS=suffix,eagle3-hybrid,eagle3-hybrid-ngram,ngram-tree
 if grep -q '"arctic-suffix"' "$OUT/specdec.json"; then METHODS=$METHODS,arctic-suffix; fi
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import psutil
 
-from specdec.tools.bench_openai import PROMPT_TOKENS, served_with_openai
+from specdec.bench.bench_openai import PROMPT_TOKENS, served_with_openai
 
 BASE_MODEL_ID = "smollm2-135m-instruct"
 FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "inter_chunk_latency_p50_ms")

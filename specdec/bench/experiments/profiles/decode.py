@@ -4,7 +4,7 @@ from specdec.config import EngineConfig, SamplingParams, default_model_dir
 from specdec.engine.models.loading import load_transformer
 from specdec.engine.models.llama import build_batch
 from specdec.serving.spec_engine import SpecEngine
-from specdec.tools.bench_engine import read_bandwidth_gbs
+from specdec.bench.bench_engine import read_bandwidth_gbs
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
 model = load_transformer(default_model_dir(), dtype=dtype)

@@ -1,4 +1,4 @@
-"""`python -m specdec.tools.gpu_check`: the engine on a lent GPU, in one short prepared run.
+"""`python -m specdec.bench.gpu_check`: the engine on a lent GPU, in one short prepared run.
 
 A lent GPU machine is bare, offline and short-lived (minutes), with its own torch and
 transformers and no Triton, so this checks the engine in process, with the deployment's
@@ -32,7 +32,7 @@ from specdec.engine.models.llama import build_batch
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_engine
 from specdec.serving.spec_engine import SpecEngine
-from specdec.tools.engine_runs import run_requests
+from specdec.bench.engine_runs import run_requests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_SETTINGS = REPO_ROOT / "deploy" / "settings" / "gpu.json"

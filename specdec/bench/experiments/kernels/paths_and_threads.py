@@ -3,7 +3,7 @@ on each vector path this CPU runs (SPECDEC_INT8_PATH caps it: what a CPU without
 without AVX-512 VNNI, would run) and on one thread or two (two vCPUs that are the two
 hyperthreads of one core behave closer to one thread than to two cores).
 
-    python -m specdec.tools.experiments.kernels.paths_and_threads --out results/kernels/paths_and_threads.json
+    python -m specdec.bench.experiments.kernels.paths_and_threads --out results/kernels/paths_and_threads.json
 
 Each (path, threads) point runs in its own process; points alternate for --rounds rounds and
 the median per point is reported (forward_ms: one sequence verifying 1 and 16 rows over a
@@ -19,14 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec.tools.bench_engine import env_record
+from specdec.bench.bench_engine import env_record
 
 PROBE = """
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from specdec.config import EngineConfig
 from specdec.serving.runtime import load_target
-from specdec.tools.bench_engine import forward_ms
+from specdec.bench.bench_engine import forward_ms
 model = load_target(None, EngineConfig(weight_format="int8"))
 print(json.dumps({"k1": forward_ms(model, 1, 1, repeats=12), "k16": forward_ms(model, 1, 16, repeats=8),
                   "b16_k1": forward_ms(model, 16, 1, repeats=6)}))
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"{path}/{threads}", []).append(probe(path, threads))
             print(path, threads, runs[f"{path}/{threads}"][-1], flush=True)
     median = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
-    result = {"env": env_record("int8"), "command": "python -m specdec.tools.experiments.kernels.paths_and_threads "
+    result = {"env": env_record("int8"), "command": "python -m specdec.bench.experiments.kernels.paths_and_threads "
               + " ".join(argv or sys.argv[1:]), "forward_ms_median": median, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

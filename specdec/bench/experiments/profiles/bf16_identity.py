@@ -1,5 +1,5 @@
 """Greedy identity at bfloat16 weights: speculative vs the bf16 baseline, in process.
-Writes results/bf16/identity.json. (python specdec/tools/experiments/profiles/bf16_identity.py)"""
+Writes results/bf16/identity.json. (python specdec/bench/experiments/profiles/bf16_identity.py)"""
 import json, sys, time
 from specdec.config import EngineConfig, SamplingParams
 from specdec.serving.runtime import build_engine, encode_prompt

@@ -1,0 +1,2 @@
+"""Benchmarks and measurements: the in-process and served benchmark drivers (bench_*), the engine's closed loop (engine_runs), the greedy-margin study, the weight-format quality, the stop-string check, the GPU check, the llama.cpp build, and experiments/ (one-off drivers).
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec_client, specdec_openai."""
