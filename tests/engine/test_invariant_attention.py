@@ -71,11 +71,22 @@ def test_a_rows_output_does_not_depend_on_the_rows_or_columns_beside_it():
     assert torch.equal(verified[:, :, 2], kernels.invariant_attention(rows, tree_k, tree_v, allowed)[:, :, 2])  # deterministic
 
 
-@pytest.fixture(scope="module", params=["gguf", "int8"])
-def quantized_target(request):
+@pytest.fixture(scope="module", params=["gguf", "int8", "gemma3-toy-int8"])
+def quantized_target(request, tmp_path_factory):
+    """SmolLM2 in each quantized format, and a tiny Gemma 3 in int8: its local layers attend
+    through an 8-token window (the 45-token prompt outgrows it) beside a global layer."""
     from specdec.serving.runtime import load_target
 
-    model = load_target(None, EngineConfig(weight_format=request.param))
+    if request.param == "gemma3-toy-int8":
+        from conftest import save_tiny_hf
+        from specdec.engine.models.loading import load_transformer
+        from specdec.engine.models.quantized import quantize
+
+        path = save_tiny_hf(tmp_path_factory.mktemp("gemma3"), arch="gemma3", tie_word_embeddings=True, vocab_size=1024)
+        model = quantize(load_transformer(path), "int8", path)
+        assert model.cfg.local_window == 8 and model.local_layers
+    else:
+        model = load_target(None, EngineConfig(weight_format=request.param))
     assert model.batch_invariant
     return model
 
@@ -92,7 +103,7 @@ def _tree(parents: list[int]) -> torch.Tensor:
 
 def _prefilled(model, cache, tokens: list[int]) -> int:
     slot = cache.allocate()
-    model(build_batch([slot], [0], [tokens]), cache, last_only=True)
+    model(build_batch([slot], [0], [tokens], sliding_window=model.cfg.sliding_window), cache, last_only=True)
     cache.commit(slot, range(len(tokens)))
     return slot
 
@@ -107,12 +118,12 @@ def _how_a_token_is_computed_changes_its_bits(model) -> list[str]:
 
     cache = model.new_cache(2, 128, 16)
     slot = _prefilled(model, cache, prompt)
-    decoded = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0]
+    decoded = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]], sliding_window=model.cfg.sliding_window), cache).logits[0, 0]
                            for i, token in enumerate(new)])
 
     cache = model.new_cache(2, 128, 16)
     slot = _prefilled(model, cache, prompt)
-    if not torch.equal(model(build_batch([slot], [len(prompt)], [new]), cache).logits[0], decoded):
+    if not torch.equal(model(build_batch([slot], [len(prompt)], [new], sliding_window=model.cfg.sliding_window), cache).logits[0], decoded):
         broken.append("chain")
 
     # a tree: new[0] -> {99, new[1]}, new[1] -> {new[2], 98}, new[2] -> new[3]; nodes in
@@ -122,30 +133,37 @@ def _how_a_token_is_computed_changes_its_bits(model) -> list[str]:
     slot = _prefilled(model, cache, prompt)
     other_slot = _prefilled(model, cache, other)
     out = model(build_batch([slot, other_slot], [len(prompt), len(other)], [tokens, [5]], depths=[[0, 1, 1, 2, 2, 3], None],
-                            tree_masks=[_tree([-1, 0, 0, 2, 2, 3]), None]), cache).logits
+                            tree_masks=[_tree([-1, 0, 0, 2, 2, 3]), None], sliding_window=model.cfg.sliding_window), cache).logits
     if not torch.equal(out[0, [0, 2, 3, 5]], decoded):
         broken.append("tree beside another sequence")
 
-    # a served batch's shape: 16 sequences, each a 17-node chain (the first ours), beside a prompt chunk
+    # a served batch's shape: 16 sequences, each a 17-node draft tree (ours holds the accepted
+    # path at nodes 0, 2, 3, 5, as above), beside a prompt chunk
+    parents = [-1, 0, 0, 2, 2, 3, 1, 1, 4, 5, 5, 6, 8, 9, 9, 12, 13]
+    depths = [0] * len(parents)
+    for j, p in enumerate(parents):
+        depths[j] = 0 if p < 0 else depths[p] + 1
     cache = model.new_cache(18, 128, 40)
     slots = [_prefilled(model, cache, prompt if b == 0 else [(b * 13 + j) % 800 + 30 for j in range(20 + b)])
              for b in range(16)]
     chunk_slot = cache.allocate()
-    rows = [new + [(b + j) % 500 + 40 for j in range(13)] for b in range(16)]
+    rows = [tokens + [(b + j) % 500 + 40 for j in range(11)] for b in range(16)]
     chunk = [(5 * j) % 700 + 9 for j in range(33)]
-    out = model(build_batch(slots + [chunk_slot], [int(cache.lengths[s]) for s in slots] + [0], rows + [chunk]), cache).logits
-    if not torch.equal(out[0, :4], decoded):
+    out = model(build_batch(slots + [chunk_slot], [int(cache.lengths[s]) for s in slots] + [0], rows + [chunk],
+                            depths=[depths] * 16 + [None], tree_masks=[_tree(parents)] * 16 + [None],
+                            sliding_window=model.cfg.sliding_window), cache).logits
+    if not torch.equal(out[0, [0, 2, 3, 5]], decoded):
         broken.append("16 sequences of 17 rows and a prompt chunk")
 
     # the prompt in two chunks (chunked prefill; the second attends to the first from the cache,
     # as a prefix-cache hit does), then the same decode steps
     cache = model.new_cache(2, 128, 16)
     slot = cache.allocate()
-    model(build_batch([slot], [0], [prompt[:29]]), cache, last_only=True)
+    model(build_batch([slot], [0], [prompt[:29]], sliding_window=model.cfg.sliding_window), cache, last_only=True)
     cache.commit(slot, range(29))
-    model(build_batch([slot], [29], [prompt[29:]]), cache, last_only=True)
+    model(build_batch([slot], [29], [prompt[29:]], sliding_window=model.cfg.sliding_window), cache, last_only=True)
     cache.commit(slot, range(len(prompt) - 29))  # kept: the step's own positions
-    chunked = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]]), cache).logits[0, 0]
+    chunked = torch.stack([model(build_batch([slot], [len(prompt) + i], [[token]], sliding_window=model.cfg.sliding_window), cache).logits[0, 0]
                            for i, token in enumerate(new)])
     if not torch.equal(chunked, decoded):
         broken.append("chunked prefill / cached prefix")
@@ -165,9 +183,10 @@ def test_the_same_checks_catch_a_forward_that_is_not_invariant(quantized_target)
         quantized_target.batch_invariant = True
 
 
-@pytest.mark.parametrize("weight_format", ["gguf"])
+@pytest.mark.parametrize("weight_format", ["int8", "gguf"])  # int8: the served default
 def test_greedy_speculation_equals_the_baseline_on_the_quantized_target_for_every_method(weight_format):
-    """Every served method, c=1 and two sequences at once, on ShareGPT-like chat prompts."""
+    """Every served method, c=1 and two sequences at once, on ShareGPT-like chat prompts, on the
+    weights that ship (int8) and the GGUF file's own."""
     from specdec.serving.runtime import build_engine, encode_prompt
     from specdec.bench.engine_runs import run_requests
 
@@ -179,7 +198,8 @@ def test_greedy_speculation_equals_the_baseline_on_the_quantized_target_for_ever
     prompts = [encode_prompt(engine.tokenizer, text) for text in (
         "List three prime numbers and explain why each is prime.",
         "Write a Python function that reverses a string, then show it on 'hello world'.",
-        "What is speculative decoding? Answer in two sentences.")]
+        "What is speculative decoding? Answer in two sentences.",
+        "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.")]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     baseline: dict[str, list[int]] = {}
     run_requests(engine, prompts, greedy, "none", 0, 1, token_ids=baseline)
