@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from specdec_client import GenerateRequest, SpecDecClient
+from specdec_client.envinfo import provenance, write_result
 
 CONTROL = GenerateRequest("Write a long story about a lighthouse keeper and the sea.", max_tokens=1000, temperature=0.0,
                           ignore_eos=True, method=None, num_draft_tokens=0)
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--url", default=None, help="a running server's gRPC url (default: start one)")
     p.add_argument("--out", type=Path, default=Path("results/hostile_guide.json"))
     args = p.parse_args(argv)
+    started = provenance()
     server = None
     url = args.url
     if url is None:
@@ -119,8 +121,7 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_result(args.out, report, started, indent=1)
     print(json.dumps(report, indent=1))
     return 0
 

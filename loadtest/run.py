@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from loadtest import scenarios
+from specdec_client.envinfo import provenance, write_result
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 REPO_ROOT = LOCUSTFILE.parent.parent
@@ -104,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenarios.parse_duration(args.duration)  # fail early on a bad duration
     runs = modes(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    started = provenance()
     worst = 0
     with target(args) as url:
         for mode in runs:
@@ -113,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out}/{args.scenario}_<mode>_stats.csv and .html for modes: {', '.join(m[0] for m in runs)}")
     table = side_by_side(args.out, args.scenario, [m[0] for m in runs])
     (args.out / f"{args.scenario}_side_by_side.md").write_text(table + "\n")
+    # Locust's CSV and HTML carry no provenance: this record beside them does.
+    write_result(args.out / f"{args.scenario}_run.json", {"scenario": args.scenario, "duration": args.duration,
+                                                          "modes": [m[0] for m in runs], "exit_code": worst,
+                                                          "files": sorted(p.name for p in args.out.glob(f"{args.scenario}_*")
+                                                                          if p.suffix != ".json")}, started)
     print(table)
     return worst
 

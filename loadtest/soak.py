@@ -46,6 +46,7 @@ import numpy as np
 import psutil
 
 from specdec_client import AsyncSpecDecClient, GenerateRequest, server_metrics
+from specdec_client.envinfo import provenance, write_result
 import specdec_wire as P
 
 MALFORMED = [  # (what, request fields, the field its refusal must name)
@@ -359,6 +360,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     methods = ["baseline", *ServingConfig.from_file(DEFAULT_MODEL_REPOSITORY / "specdec.json").methods]
     prompts = sharegpt_prompts(args.num_prompts, seed=args.seed, max_tokens=256)
+    started = provenance()
     report: dict = {"settings": vars(args) | {"out": str(args.out)}, "methods": methods}
     server = TritonServer(log_path=args.out / "triton.log")
     try:
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
             report["conversations"] = asyncio.run(conversations(server, prompts, args))
             print(json.dumps({k: v for k, v in report["conversations"].items() if k != "rss_mib"}), flush=True)
         if args.only_conversations:
-            return _conversation_verdict(report, args)
+            return _conversation_verdict(report, args, started)
         report["cancel_storms"] = [asyncio.run(cancel_storm(server, prompts[1], args.cancels, model, args.protocol))
                                    for model in ("ensemble", "speculative_loop")]
         report["soak"] = asyncio.run(Soak(server, prompts, methods, args).run())
@@ -403,7 +405,7 @@ def main(argv=None) -> int:
         "serves_after_restart": report["serves_after_restart"],
         **report.get("verdict_conversations", {}),
     }
-    (args.out / "soak.json").write_text(json.dumps(report, indent=2))
+    write_result(args.out / "soak.json", report, started)
     print(json.dumps(report["verdict"], indent=2))
     return 0 if all(report["verdict"].values()) else 1
 
@@ -417,9 +419,9 @@ def _conversation_checks(c: dict) -> dict:
     }
 
 
-def _conversation_verdict(report: dict, args) -> int:
+def _conversation_verdict(report: dict, args, started: dict) -> int:
     report["verdict"] = _conversation_checks(report["conversations"])
-    (args.out / "conversations.json").write_text(json.dumps(report, indent=2))
+    write_result(args.out / "conversations.json", report, started)
     print(json.dumps(report["verdict"], indent=2))
     return 0 if all(report["verdict"].values()) else 1
 

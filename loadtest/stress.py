@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from specdec_client import AsyncSpecDecClient, GenerateRequest
+from specdec_client.envinfo import provenance, write_result
 
 # The shape that must never kill a stub (issue 43): every served method and the baseline,
 # concurrency swept over CONCURRENCY one level per round, greedy and sampled, stop strings,
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
         server.wait_ready(timeout=600)
         return server
 
+    started = provenance()
     report: dict = {"settings": vars(args) | {"out": str(args.out)}, "rounds": [], "deaths": []}
     t0 = time.monotonic()
     server = start()
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
                              "stub_failures": sum(r["stub_failures"] for r in report["rounds"]),
                              "request_errors": sum(r["error_count"] for r in report["rounds"]),
                              "minutes": round((time.monotonic() - t0) / 60, 1)}
-        (args.out / "stress.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_result(args.out / "stress.json", report, started, indent=1)
         print(json.dumps(report["summary"]))
     return 0 if not report["deaths"] else 1
 

@@ -16,7 +16,7 @@ from specdec_client.bench import (BenchConfig, BenchConfigError, BenchResult, Lo
 from specdec_client.command_args import add_connection_arguments, add_sampling_arguments
 from specdec_client.client import SpecDecClient
 from specdec_client.endpoints import Endpoint, parse_endpoint
-from specdec_client.envinfo import environment
+from specdec_client.envinfo import environment, stamped
 from specdec_client.errors import SpecDecClientError
 from specdec_client.local_server import local_server, settings_in_use
 from specdec_client.summary import build_summary, validate, write_json, write_requests
@@ -224,7 +224,7 @@ def write_outputs(result: BenchResult, env: dict[str, Any], dataset: dict[str, A
     from specdec_client.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    summary = build_summary(result, env, dataset)
+    summary = stamped(build_summary(result, env, dataset))  # commit, clean, date and host at the top (results/)
     write_json(summary, out / "summary.json")
     write_requests(result, out / "requests.jsonl")
     write_report(summary, [r.as_json(result.t0) for r in result.records], out)

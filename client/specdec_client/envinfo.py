@@ -103,9 +103,54 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
 
 
 def provenance() -> dict[str, Any]:
-    """Commit, date and machine: what every file under results/ records about its run."""
-    return {"commit": git_commit(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": host_info()}
+    """Commit, whether the tree was clean, date and machine: what every file under results/
+    records about its run (at its top level: `stamped`)."""
+    commit = git_commit()
+    return {"commit": commit, "clean": None if commit is None else not commit.endswith("+dirty"),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "host": host_info()}
+
+
+PROVENANCE_KEYS = ("commit", "clean", "date", "host")
+
+
+def _head(commit: str | None) -> str | None:
+    return commit.removesuffix("+dirty") if commit else None
+
+
+def stamped(record: dict[str, Any], started: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`record` with its run's provenance first, at the top level: commit ("+dirty" when tracked
+    code outside results/ differed from it), clean (an explicit boolean; None outside a git
+    checkout), date and host (the machine: host_info()).
+
+    The commit and date are those of the run's start when known: `started` (a provenance()
+    taken then), else the record's own top-level or `env` commit and date (what env records
+    and `{**provenance(), ...}` hold). The tree counts as clean only when it was clean at the
+    start and still is as the record is written, on the same commit: a run whose tree changed
+    under it says so (clean false, and `commit_at_write` names the later commit when HEAD
+    moved). Everything else in the record, its `env` included, is kept as it is."""
+    env = record.get("env") if isinstance(record.get("env"), dict) else {}
+    now = provenance()
+    start = started or next((r for r in (record, env) if r.get("commit")), now)
+    commit = start.get("commit")
+    known = [c for c in (commit, now["commit"]) if c is not None]
+    clean = None if not known else (all(not c.endswith("+dirty") for c in known) and len({_head(c) for c in known}) == 1
+                                    and start.get("clean") is not False and env.get("clean") is not False)
+    host = start.get("host") if isinstance(start.get("host"), dict) else now["host"]
+    out: dict[str, Any] = {"commit": commit if commit is not None else now["commit"], "clean": clean,
+                           "date": start.get("date") or now["date"], "host": host}
+    if commit is not None and now["commit"] is not None and _head(commit) != _head(now["commit"]):
+        out["commit_at_write"] = now["commit"]
+    return {**out, **{k: v for k, v in record.items() if k not in (*PROVENANCE_KEYS, "commit_at_write")}}
+
+
+def write_result(path: str | Path, record: dict[str, Any], started: dict[str, Any] | None = None, *,
+                 indent: int | None = 2, default: Any = None) -> Path:
+    """Write `record` as JSON to `path` (folders made), stamped with its provenance: the one
+    writer of every record under results/."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stamped(record, started), indent=indent, default=default) + "\n")
+    return path
 
 
 def environment(server_metadata: dict[str, Any] | None, settings_path: str | Path | None) -> dict[str, Any]:

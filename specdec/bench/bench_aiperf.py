@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import psutil
 
 from specdec.bench.bench_openai import PROMPT_TOKENS, served_with_openai
+from specdec_client.envinfo import provenance, write_result
 
 BASE_MODEL_ID = "smollm2-135m-instruct"
 FIELDS = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "inter_chunk_latency_p50_ms")
@@ -233,6 +234,13 @@ def observed(metrics_url: str, runs: list[dict[str, Any]], **label: Any) -> Iter
     runs.append({**label, "wall_s": cores.pop("wall_s"), "cores": cores, "server": view})
 
 
+def stamp_folders(root: Path, record: dict[str, Any], started: dict[str, Any]) -> None:
+    """aiperf's exports carry no commit, tree state or machine: a stamped record in every
+    folder of its artifact tree says which run of ours wrote them (results/ provenance)."""
+    for folder in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+        write_result(folder / "specdec_run.json", record, started)
+
+
 def run_aiperf(command: list[str], renice: bool) -> None:
     """aiperf's timing manager busy-waits on a core (measured here: 97% of a vCPU for the
     whole run). On a machine with few cores that halves the server's: with `renice` it runs
@@ -248,7 +256,7 @@ def run_aiperf(command: list[str], renice: bool) -> None:
         raise subprocess.CalledProcessError(proc.returncode, command)
 
 
-def run(args) -> dict[str, Any]:
+def run(args, started: dict[str, Any]) -> dict[str, Any]:
     from specdec_client.datasets import load_sharegpt, load_token_counter
 
     from specdec.config import default_model_dir
@@ -301,6 +309,7 @@ def run(args) -> dict[str, Any]:
                         # Nothing else competes for the 2 cores: no GPU telemetry or server-metrics pollers.
                         "--ui-type", "none", "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(artifacts),
                     ], renice=args.renice_timing_manager)
+                stamp_folders(artifacts, {"tool": "aiperf", "mode": mode, "model": model, "concurrency": c}, started)
                 aiperf[f"{mode}@{c}"] = aiperf_point(json.loads((artifacts / "profile_export_aiperf.json").read_text()))
     rows = compare(client, aiperf)
     (out / "comparison.md").write_text(markdown(rows, requests, args.max_tokens) + "\n" + runs_markdown(runs))
@@ -322,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--renice-timing-manager", action=argparse.BooleanOptionalAction, default=True,
                    help="run aiperf's busy-waiting timing manager at nice 19 (see run_aiperf)")
     args = p.parse_args(argv)
-    result = run(args)
-    (Path(args.out) / "comparison.json").write_text(json.dumps(result, indent=2))
+    started = provenance()
+    result = run(args, started)
+    write_result(Path(args.out) / "comparison.json", result, started)
     print((Path(args.out) / "comparison.md").read_text())
     return 0

@@ -9,13 +9,13 @@ mean acceptance length and per-position acceptance. Nothing here is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from specdec.bench.bench_engine import env_record
 from specdec.bench.engine_runs import run_requests
+from specdec_client.envinfo import write_result
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def save(result: dict, out: Path, stem: str, render) -> None:
     """A benchmark's result as <stem>.json and its table as <stem>.md (also printed)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    write_result(out / f"{stem}.json", result)
     (out / f"{stem}.md").write_text(render(result))
     print(render(result))

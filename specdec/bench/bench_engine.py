@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from specdec_client.envinfo import cpu_model, git_commit
+from specdec_client.envinfo import cpu_model, git_commit, write_result
 
 from specdec.config import METHOD_NGRAM, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.bench.engine_runs import run_requests
@@ -264,9 +264,7 @@ def run_engine_bench(args) -> dict:
     for run in result["speculative"]["runs"]:
         for name in ("plain", "ngram"):
             run[name]["per_user_fraction_of_floor"] = run[name]["per_user_tok_s"] / floor
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result)
     print_table(result)
     print(f"wrote {out}")
     return result

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from specdec_client.envinfo import provenance
+from specdec_client.envinfo import provenance, write_result
 
 from specdec.config import WEIGHT_FORMATS, EngineConfig, SamplingParams, default_model_dir
 from specdec.serving.runtime import encode_prompt, load_target, load_tokenizer
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         result["formats"][weight_format] = bench_format(weight_format, prompts, args.max_tokens)
         print(weight_format, json.dumps(result["formats"][weight_format]), f"({time.monotonic() - t0:.0f} s)", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return 0
 

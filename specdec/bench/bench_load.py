@@ -13,7 +13,6 @@ Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import statistics
@@ -30,6 +29,7 @@ from specdec.serving.runtime import encode_prompt, load_tokenizer
 from specdec.bench.bench_engine import env_record
 from specdec.bench.engine_runs import run_requests
 from specdec.bench.bench_serving import in_process_engine
+from specdec_client.envinfo import write_result
 from specdec.tools.sharegpt import sharegpt_prompts
 
 
@@ -185,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                                                              settings.apply_chat_template, args.ttft_repeats)
     finally:
         server.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0

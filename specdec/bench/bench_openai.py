@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from specdec_client.envinfo import provenance, write_result
+
 # ShareGPT first turns of 4 to 256 tokens: the prompts of both front-end benchmarks.
 PROMPT_TOKENS = (4, 256)
 
@@ -150,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="with --siblings")
     args = p.parse_args(argv)
     if args.siblings:
+        started = provenance()
         result = run_siblings(args)
-        (Path(args.out) / "siblings.json").write_text(json.dumps(result, indent=2))
+        write_result(Path(args.out) / "siblings.json", result, started)
         print(json.dumps({"x_baseline": result["x_baseline"], "tokens_per_step": {n: r["tokens_per_step"] for n, r in result["modes"].items()}}))
         return 0
+    started = provenance()
     result = run(args)
-    (Path(args.out) / "bench_openai.json").write_text(json.dumps(result, indent=2))
+    write_result(Path(args.out) / "bench_openai.json", result, started)
     print(f"OpenAI path / gRPC ensemble, end to end at c=1: median {result['median_ratio']:.3f}x, mean {result['mean_ratio']:.3f}x "
           f"({result['prompts']} prompts, {result['identical_text']} identical texts; "
           f"medians {result['grpc_e2e_median_s']:.2f} s vs {result['openai_e2e_median_s']:.2f} s)")

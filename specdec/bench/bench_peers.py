@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from specdec_client.bench import RequestRecord
+from specdec_client.envinfo import write_result
 from specdec_client.summary import identical_outputs
 
 from specdec.config import REPO_ROOT, SERVED_SETTINGS
@@ -173,7 +174,7 @@ def collect(out: Path, configs: dict[str, list[str]], ours: list[str], concurren
         summary["identity_within_engines"] = identity_within_engines(out / f"c{concurrency}" / "requests.jsonl", engines)
         results["load_points"][str(concurrency)] = summary
     results["env"] = results["load_points"][str(concurrencies[0])]["env"]  # commit, date, machine (readme-tables)
-    (out / "peers.json").write_text(json.dumps(results, indent=1))
+    write_result(out / "peers.json", results, indent=1)
     print(f"wrote {out / 'peers.json'}")
     return results
 

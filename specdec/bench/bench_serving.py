@@ -19,6 +19,7 @@ import torch
 
 import specdec_wire as P
 from specdec.bench.bench_engine import env_record
+from specdec_client.envinfo import write_result
 from specdec.config import SamplingParams, ServingConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.spec_engine import SpecEngine
@@ -182,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: Triton {t_tok_s:.1f} tok/s ({t_tok_s / base_t:.2f}x baseline), in process {l_tok_s:.1f} tok/s "
               f"({l_tok_s / base_l:.2f}x), Triton/in process {t_tok_s / l_tok_s:.2f}; step {t_step * 1e3:.1f} ms = "
               + ", ".join(f"{k} {v:.1f}" for k, v in budget.items() if k != "client_step"), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0

@@ -18,10 +18,8 @@ server and asks `speculative_loop` (gRPC streaming: text, ids, finish reason) an
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import specdec_wire as P
@@ -29,6 +27,7 @@ from specdec.config import METHOD_NONE, SamplingParams, ServingConfig
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.config import SERVED_SETTINGS, resolve_model_dir
 from specdec.serving.runtime import encode_prompt, load_tokenizer
+from specdec_client.envinfo import provenance, write_result
 
 FIXED_STOP_SETS = ((" is", "."), ("def", ":"), ("\n",))
 NEVER = "\x00never\x00"
@@ -183,14 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",") if args.methods else list(settings.methods)
     tokenizer = load_tokenizer(resolve_model_dir(settings.model_dir))
     texts = sharegpt_prompts(args.prompts, seed=7, tokenizer=tokenizer, min_tokens=4, max_tokens=48)
+    started = provenance()
     t0 = time.time()
     with _runner(args, settings, tokenizer, texts) as (run, inputs):
         found = check(run, inputs, methods, args.max_tokens, literal_decoder(tokenizer), lambda line: print(f"{line} ({time.time() - t0:.0f} s)", flush=True))
     report = {"where": args.where, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
               "prompts": len(texts), "seconds": round(time.time() - t0), **found}
-    out = Path(args.out or f"results/stops/{args.where}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=list) + "\n")
+    out = write_result(args.out or f"results/stops/{args.where}.json", report, started, indent=1, default=list)
     ok = passed(report)
     for method, m in report["methods"].items():
         print(f"{method:24s} identical {m['identical']}/{report['cases']}  stopped {m['stopped']}")

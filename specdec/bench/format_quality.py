@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from specdec_client.envinfo import provenance
+from specdec_client.envinfo import provenance, write_result
 
 from specdec.config import QUANTIZED_WEIGHT_FORMATS, EngineConfig, default_model_dir
 from specdec.engine.models.llama import build_batch
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["llama_cpp_q4_1"] = None
     result["seconds"] = round(time.monotonic() - t0, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return 0
 

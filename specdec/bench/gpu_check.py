@@ -33,22 +33,24 @@ from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_engine
 from specdec.serving.spec_engine import SpecEngine
 from specdec.bench.engine_runs import run_requests
+from specdec_client.envinfo import provenance, write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_SETTINGS = REPO_ROOT / "deploy" / "settings" / "gpu.json"
 
 
 class Record:
-    """The run's JSON, rewritten after every section."""
+    """The run's JSON, rewritten after every section (stamped with the provenance of its start:
+    a lent machine's copy of the tree may not be a git checkout, and then says so: commit null)."""
 
     def __init__(self, path: Path, deadline: float):
         self.path, self.deadline = path, deadline
+        self.started = provenance()
         self.data: dict = {"env": env(), "sections": {}}
         self.flush()
 
     def flush(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1))
+        write_result(self.path, self.data, self.started, indent=1)
 
     def section(self, name: str, fn: Callable[[], dict], need_s: float = 0.0) -> dict | None:
         left = self.deadline - time.monotonic()

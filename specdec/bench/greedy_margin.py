@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -35,7 +33,7 @@ import specdec.engine.target as target_module
 from specdec.config import METHOD_NONE, WEIGHT_FORMATS, EngineConfig, SamplingParams
 from specdec.serving.runtime import build_engine, encode_prompt, served_methods
 from specdec.tools.sharegpt import sharegpt_prompts
-from specdec_client.envinfo import provenance
+from specdec_client.envinfo import provenance, write_result
 
 MARGIN_THRESHOLDS = (1e-4, 1e-3, 1e-2, 1e-1)
 
@@ -149,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     methods = list(served_methods()) if args.methods == "all" else args.methods.split(",")
-    result = {**provenance(), "command": "specdec greedy-margin " + " ".join(argv or []),
+    started = provenance()
+    result = {"command": "specdec greedy-margin " + " ".join(argv or []),
               **study(args.dtype, methods, args.prompts, args.max_tokens, args.seed, weight_format=args.weight_format)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, started, indent=1)
     print(f"wrote {args.out}")
     return 0

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from specdec_client.envinfo import provenance, write_result
 from specdec.config import default_model_dir
 
 from specdec.engine.models.loading import load_safetensors_dir, load_transformer
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args(argv)
+    started = provenance()  # the tree the head was trained from (train_log.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or default_model_dir())
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers, "init_layers": source, "draft_vocab": len(vocab_ids), "lr": args.lr,
         "heldout_top1": top1, "heldout_decoding": decoding, "curve": log,
     }
-    (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_result(out / "train_log.json", record, started)
     write_model_card(out, record)
     print(json.dumps({k: record[k] for k in ("budget", "heldout_top1", "heldout_decoding")}, indent=2))
     return 0

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec_client.envinfo import provenance, write_result
 from specdec.tools.sharegpt import sharegpt_conversations
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
@@ -662,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1's per-tap RMSNorm before fc (targets whose taps differ "
                                                           "in scale by orders of magnitude, as Gemma 3's do)")
     args = p.parse_args(argv)
+    started = provenance()  # the tree the head was trained from (train_log.json)
     t_start = time.perf_counter()
     target, tokenizer = target_and_tokenizer(args)
     taps = target.cfg.eagle3_tap_layers()
@@ -714,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         "soft_labels": args.soft_labels, "fc_norm": head.cfg.fc_norm, "init_head_heldout": before, "curve": log,
         "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
-    (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_result(out / "train_log.json", record, started)
     write_model_card(out, record)
     print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_position", "heldout_sampled_overlap", "heldout_acceptance",
                                              "init_head_heldout")}, indent=2))

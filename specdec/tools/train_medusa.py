@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec_client.envinfo import provenance, write_result
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
 from specdec.tools.train_eagle3 import (
     STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, target_and_tokenizer,
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-sequences", type=int, default=0, help="train on at most this many sequences (0: all)")
     args = p.parse_args(argv)
+    started = provenance()  # the tree the head was trained from (train_log.json)
     target, tokenizer = target_and_tokenizer(args)
     seqs, n_held, train_set, held = training_data(args, target, tokenizer)
     if args.max_sequences:
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                    "optimizer_steps": log[-1]["step"] if log else 0},
         "heldout_top1_by_head": top1, "heldout_acceptance": acceptance, "curve": log,
     }
-    (out / "train_log.json").write_text(json.dumps(record, indent=2))
+    write_result(out / "train_log.json", record, started)
     write_model_card(out, record)
     print(json.dumps({k: record[k] for k in ("budget", "heldout_top1_by_head", "heldout_acceptance")}, indent=2))
     return 0

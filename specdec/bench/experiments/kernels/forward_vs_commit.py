@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec_client.envinfo import provenance
+from specdec_client.envinfo import provenance, write_result
 
 ROOT = Path(__file__).resolve().parents[4]
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows16_over_rows1": {name: round(m["16"] / m["1"], 2) for name, m in median.items()},
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(json.dumps(result["formats"], indent=1))
     return 0
 

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from specdec.bench.bench_engine import env_record
+from specdec_client.envinfo import write_result
 
 PROBE = """
 import json, sys, torch
@@ -55,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     median = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
     result = {"env": env_record("int8"), "command": "python -m specdec.bench.experiments.kernels.paths_and_threads "
               + " ".join(argv or sys.argv[1:]), "forward_ms_median": median, "runs": runs}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     for key, m in median.items():
         print(f"{key:16s} 1 row {m['k1']:6.1f} ms  16 rows {m['k16']:6.1f} ms  16 seqs {m['b16_k1']:6.1f} ms")
     return 0

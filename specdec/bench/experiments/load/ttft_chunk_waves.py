@@ -7,10 +7,12 @@ from specdec.bench.bench_load import through_triton
 from specdec.tools.sharegpt import sharegpt_prompts
 from specdec.serving.runtime import load_tokenizer
 from specdec.config import resolve_model_dir, ServingConfig
+from specdec_client.envinfo import provenance, write_result
 
 settings = json.loads((DEFAULT_MODEL_REPOSITORY / "specdec.json").read_text())
 tok = load_tokenizer(resolve_model_dir(None))
 texts = sharegpt_prompts(64, seed=0, tokenizer=tok, min_tokens=4, max_tokens=192)
+started = provenance()
 out = []
 for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
     for waves in (False, True):
@@ -29,4 +31,4 @@ for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
                 print(f"round {rnd} waves={waves} {method}: {r['output_tok_s']:.1f} tok/s TTFT p50 {r['ttft_p50_ms']:.0f} ms", flush=True)
         finally:
             server.stop()
-Path("results/bench/load/ttft_chunk_waves.json").write_text(json.dumps(out, indent=2))
+write_result("results/bench/load/ttft_chunk_waves.json", {"points": out}, started)

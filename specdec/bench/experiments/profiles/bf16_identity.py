@@ -1,12 +1,14 @@
 """Greedy identity at bfloat16 weights: speculative vs the bf16 baseline, in process.
 Writes results/bf16/identity.json. (python specdec/bench/experiments/profiles/bf16_identity.py)"""
-import json, sys, time
+import sys
 from specdec.config import EngineConfig, SamplingParams
 from specdec.serving.runtime import build_engine, encode_prompt
 from specdec.tools.sharegpt import sharegpt_prompts
+from specdec_client.envinfo import provenance, write_result
 
 N, TOKENS = 12, 64
-out = {"prompts": N, "max_tokens": TOKENS, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtypes": {}}
+started = provenance()
+out = {"prompts": N, "max_tokens": TOKENS, "dtypes": {}}
 for dtype in ("bfloat16", "float32"):
     engine = build_engine(config=EngineConfig(max_batch_size=4, max_seq_len=1024, dtype=dtype))
     tok = engine.tokenizer
@@ -29,4 +31,4 @@ for dtype in ("bfloat16", "float32"):
                        "mean_acceptance_length": (after["emitted_tokens"] - before["emitted_tokens"]) / steps if steps else 0.0}
         print(dtype, method, res[method], flush=True)
     out["dtypes"][dtype] = res
-json.dump(out, open("results/bf16/identity.json", "w"), indent=1)
+write_result("results/bf16/identity.json", out, started, indent=1)

@@ -13,7 +13,6 @@ is read off directly. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import time
@@ -28,6 +27,7 @@ from specdec.serving.runtime import load_tokenizer
 from specdec.bench.bench_engine import env_record
 from specdec.bench.bench_load import through_triton
 from specdec.tools.sharegpt import sharegpt_prompts
+from specdec_client.envinfo import write_result
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {proc:28s} {row['total_ms_per_token']:6.2f} ms CPU/token  ({top})", flush=True)
     finally:
         server.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result)
     print(f"wrote {out}")
     return 0
 
