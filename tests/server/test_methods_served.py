@@ -7,7 +7,7 @@ The method list is read from specdec.json, so a method added there is held here 
 streams is the most at which the fixed methods still draft (`max_concurrency: 4`), so their
 draft counter must rise in the four-stream phase too; the adaptive planner may choose to
 draft little in a crowded batch, so for those methods drafting is asserted at one stream.
-Acceptance is asserted over both phases."""
+Acceptance is asserted over both phases, for every method (the default, eagle3-hybrid, too)."""
 from __future__ import annotations
 
 import asyncio
@@ -102,8 +102,7 @@ def test_shipped_method_equals_the_baseline_at_1_and_4_streams(triton_server, ba
     assert steps >= STREAMS, (method, after_solo, end)
     if not SETTINGS["methods"][method].get("adaptive"):  # fixed budgets still draft at four streams
         assert end[P.DRAFT_TOKENS_TOTAL] > after_solo[P.DRAFT_TOKENS_TOTAL], (method, after_solo, end)
-        # The target accepted some of the method's drafts (over both phases). Not asked of the
-        # planned methods: where verifying rows is not cheap (the int8 default: the kernel's cost
-        # grows with rows) the planner may verify only its exploration nodes and accept none;
-        # their acceptance is proved in process (tests/engine/test_planner.py, the exact proof).
-        assert end[P.ACCEPTED_TOKENS_TOTAL] > start[P.ACCEPTED_TOKENS_TOTAL], (method, start, after_solo, end)
+    # The target accepted some of the method's drafts (over both phases), the planned methods and
+    # the served default included: a method that equals the baseline without speculating proves
+    # nothing about its speculation.
+    assert end[P.ACCEPTED_TOKENS_TOTAL] > start[P.ACCEPTED_TOKENS_TOTAL], (method, start, after_solo, end)
