@@ -324,7 +324,7 @@ def weight_formats() -> Table:
 
 def verify_cost() -> Table:
     """The whole int8 / gguf forward against rows verified, this tree and the commit before the
-    kernels, side by side in one run (python -m specdec.tools.experiments.kernels.forward_vs_commit)."""
+    kernels, side by side in one run (python -m specdec.bench.experiments.kernels.forward_vs_commit)."""
     path = "results/kernels/forward_vs_2e7831c.json"
     data = read(path)
     rows = []
