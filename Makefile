@@ -272,7 +272,8 @@ mutants: prepare
 
 # The served fuzzer (issue 43) for FUZZ_SECONDS: fresh waves of hostile requests to ensemble, ensemble_unary,
 # speculative_loop and the OpenAI front end beside a greedy control stream; no crash, no leaked slot, every
-# request answered (make test runs a short fixed pass of the same test)
+# request answered and every answer checked against its request, each control run equal to plain decoding
+# (make test runs a short fixed pass of the same test)
 FUZZ_SECONDS ?= 1800
 fuzz: prepare
 	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server

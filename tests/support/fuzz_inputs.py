@@ -218,14 +218,18 @@ def field_values(name: str, lim: Limits, binary: bool, unary: bool) -> st.Search
     return verdicts(st.booleans())
 
 
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+VALID_GUIDES = (("json", ""), ("json_schema", json.dumps(SMALL_SCHEMA)), ("regex", "[a-z]{1,8}"), ("ebnf_grammar", 'root ::= "yes" | "no"'))
+# Stop strings a short answer meets (so some end by one)
+COMMON_STOPS = ([" "], ["e", "o"], ["\n"], [","], ["."], ["the", "a"])
+
+
 def guides(lim: Limits, binary: bool) -> st.SearchStrategy:
     """(guide type, guide, verdict): valid, hostile (huge, deeply nested, slow, invalid)."""
-    small = json.dumps({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
     wide = json.dumps({"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(400)}})
     nested = st.integers(2, 400).map(lambda d: '{"type":"object","properties":{"a":' * d + '{"type":"string"}' + "}}" * d)
     huge = json.dumps({"type": "object", "description": "d" * (lim.max_guide_bytes + 10)})
-    valid = st.sampled_from([("json", ""), ("json_schema", small), ("regex", "[a-z]{1,8}"),
-                             ("ebnf_grammar", 'root ::= "yes" | "no"')])
+    valid = st.sampled_from(VALID_GUIDES)
     either = (st.sampled_from([("json_schema", wide), ("regex", "(a*)*b"), ("regex", "(x|y){0,200}z"), ("json", "ignored"),
                                ("json_schema", "5"), ("json_schema", '{"type": "nonsense"}'), ("regex", "\\d" * 2000)])
               | nested.map(lambda g: ("json_schema", g)) | _text(1, 40).map(lambda g: ("regex", g)))
@@ -267,6 +271,14 @@ def triton_case(draw, lim: Limits) -> TritonCase:
         value, verdict = draw(field_values(name, lim, binary, unary))
         if verdict == VALID:
             fields[name] = _scalar_field(specs[name], value)
+    shape = draw(st.sampled_from(["plain", "plain", "plain", "guide", "stop"]))  # answers with more to check
+    if shape == "guide":  # a valid guide, and room to finish it
+        guide_type, guide = draw(st.sampled_from(VALID_GUIDES))
+        fields[W.GUIDED_DECODING_GUIDE_TYPE] = _scalar_field(specs[W.GUIDED_DECODING_GUIDE_TYPE], guide_type)
+        fields[W.GUIDED_DECODING_GUIDE] = _scalar_field(specs[W.GUIDED_DECODING_GUIDE], guide)
+        fields[W.MAX_TOKENS] = _scalar_field(specs[W.MAX_TOKENS], draw(st.integers(4, 20)))
+    elif shape == "stop":
+        fields[W.STOP_WORDS] = _scalar_field(specs[W.STOP_WORDS], list(draw(st.sampled_from(COMMON_STOPS))))
     bad, taken = [], set()  # a field is made bad once (a second change could undo the first)
     kinds = ["value"] * 6 + ["guide"] + (["dtype", "shape", "missing", "unknown"] if binary else ["missing", "unknown"])
     for _ in range(draw(st.sampled_from([0, 1, 1, 1, 1, 2, 3]))):
@@ -394,10 +406,8 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
     if param == "logprobs_mode":
         return verdicts(ints("raw_logprobs", "processed_logprobs"), None, ints("raw_logits", 5))
     if param == "tools":
-        tool = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
         bad = ints("x", [{"type": "function"}], [{"type": "function", "function": {"name": "f", "parameters": 5}}])
-        return verdicts(st.just(tool), None, bad) if chat else verdicts(None, None, st.just(tool) | bad)
+        return verdicts(st.just(list(TOOLS)), None, bad) if chat else verdicts(None, None, st.just(list(TOOLS)) | bad)
     if param == "parallel_tool_calls":  # read only beside tools: a wrong type alone is ignored
         return verdicts(st.booleans(), ints("yes", 5))
     if param == "tool_choice":  # without tools (drawn beside them, these stay wrong)
@@ -411,6 +421,24 @@ def openai_values(param: str, lim: Limits, chat: bool) -> st.SearchStrategy:
     if param == "stream_options":
         return verdicts(st.just({"include_usage": True}), None, ints("x", 5, [1]))
     return verdicts(st.booleans())  # ignore_eos, and unknown keys (ignored)
+
+
+# The tools a chat request may offer (their calls are checked against these parameter schemas).
+TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}})
+# A forced call (tool_choice required or named) is ~35 tokens: room for it to end by its grammar.
+FORCED_CALL_MAX_TOKENS = 48
+
+
+def forced_tool_call(body: dict[str, Any]) -> bool:
+    """Whether a chat body's answer is forced to be a call by its grammar: the offered tools, and
+    tool_choice "required" or one of them named."""
+    choice = body.get("tool_choice")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        and choice["function"].get("name") in {t["function"]["name"] for t in TOOLS}
+    return body.get("tools") == list(TOOLS) and (choice == "required" or named)
 
 
 OPENAI_PARAMS = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "speculative_method",
@@ -441,6 +469,23 @@ def openai_case(draw, lim: Limits) -> OpenAICase:
             body[param] = value
     if body.get("max_completion_tokens") is not None:
         body["max_completion_tokens"] = min(body["max_completion_tokens"], 12)
+    shape = draw(st.sampled_from(["plain", "plain", "plain", "stop", "format"] + (["tools"] if chat else [])))
+    if shape == "stop":  # answers with more to check
+        body["stop"] = draw(st.sampled_from([" ", "\n", ".", ["e", "o"]]))
+    elif shape == "format":  # a valid response_format, and room to finish it
+        body["response_format"] = draw(st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": SMALL_SCHEMA}}]))
+        body["max_tokens"] = draw(st.integers(4, 20))
+    elif shape == "tools":
+        body["tools"] = list(TOOLS)
+    if chat and body.get("tools") == list(TOOLS) and "tool_choice" not in body:  # how the offered tools are used
+        choice = draw(st.sampled_from([None, "auto", "required", "get_weather", "add"]))
+        if choice is not None:
+            body["tool_choice"] = choice if choice in ("auto", "required") else {"type": "function", "function": {"name": choice}}
+        if forced_tool_call(body):  # room for the whole call, and no response_format beside it (refused)
+            body["max_tokens"] = FORCED_CALL_MAX_TOKENS
+            body.pop("max_completion_tokens", None)
+            body.pop("response_format", None)
     made_bad = {}  # each parameter made bad once (a second draw would undo the first)
     for param in draw(st.lists(st.sampled_from((prompt_param, *OPENAI_PARAMS)), max_size=draw(st.sampled_from([0, 1, 1, 1, 2])),
                                unique=True)):
@@ -450,9 +495,13 @@ def openai_case(draw, lim: Limits) -> OpenAICase:
     bad = []
     for param, (value, verdict) in made_bad.items():  # judged on the final body
         must_fail = verdict == INVALID
+        names = frozenset({param}) | OPENAI_ALIASES.get(param, set())
         if param == "max_tokens" and body.get("max_completion_tokens") is not None and _int_in(value, 1, 2**31 - 1):
             must_fail = False  # a count past the server's limit, but max_completion_tokens is the one used
-        bad.append(Bad(frozenset({param}) | OPENAI_ALIASES.get(param, set()), must_fail, f"value {_short(value, 30)}"))
+        if param == "response_format" and chat and forced_tool_call(body):  # two grammars for one answer
+            names |= {"tool_choice"}
+            must_fail = must_fail or not (isinstance(value, dict) and value.get("type") == "text")
+        bad.append(Bad(names, must_fail, f"value {_short(value, 30)}"))
     raw = json.dumps(body).encode()  # NaN and Infinity as Python writes them (which the front end reads)
     if draw(st.integers(0, 12)) == 0:  # a body that is not a request at all
         raw = draw(st.sampled_from([b"{not json", b"[1, 2]", b'"text"', b"null", b"", b"\xff\xfe", b'{"a":' * 50_000,
