@@ -65,8 +65,10 @@ bench-gemma: prepare-gemma
 generate: prepare
 	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method ngram --max-tokens 96
 
+# Two pytest-xdist workers, one core each: the shared Triton server's tests stay on one worker
+# (it starts once) and each other module on one (its fixtures are built once): tests/conftest.py
 test: prepare
-	$(BIN)/python -m pytest -q -x -m "not slow and not gemma" --durations=30 tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup -m "not slow and not gemma" --durations=30 tests
 
 # Everything, the slow tests too (the chi-square sampling tests, the served-path variants): ~50 min on 2 cores
 test-all: prepare
