@@ -405,14 +405,18 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout
 
 
-def write_report(out: Path, command: str, results: Sequence[Result], baselines: dict, seconds: float, jobs: int) -> dict:
-    """The copies were made from the working tree: the commit, whether it was clean, what differed."""
+def tree_state() -> dict:
+    """The working tree the copies are made from: its commit, whether it was clean, what differed
+    (read when the copies are made, so a commit made during the run is not claimed)."""
     uncommitted = [line[3:] for line in git(REPO_ROOT, "status", "--porcelain", "--untracked-files=all").splitlines()]
+    return {"commit": git(REPO_ROOT, "rev-parse", "HEAD").strip(), "clean": not uncommitted, "uncommitted": uncommitted}
+
+
+def write_report(out: Path, command: str, results: Sequence[Result], baselines: dict, seconds: float, jobs: int,
+                 tree: dict) -> dict:
     report = {
         "command": command,
-        "commit": git(REPO_ROOT, "rev-parse", "HEAD").strip(),
-        "clean": not uncommitted,
-        "uncommitted": uncommitted,
+        **tree,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "pytest": f"python -m pytest {' '.join(PYTEST_ARGS)} <tests>",
@@ -463,11 +467,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--only: no mutant {sorted(unknown)} in {args.list}")
         mutants = [m for m in mutants if m.id in args.only]
     t0 = time.monotonic()
+    tree = tree_state()
     results, baselines = run_all(mutants, args.jobs)
     seconds = time.monotonic() - t0
     out = args.out if args.out is not None or args.only else DEFAULT_OUT
     command = "python -m specdec.tools.mutants " + " ".join(argv if argv is not None else sys.argv[1:])
-    totals = write_report(out, command.strip(), results, baselines, seconds, args.jobs)["totals"] if out else summary(results)
+    totals = write_report(out, command.strip(), results, baselines, seconds, args.jobs, tree)["totals"] if out else summary(results)
     print(f"score {totals['score']:.1%}: {totals[KILLED]} killed, {totals[TIMEOUT]} by timeout, "
           f"{totals[SURVIVED]} survived {totals['survivors']}, {totals[ERROR]} errors {totals['errors']} "
           f"in {seconds / 60:.1f} min" + (f" -> {out}" if out else ""))
