@@ -1,5 +1,5 @@
 """`specdec` command line: prepare, generate, serve, bench-engine. Load / run / report.
-May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec.bench, specdec_client, specdec_openai, trtllm_repository."""
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec.training, specdec.bench, specdec_client, specdec_openai, trtllm_repository."""
 from __future__ import annotations
 
 import argparse
@@ -188,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that own their flags: name -> (module, function taking the remaining argv).
 OWN_FLAGS = {
     "serve": ("specdec.tools.user_model", "serve_main"),  # --model and heads here, the rest to the launcher (extras to tritonserver)
-    "train-eagle3": ("specdec.tools.train_eagle3", "main"),
-    "train-medusa": ("specdec.tools.train_medusa", "main"),
-    "distill-answers": ("specdec.tools.distill_answers", "main"),
-    "train-draft": ("specdec.tools.train_draft", "main"),
+    "train-eagle3": ("specdec.training.train_eagle3", "main"),
+    "train-medusa": ("specdec.training.train_medusa", "main"),
+    "distill-answers": ("specdec.training.distill_answers", "main"),
+    "train-draft": ("specdec.training.train_draft", "main"),
     "openai": ("specdec_openai.frontend", "main"),
     "bench-openai": ("specdec.bench.bench_openai", "main"),
     "bench-aiperf": ("specdec.bench.bench_aiperf", "main"),

@@ -1,2 +1,2 @@
 """Benchmarks and measurements: the in-process and served benchmark drivers (bench_*), the engine's closed loop (engine_runs), the greedy-margin study, the weight-format quality, the stop-string check, the GPU check, the llama.cpp build, and experiments/ (one-off drivers); every record they write into results/ goes through specdec_client.envinfo.write_result (commit, clean, date, machine).
-May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec_client, specdec_openai."""
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.launcher, specdec.tools, specdec.training, specdec_client, specdec_openai."""

@@ -113,7 +113,7 @@ def test_train_draft_quick_mode_writes_a_loadable_draft(tmp_path, smol_dir, smol
     """specdec train-draft end to end on a tiny budget: the written draft (bf16, reduced
     output vocabulary, the target's embedding shared) loads through the same path as any
     draft and leaves greedy output unchanged."""
-    from specdec.tools.train_draft import main as train_main
+    from specdec.training.train_draft import main as train_main
 
     out = tmp_path / "draft"
     assert train_main(["--quick", "--layers", "1", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0

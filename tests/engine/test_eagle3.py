@@ -342,7 +342,7 @@ def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     """The whole training pipeline on a tiny budget: features, vocabulary, TTT training,
     held-out evaluation, a head in the published layout with its model card; then Medusa
     heads trained on the same cached features."""
-    from specdec.tools.train_eagle3 import main as train_main
+    from specdec.training.train_eagle3 import main as train_main
 
     out = tmp_path / "head"
     assert train_main(["--quick", "--out", str(out), "--features-dir", str(tmp_path / "features")]) == 0
@@ -355,7 +355,7 @@ def test_train_eagle3_quick_mode_writes_a_loadable_head(tmp_path, smol_model):
     assert torch.equal(head.draft_to_target[head.t2d[head.draft_to_target]], head.draft_to_target)
     # Medusa heads from the same feature cache (its last-layer column), the same way.
     from specdec.engine.models.medusa_heads import load_medusa
-    from specdec.tools.train_medusa import main as train_medusa
+    from specdec.training.train_medusa import main as train_medusa
 
     assert train_medusa(["--quick", "--num-heads", "3", "--out", str(tmp_path / "medusa"), "--features-dir", str(tmp_path / "features")]) == 0
     record = json.loads((tmp_path / "medusa" / "train_log.json").read_text())
@@ -369,7 +369,7 @@ def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model,
     """Features recorded while the target answers (taps the verifier hands to drafters)
     are the ones a separate teacher-forced pass computes, labels are the target's argmax on
     the answer and absent on the prompt, and benchmark prompts are never used."""
-    from specdec.tools.train_eagle3 import (
+    from specdec.training.train_eagle3 import (
         benchmark_prompt_texts,
         self_distilled_features,
         target_features,
@@ -397,8 +397,8 @@ def test_stored_answers_give_the_recorded_features(tmp_path, smol_model, smol_to
     """distill-answers keeps only token ids; their teacher-forced features (answer_features)
     label exactly the answer positions with the answer's own tokens (greedy), as features
     recorded while generating do, and are cached per answer shard."""
-    from specdec.tools.distill_answers import greedy_answers, load_answers, save_shard
-    from specdec.tools.train_eagle3 import answer_features, distill_prompts, self_distilled_features
+    from specdec.training.distill_answers import greedy_answers, load_answers, save_shard
+    from specdec.training.train_eagle3 import answer_features, distill_prompts, self_distilled_features
 
     prompts = distill_prompts(smol_tokenizer, 3, 0, set())
     assert prompts == distill_prompts(smol_tokenizer, 3, 0, set(), draw=3 + 64)[:3]  # the order does not depend on the draw

@@ -198,7 +198,7 @@ def test_medusa_sampling_is_lossless(toy_medusa, tree):
 def test_head_k_learns_the_token_k_plus_2_after_its_position():
     """On a self-distilled answer (labels = the next token), head k's label at position t is
     token t + k + 2: head 0 guesses the token after the root (t + 1, the target's own guess)."""
-    from specdec.tools.train_medusa import medusa_batch
+    from specdec.training.train_medusa import medusa_batch
 
     tokens = torch.arange(10, 30, dtype=torch.int32)
     labels = torch.cat([tokens[1:], torch.tensor([-1], dtype=torch.int32)])  # the target's guess at t is token t + 1

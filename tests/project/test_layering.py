@@ -132,7 +132,11 @@ def test_the_wire_contract_is_standard_library_only():
     ("specdec_client", "specdec", False),
     ("specdec.engine", "specdec.serving.stats", True),
     ("specdec", "specdec.engine.grammar", True),  # a top-level module (as config.py) reaching into a layer
-    ("specdec.tools", "specdec.bench.engine_runs", False),  # the tools (training, demo, tables) never need a benchmark
+    ("specdec.tools", "specdec.bench.engine_runs", False),  # the tools (demo, tables) never need a benchmark
+    ("specdec.tools", "specdec.training.train_eagle3", True),  # nor training (the CLI dispatches to it, not the tools)
+    ("specdec.training", "specdec.bench.engine_runs", False),  # training measures its heads itself (held-out acceptance)
+    ("specdec.training", "specdec.tools.demo", True),  # of the tools, training reads only the ShareGPT selection
+    ("specdec.training", "specdec.launcher", False),  # and never starts a server
     ("specdec.bench", "trtllm_repository", True),
 ])
 def test_a_forbidden_import_is_caught(tmp_path, monkeypatch, package, forbidden, inside_a_function):

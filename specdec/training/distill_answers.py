@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specdec.tools.train_eagle3 import distill_prompts, heldout_openings, target_and_tokenizer
+    from specdec.training.train_eagle3 import distill_prompts, heldout_openings, target_and_tokenizer
 
     target, tokenizer = target_and_tokenizer(args)
     prompts = distill_prompts(tokenizer, args.prompts, args.seed, heldout_openings(tokenizer, args.conversations, args.max_len, args.seed))

@@ -39,7 +39,7 @@ from specdec.config import default_model_dir
 
 from specdec.engine.models.loading import load_safetensors_dir, load_transformer
 from specdec.serving.runtime import load_tokenizer
-from specdec.tools.train_eagle3 import add_data_arguments, draft_vocabulary, optimize, plot_curve, training_data, user_openings
+from specdec.training.train_eagle3 import add_data_arguments, draft_vocabulary, optimize, plot_curve, training_data, user_openings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 

@@ -230,7 +230,7 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
     only answer positions keep a label (the prompt is ShareGPT's, the answer the target's
     own). Cached per answer shard (same file name), so answers added later, in any order,
     only cost their own prefill. Prompts before `first_prompt` are skipped."""
-    from specdec.tools.distill_answers import load_shard
+    from specdec.training.distill_answers import load_shard
 
     feature_dir.mkdir(parents=True, exist_ok=True)
     features: list[dict] = []

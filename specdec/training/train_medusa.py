@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specdec_client.envinfo import provenance, write_result
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
-from specdec.tools.train_eagle3 import (
+from specdec.training.train_eagle3 import (
     STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, target_and_tokenizer,
     top1_by_position, training_data, user_openings,
 )

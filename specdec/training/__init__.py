@@ -1,0 +1,2 @@
+"""Drafter training: the data (ShareGPT conversations and prompts, the held-out part, the target's stored answers), the capture of the target's features and the cache they are read from, the training loop, the trainers of the EAGLE-3 head, Medusa heads and the draft model, and held-out acceptance; the `specdec train-*` and `specdec distill-answers` commands.
+May import: specdec_wire, specdec.config, specdec.errors, specdec.engine, specdec.serving, specdec.tools.sharegpt, specdec_client."""
