@@ -22,7 +22,7 @@ from specdec.serving.spec_engine import SpecEngine
 from specdec.config import default_model_dir
 from specdec.engine.models.loading import load_transformer
 from specdec.serving.runtime import build_drafters, encode_prompt, load_tokenizer
-from specdec.training.train_draft import pass_ms
+from specdec.training.heldout import pass_ms
 
 
 def run(args) -> dict:

@@ -16,45 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
-
-
-ANSWERS_DIR = Path("data/answers")
-
-
-def answers_dir(new_tokens: int, seed: int) -> Path:
-    return ANSWERS_DIR / f"smollm2-135m-greedy-t{new_tokens}-seed{seed}"
-
-
-def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers: list[list[int]]) -> None:
-    def flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
-        return np.array([t for r in rows for t in r], dtype=np.uint16), offsets  # vocabulary 49,152 < 2**16
-
-    prompt_ids, prompt_offsets = flat(prompts)
-    answer_ids, answer_offsets = flat(answers)
-    tmp = path.parent / f".{path.name}"  # not matched by shard_*.npz until renamed
-    np.savez_compressed(tmp, index=np.array(indices, dtype=np.int64), prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
-                        answer_ids=answer_ids, answer_offsets=answer_offsets)
-    tmp.rename(path)  # a shard is there whole or not at all
-
-
-def load_shard(path: Path) -> list[tuple[int, list[int], list[int]]]:
-    """[(prompt index, prompt ids, answer ids)]"""
-    z = np.load(path)
-    po, ao = z["prompt_offsets"], z["answer_offsets"]
-    return [(int(i), z["prompt_ids"][po[k] : po[k + 1]].astype(np.int64).tolist(), z["answer_ids"][ao[k] : ao[k + 1]].astype(np.int64).tolist())
-            for k, i in enumerate(z["index"])]
-
-
-def load_answers(directory: Path, limit: int | None = None) -> list[tuple[int, list[int], list[int]]]:
-    """Every stored (prompt index, prompt ids, answer ids), in prompt order, up to `limit` prompts."""
-    out = []
-    for path in sorted(directory.glob("shard_*.npz")):
-        out += load_shard(path)
-        if limit is not None and len(out) >= limit:
-            return out[:limit]
-    return out
+from specdec.training.data import ANSWERS_DIR, answers_dir, distill_prompts, heldout_openings, save_shard, target_and_tokenizer
 
 
 def greedy_answers(target, tokenizer, prompts: list[list[int]], new_tokens: int, batch: int) -> list[list[int]]:
@@ -91,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-
-    from specdec.training.train_eagle3 import distill_prompts, heldout_openings, target_and_tokenizer
 
     target, tokenizer = target_and_tokenizer(args)
     prompts = distill_prompts(tokenizer, args.prompts, args.seed, heldout_openings(tokenizer, args.conversations, args.max_len, args.seed))

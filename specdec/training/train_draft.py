@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,10 @@ from specdec.config import default_model_dir
 
 from specdec.engine.models.loading import load_safetensors_dir, load_transformer
 from specdec.serving.runtime import load_tokenizer
-from specdec.training.train_eagle3 import add_data_arguments, draft_vocabulary, optimize, plot_curve, training_data, user_openings
+from specdec.training.capture import add_data_arguments, training_data
+from specdec.training.data import user_openings
+from specdec.training.fit import draft_vocabulary, optimize, plot_curve
+from specdec.training.heldout import heldout_decoding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
@@ -127,45 +129,6 @@ def save_draft(model, cfg, vocab_ids: torch.Tensor, out: Path, target_dir: Path,
     for name in TOKENIZER_FILES:
         if (target_dir / name).is_file():
             shutil.copy(target_dir / name, out / name)
-
-
-def pass_ms(model, repeats: int = 30, context: int = 256) -> float:
-    """Median milliseconds of one decode pass (batch 1, one new token, `context` cached)."""
-    from specdec.engine.models.llama import build_batch
-
-    cache = model.new_cache(1, context + 8, 8)
-    slot = cache.allocate()
-    model(build_batch([slot], [0], [[(7 * j) % 1000 + 10 for j in range(context)]]), cache, last_only=True)
-    cache.commit(slot, range(context))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model(build_batch([slot], [context], [[11]]), cache)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
-def heldout_decoding(target_dir: Path, draft_dir: Path, tokenizer, prompts: list[list[int]], max_tokens: int, k: int = 5) -> dict:
-    """Real greedy speculative decoding with the draft (chain of k) on held-out openings,
-    and the draft pass's cost relative to the target's."""
-    from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-    from specdec.serving.spec_engine import SpecEngine
-    from specdec.serving.runtime import build_drafters
-
-    engine_cfg = EngineConfig(max_batch_size=4, max_seq_len=2048)
-    target = load_transformer(target_dir)
-    spec = {"draft": SpeculativeConfig(method="draft_model", max_draft_len=k, speculative_model=str(draft_dir))}
-    drafters = build_drafters(target.cfg, spec, engine_cfg, target_dir, embed=target.embed)
-    engine = SpecEngine(target, engine_cfg, tokenizer, drafters)
-    for i, ids in enumerate(prompts):
-        for _ in engine.generate(ids, SamplingParams(max_tokens=max_tokens), "draft", k, request_id=f"h{i}"):
-            pass
-    s = engine.stats
-    draft_ms, target_ms = pass_ms(drafters["draft"].model), pass_ms(target)
-    return {"prompts": len(prompts), "max_tokens": max_tokens, "num_draft_tokens": k,
-            "mean_acceptance_length": s.mean_acceptance_length, "acceptance_rate": s.acceptance_rate,
-            "per_position_acceptance": s.per_position_acceptance,
-            "draft_pass_ms": draft_ms, "target_step_ms": target_ms, "draft_cost_fraction": draft_ms / target_ms}
 
 
 def write_model_card(out: Path, record: dict) -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import random
 import time
 from pathlib import Path
 
@@ -26,254 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec_client.envinfo import provenance, write_result
-from specdec.tools.sharegpt import sharegpt_conversations
-from specdec.engine.drafters.base import Drafter
+from specdec.config import default_model_dir
 from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
-from specdec.engine.models.llama import Transformer, build_batch
-from specdec.config import cache_root, default_model_dir
-from specdec.engine.models.loading import load_transformer
-from specdec.serving.runtime import load_tokenizer
-from specdec.engine.tree import DraftTree
-
-STEP_WEIGHT = 0.8
-# How a base model (no chat template) reads a conversation: its turns as paragraphs.
-PLAIN_TURN_SEPARATOR = "\n\n"
-
-
-def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[list[int]]:
-    convs = list(sharegpt_conversations())
-    random.Random(seed).shuffle(convs)
-    out = []
-    for conv in convs:
-        messages = [{"role": r, "content": t} for r, t in conv if r in ("user", "assistant")]
-        if len(messages) < 2 or messages[0]["role"] != "user":
-            continue
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        else:  # a base model (Gemma 3 270M) reads the conversation as plain text, as it is served
-            ids = tokenizer(PLAIN_TURN_SEPARATOR.join(m["content"] for m in messages)).input_ids
-        if len(ids) >= 32:
-            out.append(list(ids[:max_len]))
-        if len(out) == n:
-            break
-    return out
-
-
-def feature_layers(cfg) -> tuple[int, ...]:
-    """The target layers one feature cache records: the EAGLE-3 taps, then the last layer
-    (Medusa heads read its output through the target's final norm); one generation pass
-    feeds both heads' training."""
-    return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
-
-
-def compact(features: Tensor) -> Tensor:
-    """fp16 halves the cache, but Gemma 3's residual stream passes fp16's range (its first
-    features held inf, and training went NaN): those keep bf16's range instead."""
-    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
-
-
-def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
-    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
-    fp16 where it holds them (compact)."""
-    H = hidden.shape[-1] // num_layers
-    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
-
-
-class _TapRecorder(Drafter):
-    """Drafts nothing; keeps the tap-layer outputs the verifier hands to drafters, so each
-    self-distilled sequence comes out of its generation pass with its features (no second
-    target pass). Prompt positions get no label (-1): only the answer is the target's own."""
-
-    name = "record"
-
-    def __init__(self, tap_layers: tuple[int, ...]):
-        self.tap_layers = tuple(tap_layers)
-        self.finished: dict[str, dict] = {}
-
-    def propose(self, seqs, budgets):
-        return [DraftTree() for _ in seqs]
-
-    def on_prefill(self, seq, hidden):
-        seq.drafter_state[self.name] = [hidden.float()]
-
-    def on_verified(self, seq, emitted, accepted, hidden):
-        seq.drafter_state[self.name].append(hidden.float())
-
-    def on_finish(self, seq):
-        taps, last = split_features(torch.cat(seq.drafter_state.pop(self.name)), len(self.tap_layers))  # positions 0 .. len(all_ids) - 2
-        ids = seq.all_ids
-        labels = torch.full((len(taps),), -1, dtype=torch.int32)
-        labels[len(seq.prompt_ids) - 1 :] = torch.tensor(ids[len(seq.prompt_ids) : len(taps) + 1], dtype=torch.int32)
-        self.finished[seq.request_id] = {"tokens": torch.tensor(ids[: len(taps)], dtype=torch.int32), "taps": taps, "last": last,
-                                         "labels": labels}
-
-
-def benchmark_prompt_texts(first: int = 1000) -> set[str]:
-    """The prompts the benchmarks draw first (bench-engine / bench-serving order, and the
-    client's `bench` / Locust order, both seed 0), never trained on so that measured
-    acceptance is on unseen prompts. `first` unfiltered draws cover any filtered prefix the
-    benchmarks take."""
-    from specdec.tools.sharegpt import sharegpt_prompts
-
-    reserved = {t.strip() for t in sharegpt_prompts(first, seed=0, tokenizer=None, min_tokens=0, max_tokens=10**9)}
-    try:
-        from specdec_client.datasets import load_sharegpt, whitespace_counter
-    except ImportError:  # the client package is not installed: only the engine benchmarks' order
-        return reserved
-    reserved |= {p.text.strip() for p in load_sharegpt(first, 0, whitespace_counter(), 0, 10**9).prompts}
-    return reserved
-
-
-def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]], draw: int | None = None) -> list[list[int]]:
-    """The first n prompts (chat-templated ids) of the self-distillation order: first-turn
-    ShareGPT prompts of 4-192 tokens shuffled with seed + 1, without the benchmarks' prompts
-    and the held-out conversations' openings (`exclude`). The order does not depend on n.
-    `draw` caps the prompts taken before those are left out (the shipped heads'
-    --self-distill N drew N + len(exclude) + 64, so N = 3200 gave 2631 prompts)."""
-    from specdec.tools.sharegpt import sharegpt_prompts
-    from specdec.serving.runtime import encode_prompt
-
-    reserved = benchmark_prompt_texts()
-    draw = draw if draw is not None else n + len(exclude) + len(reserved) + 64
-    texts = [t for t in sharegpt_prompts(draw, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
-             if t.strip() not in reserved]
-    return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
-
-
-def heldout_openings(tokenizer, conversations: int, max_len: int, seed: int, holdout: float = 0.05) -> set[tuple[int, ...]]:
-    """The user openings of train-eagle3's held-out conversations (never trained on)."""
-    seqs = select_conversations(tokenizer, conversations, max_len, seed)
-    n_held = max(1, int(len(seqs) * holdout))
-    return {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
-
-
-def self_distilled_features(target: Transformer, tokenizer, n: int, new_tokens: int, seed: int, exclude: set[tuple[int, ...]],
-                            feature_dir: Path, batch: int = 32, shard: int = 64, generate: bool = True) -> list[dict]:
-    """First-turn ShareGPT prompts answered by the target itself (greedy, batched in our
-    engine), with features recorded during generation: drafting happens on the target's
-    own text, so train on it too. Cached in shards; re-running resumes."""
-    from specdec.config import EngineConfig, SamplingParams
-    from specdec.serving.spec_engine import SpecEngine
-
-    prompts = distill_prompts(tokenizer, n, seed, exclude, draw=n + len(exclude) + 64)
-    recorder = _TapRecorder(feature_layers(target.cfg))
-    engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {recorder.name: recorder})
-
-    def make(start: int, stop: int) -> list[dict]:
-        todo = [(str(i), prompts[i]) for i in range(start, stop)]
-        recorder.finished.clear()
-        while todo or engine.has_work():
-            while todo and len(engine.sequences) < batch:
-                rid, ids = todo.pop(0)
-                engine.add_request(rid, ids, SamplingParams(max_tokens=new_tokens), recorder.name, 1)
-            engine.step()
-        return [recorder.finished[k] for k in sorted(recorder.finished, key=int)]
-
-    return cached_shards(feature_dir, len(prompts), shard, make, "self-distill (prompts; answer tokens)",
-                         lambda part: sum(int((f["labels"] >= 0).sum()) for f in part), generate)
-
-
-@torch.inference_mode()
-def target_features(target: Transformer, seqs: list[list[int]]) -> list[dict]:
-    """EAGLE-3 taps [T, 3H], the last layer's output [T, H] (fp16) and the target's argmax
-    next token [T] per sequence."""
-    cache = target.new_cache(len(seqs), max(len(s) for s in seqs) + 1, 1)
-    slots = [cache.allocate() for _ in seqs]
-    layers = feature_layers(target.cfg)
-    out = target(build_batch(slots, [0] * len(seqs), seqs), cache, tap_layers=layers)
-    features = []
-    for b, s in enumerate(seqs):
-        taps, last = split_features(out.hidden_taps[b, : len(s)], len(layers))
-        features.append({"tokens": torch.tensor(s, dtype=torch.int32), "taps": taps, "last": last,
-                         "labels": out.logits[b, : len(s)].argmax(-1).int()})
-    return features
-
-
-def cached_shards(feature_dir: Path, total: int, shard: int, make_part, label: str, count, make_missing: bool = True) -> list[dict]:
-    """Features for items [0, total) in shards of `shard` files under feature_dir: existing
-    shards are read, missing ones made by make_part(start, stop) and saved, so a re-run
-    resumes. `count(part)` is the tokens a part adds (for the progress line). Without
-    make_missing, the shards made so far (up to the first missing one) are the data."""
-    feature_dir.mkdir(parents=True, exist_ok=True)
-    features: list[dict] = []
-    t0, made = time.perf_counter(), 0
-    for start in range(0, total, shard):
-        path = feature_dir / f"shard_{start // shard:05d}.pt"
-        if path.is_file():
-            features += torch.load(path, weights_only=True)
-            continue
-        if not make_missing:
-            print(f"{label}: using the {len(features)} of {total} made so far (--no-generate)", flush=True)
-            break
-        part = make_part(start, min(start + shard, total))
-        torch.save(part, path)
-        features += part
-        made += count(part)
-        print(f"{label}: {len(features)}/{total}, {made / (time.perf_counter() - t0):.0f} tok/s", flush=True)
-    return features
-
-
-def build_features(target: Transformer, seqs: list[list[int]], feature_dir: Path, shard: int = 16) -> list[dict]:
-    def make(start: int, stop: int) -> list[dict]:
-        chunk = sorted(seqs[start:stop], key=len)
-        part: list[dict] = []
-        for i in range(0, len(chunk), 4):  # small ragged batches of similar length
-            part += target_features(target, chunk[i : i + 4])
-        return part
-
-    return cached_shards(feature_dir, len(seqs), shard, make, "features (sequences)", lambda part: sum(len(f["tokens"]) for f in part))
-
-
-def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, first_prompt: int = 0, batch: int = 4) -> list[dict]:
-    """Features for the stored greedy answers (`specdec distill-answers`): one teacher-forced
-    prefill of prompt + answer gives the taps and the target's argmax at every position;
-    only answer positions keep a label (the prompt is ShareGPT's, the answer the target's
-    own). Cached per answer shard (same file name), so answers added later, in any order,
-    only cost their own prefill. Prompts before `first_prompt` are skipped."""
-    from specdec.training.distill_answers import load_shard
-
-    feature_dir.mkdir(parents=True, exist_ok=True)
-    features: list[dict] = []
-    t0, made = time.perf_counter(), 0
-    for path in sorted(answers_dir.glob("shard_*.npz")):
-        cached = feature_dir / f"{path.stem}.pt"
-        if cached.is_file():
-            part = torch.load(cached, weights_only=True)
-        else:
-            rows = sorted(load_shard(path), key=lambda r: len(r[1]) + len(r[2]))
-            part = []
-            for i in range(0, len(rows), batch):  # ragged batches of similar length
-                chunk = rows[i : i + batch]
-                with torch.inference_mode():
-                    made_features = target_features(target, [prompt + answer for _, prompt, answer in chunk])
-                for (index, prompt, _), f in zip(chunk, made_features):
-                    f["labels"] = f["labels"].clone()  # out of inference mode
-                    f["labels"][: len(prompt) - 1] = -1  # ShareGPT's prompt: not the target's text
-                    f["labels"][-1] = -1  # after the last answer token (after EOS, or past the token budget)
-                    f["prompt_index"] = index
-                    part.append(f)
-            torch.save(part, cached)
-            made += sum(len(f["tokens"]) for f in part)
-            print(f"answer features: {path.name}, {made / (time.perf_counter() - t0):.0f} tok/s", flush=True)
-        features += [f for f in part if f["prompt_index"] >= first_prompt]
-    return features
-
-
-def answers_new_tokens(answers: str) -> int | None:
-    """The token budget the stored answers were generated with (distill_answers.answers_dir names it)."""
-    import re
-
-    found = re.search(r"-t(\d+)-", Path(answers).name)
-    return int(found.group(1)) if found else None
-
-
-def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for f in features:
-        labels = f["labels"].long()
-        counts += torch.bincount(labels[labels >= 0], minlength=vocab)
-    counts[always] = counts.max() + 1
-    return counts.topk(size).indices.sort().values  # [Vd] target ids
+from specdec.engine.models.llama import Transformer
+from specdec.training.capture import add_data_arguments, training_data
+from specdec.training.data import answers_new_tokens, target_and_tokenizer, user_openings
+from specdec.training.fit import STEP_WEIGHT, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
+from specdec.training.heldout import heldout_acceptance
 
 
 def frozen_embedding(target: Transformer) -> torch.nn.Embedding:
@@ -296,80 +53,6 @@ def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, s
         head.mlp.w13.weight.copy_(last.mlp.w13.weight.detach().float())
         head.mlp.w2.weight.copy_(last.mlp.w2.weight.detach().float())
     return head
-
-
-def make_batch(features: list[dict], steps: int, target_to_draft: torch.Tensor):
-    """Pad to the longest; labels[k][b, t] = draft id of the target's prediction at t+k+1."""
-    T = max(len(f["tokens"]) for f in features)
-    B, H3 = len(features), features[0]["taps"].shape[-1]
-    taps = torch.zeros(B, T, H3)
-    next_tokens = torch.zeros(B, T + steps, dtype=torch.long)
-    labels = torch.full((steps, B, T), -100, dtype=torch.long)
-    for b, f in enumerate(features):
-        n = len(f["tokens"])
-        taps[b, :n] = f["taps"].float()
-        next_tokens[b, : n - 1] = f["tokens"][1:].long()
-        raw = f["labels"].long()  # -1: no label (a prompt position of a self-distilled sequence)
-        draft_labels = torch.where(raw >= 0, target_to_draft[raw.clamp(min=0)], -100)  # -100 outside the draft vocab too
-        for k in range(steps):
-            m = n - k - 1  # positions t with t + k + 1 <= n - 1
-            if m > 0:
-                labels[k, b, :m] = draft_labels[k + 1 : k + 1 + m]
-    return taps, next_tokens, labels
-
-
-def length_bucketed(train_set: list[dict], batch_size: int, rng: random.Random) -> list[int]:
-    """A shuffled order whose consecutive batches hold sequences of similar length (less
-    padding), sorted within windows of 16 batches, the batches themselves shuffled."""
-    order = list(range(len(train_set)))
-    rng.shuffle(order)
-    window = batch_size * 16
-    batches = []
-    for w in range(0, len(order), window):
-        chunk = sorted(order[w : w + window], key=lambda j: len(train_set[j]["tokens"]))
-        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return [j for b in batches for j in b]
-
-
-def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
-    """The training loop the head, Medusa and draft-model trainers share: AdamW on the
-    module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
-    batches of args.batch_size for args.epochs. loss_of(batch features) -> (loss, report)
-    where report() gives the log entry's measurements (called on logged steps only)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
-    rng = random.Random(args.seed)
-    log, step, t0 = [], 0, time.perf_counter()
-    module.train()
-    for epoch in range(args.epochs):
-        order = length_bucketed(train_set, args.batch_size, rng)
-        for i in range(0, len(order), args.batch_size):
-            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            step += 1
-            if step % args.log_every == 0 or step == total:
-                with torch.no_grad():
-                    entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), **report(), "elapsed_s": time.perf_counter() - t0}
-                log.append(entry)
-                top1 = entry.get("train_top1_by_position", entry.get("train_top1"))
-                shown = [round(a, 3) for a in top1] if isinstance(top1, list) else round(top1, 3)
-                print(f"step {step}/{total} loss {loss.item():.3f} top1 {shown} ({entry['elapsed_s']:.0f} s)", flush=True)
-    module.eval()
-    return log
-
-
-def top1_by_position(outputs, labels) -> list[float]:
-    """Train top-1 agreement per draft position (labels -100: none)."""
-    return [((o.argmax(-1) == labels[k]) & (labels[k] >= 0)).sum().item() / max(1, (labels[k] >= 0).sum().item())
-            for k, o in enumerate(outputs)]
 
 
 class SoftTargets:
@@ -457,40 +140,6 @@ def heldout_overlap(head: Eagle3Head, held: list[dict], steps: int, target_to_dr
     return [t / max(1, c) for t, c in zip(total, counts)]
 
 
-def heldout_acceptance(target: Transformer, head_dir: Path, tokenizer, held_prompts: list[list[int]], max_tokens: int,
-                       method: str = "eagle3", draft_len: int = 5) -> dict:
-    """Real greedy decoding with the head (linear, K=draft_len) on held-out conversation openings."""
-    from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
-    from specdec.serving.spec_engine import SpecEngine
-    from specdec.serving.runtime import build_drafters
-
-    engine_cfg = EngineConfig(max_batch_size=4, max_seq_len=2048)
-    spec = {method: SpeculativeConfig(method=method, max_draft_len=draft_len, speculative_model=str(head_dir))}
-    engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
-    for i, ids in enumerate(held_prompts):
-        for _ in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method, draft_len, request_id=f"h{i}"):
-            pass
-    s = engine.stats
-    return {"prompts": len(held_prompts), "max_tokens": max_tokens, "num_draft_tokens": draft_len,
-            "mean_acceptance_length": s.mean_acceptance_length, "acceptance_rate": s.acceptance_rate,
-            "per_position_acceptance": s.per_position_acceptance}
-
-
-def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
-    """The chat-template prefix up to the first assistant header of each held-out sequence (a
-    base model's: the text up to its first turn separator)."""
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    header = tokenizer.encode("<|im_start|>assistant\n" if chat else PLAIN_TURN_SEPARATOR, add_special_tokens=False)
-    keep = len(header) if chat else 0
-    out = []
-    for ids in seqs:
-        for i in range(len(ids) - len(header)):
-            if ids[i : i + len(header)] == header:
-                out.append(ids[: i + keep])
-                break
-    return out
-
-
 def head_lineage(init_dir: Path) -> list[dict]:
     """The training runs a continued head went through, oldest first (from their logs)."""
     path = init_dir / "train_log.json"
@@ -501,31 +150,6 @@ def head_lineage(init_dir: Path) -> list[dict]:
             "train_minutes": round((prev["budget"]["features_s"] + prev["budget"]["train_s"]) / 60, 1),
             "heldout_mean_acceptance_length": prev["heldout_acceptance"]["mean_acceptance_length"]}
     return list(prev.get("lineage", [])) + [step]
-
-
-def plot_curve(path: Path, curve: list[dict], loss_label: str, accuracy: dict[str, list[float]], accuracy_label: str) -> None:
-    """The training curve of a model card: loss, and top-1 agreement series on a twin axis
-    (skipped without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    steps = [c["step"] for c in curve]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [c["loss"] for c in curve], label=loss_label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax2 = ax.twinx()
-    for label, values in accuracy.items():
-        ax2.plot(steps, values, "--", label=label)
-    ax2.set_ylabel(accuracy_label)
-    fig.legend(loc="upper center", ncol=2, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_model_card(out: Path, record: dict) -> None:
@@ -591,63 +215,6 @@ Trained on this repository's CPU by:
 | --- | --- | --- |
 {rows}
 """)
-
-
-def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: int, self_distill_tokens: int,
-                       eval_prompts: int, eval_tokens: int) -> None:
-    """The data and run options train-eagle3 and train-draft share (one feature cache)."""
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--conversations", type=int, default=conversations)
-    p.add_argument("--holdout", type=float, default=0.05)
-    p.add_argument("--max-len", type=int, default=max_len)
-    p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
-    p.add_argument("--self-distill-tokens", type=int, default=self_distill_tokens)
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
-    p.add_argument("--answers", default=None, help="also train on the target's stored answers (a `specdec distill-answers` directory)")
-    p.add_argument("--answers-from", type=int, default=0, help="only the stored answers to prompts from this index on")
-    p.add_argument("--no-generate", action="store_true", help="train on the self-distilled shards made so far (no generation)")
-    p.add_argument("--features-only", action="store_true", help="make the feature cache, then stop (no training)")
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-prompts", type=int, default=eval_prompts)
-    p.add_argument("--eval-tokens", type=int, default=eval_tokens)
-    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/head-features/<settings>)")
-    p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
-
-
-def target_and_tokenizer(args) -> tuple[Transformer, object]:
-    """The fp32 target the training tools label with, and its tokenizer (--model-dir,
-    --threads)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir or default_model_dir())
-    return load_transformer(model_dir, dtype="float32"), load_tokenizer(model_dir)
-
-
-def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]], int, list[dict], list[dict]]:
-    """(conversations, held-out count, training features, held-out features): ShareGPT
-    conversations with the target's features and labels (cached), plus the self-distilled
-    answers when asked for."""
-    if args.quick:
-        args.conversations, args.max_len, args.epochs, args.draft_vocab, args.eval_prompts, args.eval_tokens = 24, 96, 1, 2048, 2, 16
-    seqs = select_conversations(tokenizer, args.conversations, args.max_len, args.seed)
-    n_held = max(1, int(len(seqs) * args.holdout))
-    # keyed by the target too: two targets' features must never share a cache
-    target_key = "" if args.model_dir is None else f"{Path(args.model_dir).resolve().name}-"
-    feature_dir = Path(args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}")
-    features = build_features(target, seqs, feature_dir)
-    train_set, held = features[:-n_held], features[-n_held:]
-    if args.self_distill:
-        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
-        held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
-        train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
-                                                        held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
-    if args.answers:
-        answers = Path(args.answers)
-        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}", args.answers_from)
-    return seqs, n_held, train_set, held
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from specdec_client.envinfo import provenance, write_result
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
-from specdec.training.train_eagle3 import (
-    STEP_WEIGHT, add_data_arguments, draft_vocabulary, heldout_acceptance, make_batch, optimize, plot_curve, target_and_tokenizer,
-    top1_by_position, training_data, user_openings,
-)
+from specdec.training.capture import add_data_arguments, training_data
+from specdec.training.data import target_and_tokenizer, user_openings
+from specdec.training.fit import STEP_WEIGHT, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
+from specdec.training.heldout import heldout_acceptance
 
 
 def medusa_batch(features: list[dict], num_heads: int, target_to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -369,11 +369,8 @@ def test_self_distilled_features_equal_a_fresh_target_pass(tmp_path, smol_model,
     """Features recorded while the target answers (taps the verifier hands to drafters)
     are the ones a separate teacher-forced pass computes, labels are the target's argmax on
     the answer and absent on the prompt, and benchmark prompts are never used."""
-    from specdec.training.train_eagle3 import (
-        benchmark_prompt_texts,
-        self_distilled_features,
-        target_features,
-    )
+    from specdec.training.capture import self_distilled_features, target_features
+    from specdec.training.data import benchmark_prompt_texts
 
     feats = self_distilled_features(smol_model, smol_tokenizer, 3, 12, 0, set(), tmp_path / "sd", batch=2, shard=2)
     assert len(feats) == 3 and len(list((tmp_path / "sd").glob("shard_*.pt"))) == 2
@@ -397,8 +394,9 @@ def test_stored_answers_give_the_recorded_features(tmp_path, smol_model, smol_to
     """distill-answers keeps only token ids; their teacher-forced features (answer_features)
     label exactly the answer positions with the answer's own tokens (greedy), as features
     recorded while generating do, and are cached per answer shard."""
-    from specdec.training.distill_answers import greedy_answers, load_answers, save_shard
-    from specdec.training.train_eagle3 import answer_features, distill_prompts, self_distilled_features
+    from specdec.training.capture import answer_features, self_distilled_features
+    from specdec.training.data import distill_prompts, load_answers, save_shard
+    from specdec.training.distill_answers import greedy_answers
 
     prompts = distill_prompts(smol_tokenizer, 3, 0, set())
     assert prompts == distill_prompts(smol_tokenizer, 3, 0, set(), draw=3 + 64)[:3]  # the order does not depend on the draw

@@ -1,7 +1,8 @@
 """The packages' import rules hold: every package's __init__ docstring says on a line
 `May import: ...` which of the project's packages its modules may import, and every import
 in the tree (module level or inside a function) is checked against the nearest such rule.
-The wire contract imports nothing but the standard library."""
+The wire contract imports nothing but the standard library; the training modules import one
+another without a circle."""
 from __future__ import annotations
 
 import ast
@@ -59,8 +60,13 @@ def governing_rule(name: str, mods: dict[str, Path]) -> tuple[str, tuple[str, ..
 
 def imports_of(path: Path, name: str) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in the file, relative ones resolved."""
-    tree = ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imports_in(path.read_text(), name, is_package=path.name == "__init__.py")
+
+
+def imports_in(source: str, name: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """imports_of for the source of module `name`."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -150,6 +156,76 @@ def test_a_forbidden_import_is_caught(tmp_path, monkeypatch, package, forbidden,
         assert any("_layering_probe.py" in v and forbidden in v for v in violations())
     finally:
         probe.unlink()
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the modules among `sources` (name -> source) that it imports, at module level
+    or inside a function (`from pkg.mod import name` lands in pkg.mod)."""
+    graph = {}
+    for name, source in sources.items():
+        edges = set()
+        for _, target in imports_in(source, name, is_package=name.rpartition(".")[2] == "__init__"):
+            parts = target.split(".")
+            hit = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in sources), None)
+            if hit is not None and hit != name:
+                edges.add(hit)
+        graph[name] = edges
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of the graph as [a, b, ..., a] (a depth-first walk), [] when there is none."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def training_sources() -> dict[str, str]:
+    return {name: path.read_text() for name, path in modules().items() if is_within(name, "specdec.training")}
+
+
+def test_the_training_modules_import_one_another_without_a_circle():
+    """Data, capture, the loop and held-out acceptance below the trainers; no trainer or
+    command imports another (train_eagle3 and distill_answers once imported each other)."""
+    sources = training_sources()
+    assert {"specdec.training.data", "specdec.training.train_eagle3", "specdec.training.distill_answers"} <= set(sources)
+    graph = import_graph(sources)
+    assert import_cycle(graph) == []
+    commands = {f"specdec.training.{m}" for m in ("train_eagle3", "train_medusa", "train_draft", "distill_answers")}
+    assert {name: graph[name] & commands for name in sources if graph[name] & commands} == {}
+
+
+@pytest.mark.parametrize("sources", [
+    {"pkg.a": "from pkg.b import load_shard\n", "pkg.b": "def main():\n    from pkg.a import distill_prompts\n"},  # one arm in a function
+    {"pkg.a": "from . import b\n", "pkg.b": "from .a import x\n"},  # relative
+    {"pkg.a": "import pkg.b\n", "pkg.b": "import pkg.c\n", "pkg.c": "def f():\n    import pkg.a.x\n"},  # three long
+])
+def test_an_import_circle_is_caught(sources):
+    """Negative control: a synthetic circle is reported, and so is one added to the real
+    training modules; the fix (the shared piece in a third module both import) is not."""
+    circle = import_cycle(import_graph(sources))
+    assert circle and circle[0] == circle[-1] and set(circle) == set(sources)
+    fixed = {"pkg.a": "from pkg.shared import load_shard\n", "pkg.b": "from pkg.shared import distill_prompts, load_shard\n", "pkg.shared": ""}
+    assert import_cycle(import_graph(fixed)) == []
+    real = training_sources()
+    real["specdec.training.data"] += "\n\ndef later():\n    from specdec.training.distill_answers import greedy_answers\n"
+    assert {"specdec.training.data", "specdec.training.distill_answers"} <= set(import_cycle(import_graph(real)))
 
 
 def test_module_names_are_not_repeated_across_packages_for_different_things():

@@ -1,0 +1,143 @@
+"""The data drafters train on: ShareGPT conversations through the target's chat template
+(seeded selection, the held-out part, its user openings), the self-distillation prompt
+order (the benchmarks' prompts and the held-out openings left out), the target's stored
+answers (`specdec distill-answers` shards of token ids), and the fp32 target that labels
+them with its tokenizer. Both train-eagle3 (and the trainers that share its data) and
+distill-answers read it; it imports neither.
+"""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.config import default_model_dir
+from specdec.engine.models.llama import Transformer
+from specdec.engine.models.loading import load_transformer
+from specdec.serving.runtime import encode_prompt, load_tokenizer
+from specdec.tools.sharegpt import sharegpt_conversations, sharegpt_prompts
+
+# How a base model (no chat template) reads a conversation: its turns as paragraphs.
+PLAIN_TURN_SEPARATOR = "\n\n"
+ANSWERS_DIR = Path("data/answers")
+
+
+def select_conversations(tokenizer, n: int, max_len: int, seed: int) -> list[list[int]]:
+    convs = list(sharegpt_conversations())
+    random.Random(seed).shuffle(convs)
+    out = []
+    for conv in convs:
+        messages = [{"role": r, "content": t} for r, t in conv if r in ("user", "assistant")]
+        if len(messages) < 2 or messages[0]["role"] != "user":
+            continue
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        else:  # a base model (Gemma 3 270M) reads the conversation as plain text, as it is served
+            ids = tokenizer(PLAIN_TURN_SEPARATOR.join(m["content"] for m in messages)).input_ids
+        if len(ids) >= 32:
+            out.append(list(ids[:max_len]))
+        if len(out) == n:
+            break
+    return out
+
+
+def user_openings(seqs: list[list[int]], tokenizer) -> list[list[int]]:
+    """The chat-template prefix up to the first assistant header of each held-out sequence (a
+    base model's: the text up to its first turn separator)."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    header = tokenizer.encode("<|im_start|>assistant\n" if chat else PLAIN_TURN_SEPARATOR, add_special_tokens=False)
+    keep = len(header) if chat else 0
+    out = []
+    for ids in seqs:
+        for i in range(len(ids) - len(header)):
+            if ids[i : i + len(header)] == header:
+                out.append(ids[: i + keep])
+                break
+    return out
+
+
+def heldout_openings(tokenizer, conversations: int, max_len: int, seed: int, holdout: float = 0.05) -> set[tuple[int, ...]]:
+    """The user openings of train-eagle3's held-out conversations (never trained on)."""
+    seqs = select_conversations(tokenizer, conversations, max_len, seed)
+    n_held = max(1, int(len(seqs) * holdout))
+    return {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
+
+
+def benchmark_prompt_texts(first: int = 1000) -> set[str]:
+    """The prompts the benchmarks draw first (bench-engine / bench-serving order, and the
+    client's `bench` / Locust order, both seed 0), never trained on so that measured
+    acceptance is on unseen prompts. `first` unfiltered draws cover any filtered prefix the
+    benchmarks take."""
+    reserved = {t.strip() for t in sharegpt_prompts(first, seed=0, tokenizer=None, min_tokens=0, max_tokens=10**9)}
+    try:
+        from specdec_client.datasets import load_sharegpt, whitespace_counter
+    except ImportError:  # the client package is not installed: only the engine benchmarks' order
+        return reserved
+    reserved |= {p.text.strip() for p in load_sharegpt(first, 0, whitespace_counter(), 0, 10**9).prompts}
+    return reserved
+
+
+def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]], draw: int | None = None) -> list[list[int]]:
+    """The first n prompts (chat-templated ids) of the self-distillation order: first-turn
+    ShareGPT prompts of 4-192 tokens shuffled with seed + 1, without the benchmarks' prompts
+    and the held-out conversations' openings (`exclude`). The order does not depend on n.
+    `draw` caps the prompts taken before those are left out (the shipped heads'
+    --self-distill N drew N + len(exclude) + 64, so N = 3200 gave 2631 prompts)."""
+    reserved = benchmark_prompt_texts()
+    draw = draw if draw is not None else n + len(exclude) + len(reserved) + 64
+    texts = [t for t in sharegpt_prompts(draw, seed=seed + 1, tokenizer=tokenizer, min_tokens=4, max_tokens=192)
+             if t.strip() not in reserved]
+    return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
+
+
+def answers_dir(new_tokens: int, seed: int) -> Path:
+    return ANSWERS_DIR / f"smollm2-135m-greedy-t{new_tokens}-seed{seed}"
+
+
+def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers: list[list[int]]) -> None:
+    def flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+        return np.array([t for r in rows for t in r], dtype=np.uint16), offsets  # vocabulary 49,152 < 2**16
+
+    prompt_ids, prompt_offsets = flat(prompts)
+    answer_ids, answer_offsets = flat(answers)
+    tmp = path.parent / f".{path.name}"  # not matched by shard_*.npz until renamed
+    np.savez_compressed(tmp, index=np.array(indices, dtype=np.int64), prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
+                        answer_ids=answer_ids, answer_offsets=answer_offsets)
+    tmp.rename(path)  # a shard is there whole or not at all
+
+
+def load_shard(path: Path) -> list[tuple[int, list[int], list[int]]]:
+    """[(prompt index, prompt ids, answer ids)]"""
+    z = np.load(path)
+    po, ao = z["prompt_offsets"], z["answer_offsets"]
+    return [(int(i), z["prompt_ids"][po[k] : po[k + 1]].astype(np.int64).tolist(), z["answer_ids"][ao[k] : ao[k + 1]].astype(np.int64).tolist())
+            for k, i in enumerate(z["index"])]
+
+
+def load_answers(directory: Path, limit: int | None = None) -> list[tuple[int, list[int], list[int]]]:
+    """Every stored (prompt index, prompt ids, answer ids), in prompt order, up to `limit` prompts."""
+    out = []
+    for path in sorted(directory.glob("shard_*.npz")):
+        out += load_shard(path)
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
+    return out
+
+
+def answers_new_tokens(answers: str) -> int | None:
+    """The token budget the stored answers were generated with (answers_dir names it)."""
+    found = re.search(r"-t(\d+)-", Path(answers).name)
+    return int(found.group(1)) if found else None
+
+
+def target_and_tokenizer(args) -> tuple[Transformer, object]:
+    """The fp32 target the training tools label with, and its tokenizer (--model-dir,
+    --threads)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir or default_model_dir())
+    return load_transformer(model_dir, dtype="float32"), load_tokenizer(model_dir)

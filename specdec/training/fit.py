@@ -1,0 +1,123 @@
+"""The training loop the EAGLE-3, Medusa and draft-model trainers share: EAGLE-3's padded
+batches (the labels draft step k learns; Medusa's head k reads the same), length-bucketed
+order, AdamW with warm-up and cosine decay, top-1 by draft position, the draft vocabulary
+(the most frequent target predictions) and the model card's training curve.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+STEP_WEIGHT = 0.8
+
+
+def make_batch(features: list[dict], steps: int, target_to_draft: torch.Tensor):
+    """Pad to the longest; labels[k][b, t] = draft id of the target's prediction at t+k+1."""
+    T = max(len(f["tokens"]) for f in features)
+    B, H3 = len(features), features[0]["taps"].shape[-1]
+    taps = torch.zeros(B, T, H3)
+    next_tokens = torch.zeros(B, T + steps, dtype=torch.long)
+    labels = torch.full((steps, B, T), -100, dtype=torch.long)
+    for b, f in enumerate(features):
+        n = len(f["tokens"])
+        taps[b, :n] = f["taps"].float()
+        next_tokens[b, : n - 1] = f["tokens"][1:].long()
+        raw = f["labels"].long()  # -1: no label (a prompt position of a self-distilled sequence)
+        draft_labels = torch.where(raw >= 0, target_to_draft[raw.clamp(min=0)], -100)  # -100 outside the draft vocab too
+        for k in range(steps):
+            m = n - k - 1  # positions t with t + k + 1 <= n - 1
+            if m > 0:
+                labels[k, b, :m] = draft_labels[k + 1 : k + 1 + m]
+    return taps, next_tokens, labels
+
+
+def length_bucketed(train_set: list[dict], batch_size: int, rng: random.Random) -> list[int]:
+    """A shuffled order whose consecutive batches hold sequences of similar length (less
+    padding), sorted within windows of 16 batches, the batches themselves shuffled."""
+    order = list(range(len(train_set)))
+    rng.shuffle(order)
+    window = batch_size * 16
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w : w + window], key=lambda j: len(train_set[j]["tokens"]))
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return [j for b in batches for j in b]
+
+
+def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
+    """The training loop the head, Medusa and draft-model trainers share: AdamW on the
+    module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
+    batches of args.batch_size for args.epochs. loss_of(batch features) -> (loss, report)
+    where report() gives the log entry's measurements (called on logged steps only)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
+    rng = random.Random(args.seed)
+    log, step, t0 = [], 0, time.perf_counter()
+    module.train()
+    for epoch in range(args.epochs):
+        order = length_bucketed(train_set, args.batch_size, rng)
+        for i in range(0, len(order), args.batch_size):
+            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            step += 1
+            if step % args.log_every == 0 or step == total:
+                with torch.no_grad():
+                    entry = {"step": step, "epoch": epoch, "lr": lr, "loss": loss.item(), **report(), "elapsed_s": time.perf_counter() - t0}
+                log.append(entry)
+                top1 = entry.get("train_top1_by_position", entry.get("train_top1"))
+                shown = [round(a, 3) for a in top1] if isinstance(top1, list) else round(top1, 3)
+                print(f"step {step}/{total} loss {loss.item():.3f} top1 {shown} ({entry['elapsed_s']:.0f} s)", flush=True)
+    module.eval()
+    return log
+
+
+def top1_by_position(outputs, labels) -> list[float]:
+    """Train top-1 agreement per draft position (labels -100: none)."""
+    return [((o.argmax(-1) == labels[k]) & (labels[k] >= 0)).sum().item() / max(1, (labels[k] >= 0).sum().item())
+            for k, o in enumerate(outputs)]
+
+
+def draft_vocabulary(features: list[dict], size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for f in features:
+        labels = f["labels"].long()
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab)
+    counts[always] = counts.max() + 1
+    return counts.topk(size).indices.sort().values  # [Vd] target ids
+
+
+def plot_curve(path: Path, curve: list[dict], loss_label: str, accuracy: dict[str, list[float]], accuracy_label: str) -> None:
+    """The training curve of a model card: loss, and top-1 agreement series on a twin axis
+    (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    steps = [c["step"] for c in curve]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [c["loss"] for c in curve], label=loss_label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax2 = ax.twinx()
+    for label, values in accuracy.items():
+        ax2.plot(steps, values, "--", label=label)
+    ax2.set_ylabel(accuracy_label)
+    fig.legend(loc="upper center", ncol=2, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
