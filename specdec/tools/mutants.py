@@ -431,6 +431,22 @@ def write_report(out: Path, command: str, results: Sequence[Result], baselines: 
     return report
 
 
+def update_report(path: Path, command: str, results: Sequence[Result], seconds: float, tree: dict,
+                  listed: Sequence[Mutant]) -> dict:
+    """Replace these mutants' results in the record at path, in list order, and say so under
+    'updates' (this run's tree, date and ids); the totals are recomputed from every result."""
+    report = json.loads(Path(path).read_text())
+    fresh = {r.id: asdict(r) for r in results}
+    order = [m.id for m in listed]
+    merged = {r["id"]: r for r in report["mutants"]} | fresh
+    report["mutants"] = [merged[i] for i in order if i in merged] + [r for i, r in merged.items() if i not in order]
+    report["totals"] = summary([Result(**r) for r in report["mutants"]])
+    report.setdefault("updates", []).append({"command": command, **tree, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                             "seconds": round(seconds, 1), "mutants": sorted(fresh)})
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
 @dataclass(frozen=True)
 class RecordStatus:
     """How a record (results/mutants.json) stands against today's list and code."""
@@ -457,9 +473,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy (default 1)")
     p.add_argument("--out", type=Path, help=f"the report (default {DEFAULT_OUT}; none with --only unless given)")
     p.add_argument("--min-score", type=float, default=0.95, help="exit 1 below this score (default 0.95)")
+    p.add_argument("--update", type=Path, metavar="RECORD",
+                   help="rerun only the --only mutants and replace their results in RECORD (a listed mutant edited "
+                        "since the record, or a test added for a survivor); the record keeps its tree and adds this "
+                        "run's under 'updates'")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if args.update and not args.only:
+        p.error("--update needs --only: the mutants whose results it replaces")
     mutants = load_mutants(args.list)
     if args.only:
         unknown = set(args.only) - {m.id for m in mutants}
@@ -472,7 +494,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.monotonic() - t0
     out = args.out if args.out is not None or args.only else DEFAULT_OUT
     command = "python -m specdec.tools.mutants " + " ".join(argv if argv is not None else sys.argv[1:])
-    totals = write_report(out, command.strip(), results, baselines, seconds, args.jobs, tree)["totals"] if out else summary(results)
+    if args.update:
+        totals = update_report(args.update, command, results, seconds, tree, load_mutants(args.list))["totals"]
+        out = args.update
+    else:
+        totals = write_report(out, command.strip(), results, baselines, seconds, args.jobs, tree)["totals"] if out else summary(results)
     print(f"score {totals['score']:.1%}: {totals[KILLED]} killed, {totals[TIMEOUT]} by timeout, "
           f"{totals[SURVIVED]} survived {totals['survivors']}, {totals[ERROR]} errors {totals['errors']} "
           f"in {seconds / 60:.1f} min" + (f" -> {out}" if out else ""))

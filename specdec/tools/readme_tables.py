@@ -400,7 +400,11 @@ def mutation_score() -> Table:
              ", ".join(f"`{a}`" for a in areas)]]
     header = ["mutants", "killed", "killed by timeout", "survived", "errors", "score", "survivors",
               "mutated files changed since the record", "code mutated"]
-    return Table(table(header, rows), [path])
+    markdown = table(header, rows)
+    for update in record.get("updates", []):
+        markdown += (f"\n\nRerun since (`--update`): {', '.join(f'`{m}`' for m in update['mutants'])} at commit "
+                     f"{update['commit'][:7]}{'' if update.get('clean') else ' with local changes'}, {update['date'][:10]}.")
+    return Table(markdown, [path])
 
 
 TABLES: dict[str, Callable[[], Table]] = {

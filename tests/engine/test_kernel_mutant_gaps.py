@@ -121,3 +121,17 @@ def test_a_partial_last_column_tile_multiplies_as_the_dequantized_weight_on_ever
             want = _as_the_kernel_sees(x) @ dense.T
             per_column = (got - want).abs().amax(0) / want.abs().max()
             assert float(per_column.max()) < KERNEL_ROUNDING, (isa, rows, per_column.argmax().item())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_masked_column_with_the_highest_score_changes_no_bit(schedule):
+    """A column a row may not attend to takes no part in its softmax, not even in the max that is
+    subtracted before the exponential: giving it the highest score of all changes no bit. (The
+    full mutation run found this unseen at one thread: the invariance tests' masked siblings
+    never outscored the allowed columns there.)"""
+    q, k, v, allowed = _causal_case(schedule, seed=3)
+    allowed[:, :, 3] = False  # inside every row's causal range, masked
+    loud = k.clone()
+    loud[:, :, 3] = 40.0 * q[:, 0, 0].mean(dim=0)  # aligned with the queries: the largest score by far
+    base = kernels.invariant_attention(q, k, v, allowed)
+    assert torch.equal(kernels.invariant_attention(q, loud, v, allowed), base)

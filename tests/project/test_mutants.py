@@ -105,3 +105,18 @@ def test_the_record_shows_a_changed_file_and_a_changed_definition(tmp_path: Path
     assert record_status(record, [mutant], repo=tmp_path).changed_files == ["m.py"]
     listed.write_text(listed.read_text().replace("new = '2'", "new = '3'"))
     assert record_status(record, load_mutants(listed), repo=tmp_path).missing == ["a"]
+
+
+def test_an_update_replaces_only_its_mutants_and_recomputes_the_totals(tmp_path: Path):
+    from specdec.tools.mutants import update_report
+
+    listed = [MUTANTS[0], MUTANTS[1]]
+    old = [Result(m.id, m.file, m.description, [], outcome, 1.0, "", m.digest(), "")
+           for m, outcome in zip(listed, [KILLED, SURVIVED])]
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"commit": "abc", "mutants": [r.__dict__ for r in old], "totals": summary(old)}))
+    rerun = Result(listed[1].id, listed[1].file, listed[1].description, [], KILLED, 2.0, "", listed[1].digest(), "")
+    report = update_report(path, "cmd", [rerun], 2.0, {"commit": "def", "clean": True, "uncommitted": []}, listed)
+    assert [r["outcome"] for r in report["mutants"]] == [KILLED, KILLED]
+    assert report["totals"]["score"] == 1.0 and report["commit"] == "abc"  # the record keeps its own tree
+    assert report["updates"][0]["mutants"] == [listed[1].id] and json.loads(path.read_text()) == report
