@@ -20,13 +20,13 @@ for folder in ("support", "engine", "serving", "server", "client", "deploy", "pr
     if str(TESTS / folder) not in sys.path:
         sys.path.insert(0, str(TESTS / folder))
 
-# `make test` runs two pytest-xdist workers on 2 cores: each takes its share of the cores.
+# `make test-parallel` runs two pytest-xdist workers on 2 cores: each takes its share of the cores.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", str(max(1, 2 // WORKERS)))))
 
 
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup` (make test): every test of the shared Triton server runs on one
+    """With `--dist loadgroup` (make test-parallel): every test of the shared Triton server runs on one
     worker, so the server starts once per run, and every other module stays on one worker, so a
     module's fixtures (an engine, a server of its own) are built once."""
     for item in items:
