@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-parallel test-all test-methods distill-answers bench-engine bench-load bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-parallel test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 # setup.py compiles the engine's kernels (specdec/engine/kernels) during the install: a change to them reinstalls.
 $(STAMP): pyproject.toml setup.py $(wildcard specdec/engine/kernels/*.c specdec/engine/kernels/*.h)
@@ -261,6 +261,15 @@ check-stops: prepare
 compose-keys:
 	@test -f .env || $(PY) -c "import secrets; print(f'SPECDEC_ADMIN_KEY={secrets.token_hex(32)}\nSPECDEC_INTERNAL_KEY={secrets.token_hex(32)}')" > .env
 	@chmod 600 .env && echo ".env holds SPECDEC_ADMIN_KEY and SPECDEC_INTERNAL_KEY"
+
+# What recording served traffic costs (issue 62): capture off vs on (every request), c=1 and 16 (~15 min)
+bench-capture: prepare
+	$(BIN)/specdec bench-capture --out results/capture
+
+# Capture -> train -> promote on code traffic (issue 62): held-out code MAL, shipped head vs one trained on captures,
+# then the new head promoted into the running server while streams run (~40 min)
+capture-cycle: prepare
+	$(BIN)/specdec capture-cycle --out results/capture_cycle
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest

@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier", default=None, help="speculators_config.verifier.name_or_path: the target's name or path")
     p.set_defaults(func=cmd_export_head)
     sub.add_parser("serve", help="start the Triton server on the model repository (see: specdec serve --help)")
+    sub.add_parser("train-head", help="train an EAGLE-3 or Medusa head from served traffic and/or regenerated answers, resumable "
+                                      "(see: specdec train-head --help)")
     sub.add_parser("train-eagle3", help="train the EAGLE-3 head for the target (see: specdec train-eagle3 --help)")
     sub.add_parser("train-medusa", help="train Medusa heads for the target (see: specdec train-medusa --help)")
     sub.add_parser("distill-answers", help="the target's greedy answers to ShareGPT prompts, as token ids -> data/answers/ (resumable)")
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("greedy-margin", help="greedy identity as a margin: baseline top-1/top-2 gaps vs each method's logit distance -> results/identity/")
     sub.add_parser("readme-tables", help="render the README's results tables from results/ (--check: fail when they differ)")
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
+    sub.add_parser("bench-capture", help="what recording served traffic costs: two servers, capture off and on, c=1 and 16 -> results/capture/")
+    sub.add_parser("capture-cycle", help="capture code traffic, train a head on it, compare with the shipped head, promote it live -> results/capture_cycle/")
     sub.add_parser("bench-load", help="Triton vs the in-process engine at load, closed loop, same prompts -> results/bench/load/")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
     sub.add_parser("demo", help="start the server, stream a prompt with and without speculation, stop (make run)")
@@ -188,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that own their flags: name -> (module, function taking the remaining argv).
 OWN_FLAGS = {
     "serve": ("specdec.tools.user_model", "serve_main"),  # --model and heads here, the rest to the launcher (extras to tritonserver)
+    "train-head": ("specdec.training.train_head", "main"),
     "train-eagle3": ("specdec.training.train_eagle3", "main"),
     "train-medusa": ("specdec.training.train_medusa", "main"),
     "distill-answers": ("specdec.training.distill_answers", "main"),
@@ -199,6 +204,8 @@ OWN_FLAGS = {
     "bench-serving": ("specdec.bench.bench_serving", "main"),
     "bench-drafters": ("specdec.bench.bench_drafters", "main"),
     "bench-load": ("specdec.bench.bench_load", "main"),
+    "bench-capture": ("specdec.bench.bench_capture", "main"),
+    "capture-cycle": ("specdec.bench.capture_cycle", "main"),
     "check-stops": ("specdec.bench.check_stops", "main"),
     "greedy-margin": ("specdec.bench.greedy_margin", "main"),
     "bench-formats": ("specdec.bench.bench_formats", "main"),

@@ -614,6 +614,46 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class CaptureConfig:
+    """Capture from served traffic (opt-in; off unless the settings carry a `capture` block):
+    for a sampled share of requests the server records the prompt and output tokens and the
+    target's hidden states at the layers a drafter trains on (specdec/serving/traffic_capture.py),
+    in a bounded store under `directory` that `specdec train-head --captures` reads."""
+
+    directory: str
+    # the share of requests recorded (each request drawn once, at admission)
+    sample_rate: float = 1.0
+    # the store's cap: when the shards pass it, the oldest are deleted (rotation)
+    max_bytes: int = 2 << 30
+    # sequences per shard file (a shard is written when full, or when the server stops)
+    shard_sequences: int = 32
+    # a shard with fewer sequences is written this long after its first one arrived
+    flush_after_s: float = 30.0
+    # a request carrying a cache_salt is recorded only when its salt is listed here (a salt
+    # scopes a tenant's data: prefix cache, suffix corpus, and this store alike); "*": every salt
+    salts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, str) or not self.directory:
+            raise ConfigError("capture.directory", "must name a directory")
+        if not (isinstance(self.sample_rate, (int, float)) and 0 < self.sample_rate <= 1):
+            raise ConfigError("capture.sample_rate", f"must be in (0, 1], got {self.sample_rate!r}")
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 1 << 20:
+            raise ConfigError("capture.max_bytes", f"must be at least 1 MiB (an integer), got {self.max_bytes!r}")
+        if not isinstance(self.shard_sequences, int) or self.shard_sequences < 1:
+            raise ConfigError("capture.shard_sequences", f"must be >= 1, got {self.shard_sequences!r}")
+        if not (isinstance(self.flush_after_s, (int, float)) and 0 < self.flush_after_s <= 3600):
+            raise ConfigError("capture.flush_after_s", f"must be in (0, 3600] seconds, got {self.flush_after_s!r}")
+        object.__setattr__(self, "salts", tuple(self.salts))
+        if not all(isinstance(s, str) and s for s in self.salts):
+            raise ConfigError("capture.salts", "must be non-empty strings")
+
+    def admits(self, salt: str | None) -> bool:
+        """Whether a request with this cache_salt may be recorded at all."""
+        return salt is None or salt in self.salts or "*" in self.salts
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     """Everything the served models share, read from one JSON file
     (model_repository/specdec.json): the single source of deployment values."""
@@ -628,12 +668,13 @@ class ServingConfig:
     # one, then is refused as busy (instead of waiting without bound).
     admission_timeout_s: float = 60.0
     threads: Mapping[str, int] = field(default_factory=dict)  # per model: verifier, drafter, ...
+    capture: CaptureConfig | None = None  # recording served traffic for drafter training (None: off)
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> "ServingConfig":
         raw = dict(raw)
         known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s",
-                 "admission_timeout_s", "threads"}
+                 "admission_timeout_s", "threads", "capture"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(sorted(unknown)[0], f"unknown setting; known: {', '.join(sorted(known))}")
@@ -666,6 +707,7 @@ class ServingConfig:
             apply_chat_template=bool(raw.get("apply_chat_template", True)),
             idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=dict(raw.get("threads", {})),
             admission_timeout_s=float(raw.get("admission_timeout_s", 60.0)),
+            capture=_capture_config(raw.get("capture")),
         )
 
     @staticmethod
@@ -676,8 +718,36 @@ class ServingConfig:
             raise ConfigError("settings", f"cannot read {path}: {exc}") from exc
         return ServingConfig.from_dict(raw)
 
+    def with_heads(self, heads: Mapping[str, str]) -> "ServingConfig":
+        """These settings with heads promoted: heads maps a drafting kind (specdec_wire.HEAD_PARAMETERS'
+        keys: eagle3, medusa) to a head directory, which every served method of that kind then
+        drafts with (a new version of the engine's host model, loaded by Triton's model control)."""
+        unknown = set(heads) - set(P.HEAD_PARAMETERS)
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], f"no head kind; known: {', '.join(P.HEAD_PARAMETERS)}")
+        for kind, directory in heads.items():
+            if not Path(directory).is_dir():
+                raise ConfigError(P.HEAD_PARAMETERS[kind], f"{directory} is not a directory")
+            if not any(spec.method == kind for spec in self.methods.values()):
+                raise ConfigError(P.HEAD_PARAMETERS[kind], f"no served method drafts with a {kind} head")
+        methods = {name: dataclasses.replace(spec, speculative_model=str(heads[spec.method])) if spec.method in heads else spec
+                   for name, spec in self.methods.items()}
+        return dataclasses.replace(self, methods=methods)
+
     def default_draft_tokens(self, method: str) -> int:
         return 0 if method == METHOD_NONE else int(self.methods[method].max_total_draft_tokens)
+
+
+def _capture_config(raw: Any) -> CaptureConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("capture", "must be an object (directory, sample_rate, max_bytes, shard_sequences, salts) or null")
+    known = {f.name for f in dataclasses.fields(CaptureConfig)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"capture.{key}", f"unknown setting; known: {', '.join(sorted(known))}")
+    return CaptureConfig(**raw)
 
 
 def target_weight_dtype(config: "EngineConfig") -> str:

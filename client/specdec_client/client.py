@@ -287,6 +287,47 @@ class SpecDecClient:
         except Exception as exc:  # noqa: BLE001 - normalised into our exception types
             raise _grpc_error(exc) from exc
 
+    # ---- head promotion ---------------------------------------------------------------
+    def promote_heads(self, heads: dict[str, str]) -> str:
+        """Serve new drafting heads without a restart (kind -> a head directory as the server
+        sees it; kinds: P.HEAD_PARAMETERS): an admin request (SPECDEC_ADMIN_KEY) to the model
+        that hosts the engine, which builds the new drafters beside the running ones and swaps
+        them in between two forwards. Running streams finish with the head they started with;
+        the next ones draft with the new head. Returns the server's message once it serves.
+        gRPC only (the engine's host is decoupled)."""
+        unknown = set(heads) - set(P.HEAD_PARAMETERS)
+        if unknown:
+            raise ValueError(f"no head kind {sorted(unknown)[0]!r}; known: {', '.join(P.HEAD_PARAMETERS)}")
+        if self.protocol != "grpc":
+            raise ValueError("promote_heads speaks gRPC (the engine's host model is decoupled)")
+        key = os.environ.get(P.ADMIN_KEY_ENV, "")
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, value in ((P.PROMOTE_HEADS, json.dumps(heads)), (P.ADMIN_KEY, key)):
+            tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[value.encode()]], dtype=object))
+            inputs.append(tensor)
+        client = grpcclient.InferenceServerClient(self.url)
+        results: queue.Queue = queue.Queue()
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=self.timeout_s)
+            client.async_stream_infer(P.ENGINE_HOST_MODEL, inputs)
+            try:
+                result, error = results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise RequestTimeoutError(f"no answer to the promotion within {self.timeout_s} s") from None
+            if error is not None:
+                raise _grpc_error(error)
+            return _text_of(result)
+        except (ClientConnectionError, ServerError, RequestTimeoutError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - normalised into our exception types
+            raise _grpc_error(exc) from exc
+        finally:
+            client.stop_stream()
+            client.close()
+
     # ---- generation -------------------------------------------------------------------
     def stream(self, request: GenerateRequest) -> Iterator[Chunk]:
         """Yield chunks as they arrive. Closing the generator early cancels the request."""

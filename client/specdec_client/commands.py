@@ -3,6 +3,7 @@
     specdec-client health [--url HOST:PORT] [--protocol grpc|http]
     specdec-client generate "prompt" [--method ngram] [--num-draft-tokens 4] [--max-tokens 128] ...
     specdec-client bench [--methods ngram,ngram-tree] [--concurrency 1,16] [--out DIR] ...
+    specdec-client promote --eagle3-head DIR [--medusa-heads DIR]   (admin: SPECDEC_ADMIN_KEY)
 """
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="matched benchmark: baseline vs speculative modes")
     add_bench_arguments(bench)
+
+    promote = sub.add_parser("promote", help="serve a new head without a restart: the next streams draft with it, running "
+                                             "ones finish with theirs (admin: SPECDEC_ADMIN_KEY; gRPC)")
+    add_connection_arguments(promote)
+    for kind, parameter in P.HEAD_PARAMETERS.items():
+        promote.add_argument(f"--{parameter.replace('_', '-')}", dest=parameter, default=None,
+                             help=f"the {kind} head directory, as the server sees it")
     return parser
 
 
@@ -47,7 +55,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_health(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "promote":
+        return cmd_promote(args)
     return cmd_bench(args)
+
+
+# ---- promote -----------------------------------------------------------------------------
+def cmd_promote(args) -> int:
+    heads = {kind: getattr(args, parameter) for kind, parameter in P.HEAD_PARAMETERS.items() if getattr(args, parameter)}
+    if not heads:
+        print("promote: name a head (" + ", ".join(f"--{p.replace('_', '-')}" for p in P.HEAD_PARAMETERS.values()) + ")",
+              file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        with SpecDecClient(args.url, args.protocol, timeout_s=args.timeout) as client:
+            message = client.promote_heads(heads)
+    except (SpecDecClientError, ValueError) as exc:
+        print(f"promote: {exc}", file=sys.stderr)
+        return 1
+    print(f"{message} ({time.perf_counter() - t0:.1f} s)")
+    return 0
 
 
 # ---- health ------------------------------------------------------------------------------

@@ -202,6 +202,16 @@ ADMIN_KEY_ENV = "SPECDEC_ADMIN_KEY"
 ADMIN_KEY_HEADER = "specdec-admin-key"
 ADMIN_KEY_GRPC_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER  # Triton's prefix for gRPC metadata
 
+# Head promotion (issue 62; `specdec-client promote`): an admin request to the model that
+# hosts the engine, carrying PROMOTE_HEADS (JSON: drafting kind -> a head directory on the
+# server) and the admin key in ADMIN_KEY; every co-located method of that kind then drafts
+# with the new head, from the next sequence on. HEAD_PARAMETERS: kind -> the head's name in
+# messages and in the client's flags.
+HEAD_PARAMETERS = {"eagle3": "eagle3_head", "medusa": "medusa_heads"}
+ENGINE_HOST_MODEL = "ensemble"
+PROMOTE_HEADS = "promote_heads"
+ADMIN_KEY = "admin_key"
+
 
 # ---- Prometheus metrics on Triton's metrics port (served by the models, read by the client's
 # benchmark and the tests). Labels: method; position (per-position counters); reason

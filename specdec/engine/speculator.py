@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
+from typing import Hashable, Mapping, Protocol, Sequence
 
 from torch import Tensor
 
@@ -30,7 +30,7 @@ import specdec_wire as P
 
 from specdec.config import METHOD_NONE, EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.drafters.base import Drafter
-from specdec.engine.drafters.service import DraftService, union_of_layers
+from specdec.engine.drafters.service import DraftService, layer_columns, union_of_layers
 from specdec.errors import InvalidRequestError
 from specdec.engine.models.llama import Transformer
 from specdec.engine.grammar import Grammars
@@ -85,6 +85,26 @@ class ScheduledBatch:
     prefill_tokens: int | None  # prompt tokens this forward at most (chunked prefill); None: whole prompts
 
 
+class SequenceObserver(Protocol):
+    """Watches chosen sequences' committed tokens and hidden taps without changing them
+    (served-traffic capture, specdec/serving/traffic_capture.py). Its sequences' forwards tap its
+    layers; nothing it is told feeds back into drafting, verification or the output."""
+
+    tap_layers: tuple[int, ...]
+
+    def wants(self, record: SequenceRecord) -> bool:
+        """At admission: watch this sequence?"""
+
+    def on_prefill(self, record: SequenceRecord, hidden: Tensor) -> None:
+        """The prompt's taps [prompt_len, layers * H] (record.output_ids == [first token])."""
+
+    def on_verified(self, seq_id: Hashable, hidden: Tensor) -> None:
+        """The taps [1 + accepted, layers * H] of the positions a step committed."""
+
+    def on_release(self, record: SequenceRecord) -> None:
+        """The sequence is gone (finished, cancelled or failed): its record holds every token."""
+
+
 @dataclass
 class _Sequence:
     record: SequenceRecord  # held by the target pass and the drafter beside it too: one record
@@ -104,16 +124,20 @@ class Speculator(KeyedSequences[_Sequence]):
 
     def __init__(self, target: Transformer, config: EngineConfig, drafters: Mapping[str, Drafter] | None = None,
                  apart_tap_layers: Sequence[int] = (), methods: Mapping[str, SpeculativeConfig] | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, observer: SequenceObserver | None = None):
         """drafters: the co-located ones (their configs carry their load controls); methods:
         every served method's config, those drafted apart included (for theirs);
         apart_tap_layers: target layers a drafter served apart needs (returned on request);
         one forward taps the union of theirs and the co-located drafters'; grammars: compiles
-        structured-output guides (None: guided requests are refused)."""
+        structured-output guides (None: guided requests are refused); observer: watches the
+        sequences it chooses (served-traffic capture)."""
         super().__init__()
         self.config = config
         drafters = drafters or {}
-        taps = union_of_layers([apart_tap_layers] + [d.tap_layers for d in drafters.values()])
+        self.observer = observer
+        self._observed: set[Hashable] = set()
+        taps = union_of_layers([apart_tap_layers, observer.tap_layers if observer else ()] +
+                               [d.tap_layers for d in drafters.values()])
         self.drafts = DraftService(drafters, hidden_layers=taps)
         self.methods = dict(methods or {})
         self.target_pass = TargetPass(target, config, tap_layers=taps, grammars=grammars)
@@ -196,7 +220,10 @@ class Speculator(KeyedSequences[_Sequence]):
             speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
             records.append(SequenceRecord(item.seq_id, list(item.prompt_ids), item.params, item.method if speculative else METHOD_NONE,
                                           item.num_draft_tokens if speculative else 0))
-        self.target_pass.admit(records, frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method)))
+        observed = {r.seq_id for r in records if self.observer is not None and self.observer.wants(r)}
+        self.target_pass.admit(records, frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method))
+                               | observed)
+        self._observed |= observed
         for item, record in zip(starts, records):
             self._seqs[item.seq_id] = _Sequence(record, start=item)
         try:
@@ -229,7 +256,8 @@ class Speculator(KeyedSequences[_Sequence]):
             trees = self.planner.select([PlanItem(i.seq_id, s.method, t, s.method in self.adaptive)
                                          for i, s, t in zip(decoding, seqs, trees)])
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(decoding, seqs)) or any(
-            self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling)
+            self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling) or any(
+            i.seq_id in self._observed for i in [*decoding, *prefilling])
         chunk = self.config.prefill_chunk_tokens if decoding and self.config.prefill_chunk_tokens else None
         return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk)
 
@@ -254,6 +282,8 @@ class Speculator(KeyedSequences[_Sequence]):
             seq.start = None
             if seq.method != METHOD_NONE and seq.method in self.drafts.drafters:
                 self.drafts.start(seq.record, out.hidden, appends_tokens=False)  # the target pass appends them
+            if item.seq_id in self._observed:
+                self.observer.on_prefill(seq.record, self._observer_columns(out.hidden))
             result = StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
                                 verify_seconds=t1 - t0, log_probs=out.log_probs, cached_tokens=out.cached_tokens)
             by_id[item.seq_id] = result
@@ -268,6 +298,8 @@ class Speculator(KeyedSequences[_Sequence]):
             if item.seq_id in self.drafts and not out.dead_end:  # every step, drafting or not: the drafter sees every token once
                 # (a dead end's sequence ends now: its taps hold one row more than its tokens)
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
+            if item.seq_id in self._observed and not out.dead_end:
+                self.observer.on_verified(item.seq_id, self._observer_columns(out.hidden))
             result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
                 hidden=out.hidden if item.want_hidden else None, verify_seconds=t1 - t0, log_probs=out.log_probs,
@@ -330,8 +362,15 @@ class Speculator(KeyedSequences[_Sequence]):
         self._get(seq_id)
         self._drop(seq_id)
 
+    def _observer_columns(self, hidden: Tensor) -> Tensor:
+        return layer_columns(hidden, self.target_pass.tap_layers, self.observer.tap_layers)
+
     def _drop(self, seq_id: Hashable) -> None:
-        self._seqs.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq_id in self._observed:
+            self._observed.discard(seq_id)
+            if seq is not None:
+                self.observer.on_release(seq.record)
         self.planner.forget(seq_id)
         if seq_id in self.target_pass:
             self.target_pass.release(seq_id)

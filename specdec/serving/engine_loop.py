@@ -80,6 +80,12 @@ class _Submit:
     sink: Sink
 
 
+@dataclass(frozen=True)
+class _BetweenRounds:
+    change: Callable[[SpecEngine], None]  # run on the loop's thread, between two forwards
+    done: concurrent.futures.Future
+
+
 class EngineLoop:
     """The engine's busy loop: runs SpecEngine rounds on its own thread while any sequence
     lives (what the rounds schedule is the engine's: Speculator, TargetPass). submit() and
@@ -110,7 +116,7 @@ class EngineLoop:
         self.apart_backend, self.apart_methods, self.hidden_methods = apart_backend, apart_methods, hidden_methods
         self.on_round, self.on_live = on_round, on_live
         self.keepalive_s = drafter_keepalive_s
-        self._inbox: list[_Submit | str] = []  # submits and cancels (request ids), in arrival order
+        self._inbox: list[_Submit | str | _BetweenRounds] = []  # submits, cancels (request ids) and changes, in arrival order
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._apart: dict[str, DrafterApart] = {}
@@ -174,7 +180,14 @@ class EngineLoop:
         self._loop.call_soon_threadsafe(self._wake.set)
         self._thread.join(timeout_s)
 
-    def _post(self, item: _Submit | str) -> None:
+    def between_rounds(self, change: Callable[[SpecEngine], None]) -> concurrent.futures.Future:
+        """Run change(engine) on the loop's thread before the next forward (a promoted head
+        swapped in); the future ends with its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_BetweenRounds(change, done))
+        return done
+
+    def _post(self, item: _Submit | str | _BetweenRounds) -> None:
         with self._lock:
             self._inbox.append(item)
         self._loop.call_soon_threadsafe(self._wake.set)
@@ -210,6 +223,12 @@ class EngineLoop:
         for item in inbox:
             if isinstance(item, str):
                 self._cancel(item)
+                continue
+            if isinstance(item, _BetweenRounds):
+                try:
+                    item.done.set_result(item.change(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller hears it; the loop goes on
+                    item.done.set_exception(exc)
                 continue
             req = item.req
             try:

@@ -62,6 +62,14 @@ def tap_layers_for(target_cfg: ModelConfig, speculative: Mapping[str, Speculativ
     return union_of_layers(tap_layers_of(spec, target_cfg) for spec in speculative.values())
 
 
+def handed_tap_layers(settings: ServingConfig, target_cfg: ModelConfig) -> tuple[int, ...]:
+    """The layers the verifier's forward taps, and so the columns of the hidden states it
+    hands a drafter served apart: every served drafter's, and the capture's when it is on."""
+    from specdec.serving.traffic_capture import feature_layers
+
+    return union_of_layers([tap_layers_for(target_cfg, settings.methods), feature_layers(target_cfg) if settings.capture else ()])
+
+
 def load_target(model_dir: Path | None, config: EngineConfig) -> Transformer:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -85,7 +93,18 @@ def build_colocated_speculator(settings: ServingConfig) -> Speculator:
     grammars.warm()  # the vocabulary table and the compile probe, before any request waits on them
     # Drafters served apart may need hidden taps too (returned on request).
     return Speculator(target, settings.engine, drafters, tap_layers_for(target.cfg, colocated_methods(settings, False)),
-                      methods=settings.methods, grammars=grammars)
+                      methods=settings.methods, grammars=grammars, observer=traffic_capture(settings, target.cfg, model_dir))
+
+
+def traffic_capture(settings: ServingConfig, target_cfg: ModelConfig, model_dir: Path) -> "TrafficCapture | None":
+    """The served-traffic recorder the settings ask for (None: capture off, the default)."""
+    if settings.capture is None:
+        return None
+    from specdec.serving.traffic_capture import TrafficCapture
+
+    log.warning("capture on: recording %.0f%% of requests' tokens and hidden states to %s (at most %d MiB)",
+                100 * settings.capture.sample_rate, settings.capture.directory, settings.capture.max_bytes >> 20)
+    return TrafficCapture(settings.capture, target_cfg, model_dir.name)
 
 
 def build_engine(

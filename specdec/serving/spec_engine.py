@@ -29,7 +29,7 @@ from specdec.engine.models.llama import Transformer
 from specdec.serving.state import FINISH_CANCELLED, RequestState
 from specdec.engine.grammar import UNPRODUCIBLE, Grammars
 from specdec.engine.logits_processing import TokenLogProbs
-from specdec.engine.speculator import Speculator, StartItem, StepItem, StepResult
+from specdec.engine.speculator import SequenceObserver, Speculator, StartItem, StepItem, StepResult
 from specdec.engine.tree import DraftTree
 
 
@@ -73,17 +73,19 @@ class SpecEngine:
         methods: Mapping[str, SpeculativeConfig] | None = None,
         apart_tap_layers: Sequence[int] = (),
         speculator: Speculator | None = None,
+        observer: SequenceObserver | None = None,
     ):
         """drafters: the co-located ones; methods: every served method (those drafted apart
         included: their trees come with step(trees=...)); speculator: an already built one
-        (the Triton verifier's), instead of target + drafters."""
+        (the Triton verifier's), instead of target + drafters; observer: watches chosen
+        sequences (served-traffic capture, specdec/serving/traffic_capture.py)."""
         self.config = config
         self.tokenizer = tokenizer
         grammars = None
         if tokenizer is not None and target is not None:
             grammars = Grammars.for_tokenizer(lambda: tokenizer, target.cfg.vocab_size, config.guide_compile_timeout_s)
         self.speculator = speculator or Speculator(target, config, drafters, apart_tap_layers, methods=methods,
-                                                   grammars=grammars)
+                                                   grammars=grammars, observer=observer)
         self.eos_token_ids = eos_ids_of_config(self.speculator.target_pass.target.cfg, tokenizer)
         self.sequences: dict[str, RequestState] = {}
         self._pending: list[RequestState] = []  # added, not yet given to the speculator

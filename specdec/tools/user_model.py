@@ -4,7 +4,8 @@ built from what is given (the served settings' engine, n-gram and suffix always;
 chain and dynamic tree with a head, its depth from the head's speculators config when it
 has one; Medusa with heads; the draft model with one), checked against the target as the
 server would check it, written to a settings file, and handed to the server through
-SPECDEC_SETTINGS. The rest of the flags are `specdec serve`'s own."""
+SPECDEC_SETTINGS. `--capture DIR` (with or without --model) also records served traffic for
+drafter training (opt-in; docs/capture.md). The rest of the flags are `specdec serve`'s own."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle3-head", type=Path, default=None, help="an EAGLE-3 head (research / SpecForge or speculators layout)")
     p.add_argument("--medusa-heads", type=Path, default=None, help="Medusa heads (ours, or the Medusa project's layout)")
     p.add_argument("--draft-model", type=Path, default=None, help="an independent draft model (HF directory, the target's tokenizer)")
+    p.add_argument("--capture", type=Path, default=None, help="record served traffic (tokens and the target's hidden states) "
+                   "for `specdec train-head --captures` in this directory (opt-in; docs/capture.md)")
+    p.add_argument("--capture-rate", type=float, default=1.0, help="the share of requests recorded (default: %(default)s)")
+    p.add_argument("--capture-max-mb", type=int, default=2048, help="the store's cap; the oldest shards go first (default: %(default)s)")
+    p.add_argument("--capture-salt", action="append", default=[], help="also record requests with this cache_salt (repeatable; "
+                   "salted requests are never recorded otherwise)")
     p.add_argument("--settings-out", type=Path, default=None, help="where the generated settings go (default: under the cache dir)")
     p.add_argument("--settings-only", action="store_true", help="write the settings and stop (for specdec-client bench --server-settings)")
     return p
@@ -113,9 +120,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         if any(v is not None for v in (args.eagle3_head, args.medusa_heads, args.draft_model)):
             print("specdec serve: --eagle3-head, --medusa-heads and --draft-model need --model", file=sys.stderr)
             return 2
-        return launcher_serve_main(rest)
+        if args.capture is None:
+            return launcher_serve_main(rest)
     try:
-        settings = user_settings(args.model, args.eagle3_head, args.medusa_heads, args.draft_model)
+        if args.model is None:
+            settings = json.loads(Path(os.environ.get("SPECDEC_SETTINGS") or SERVED_SETTINGS).read_text())
+        else:
+            settings = user_settings(args.model, args.eagle3_head, args.medusa_heads, args.draft_model)
+        if args.capture is not None:
+            settings["capture"] = {"directory": str(args.capture.resolve()), "sample_rate": args.capture_rate,
+                                   "max_bytes": args.capture_max_mb << 20, "salts": args.capture_salt}
+            ServingConfig.from_dict(settings)  # checked here, not at the models' load
     except SpecDecError as exc:
         print(f"specdec serve: {exc}", file=sys.stderr)
         return 2
@@ -123,6 +138,6 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(settings, indent=2))
     os.environ["SPECDEC_SETTINGS"] = str(out.resolve())
-    print(f"specdec serve: {settings['model_dir']} with methods {', '.join(settings['methods'])} "
+    print(f"specdec serve: {settings.get('model_dir') or 'the default target'} with methods {', '.join(settings['methods'])} "
           f"(default {settings['default_method']}); settings: {out}", flush=True)
     return 0 if args.settings_only else launcher_serve_main(rest)

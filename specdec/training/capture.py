@@ -20,27 +20,8 @@ from specdec.config import cache_root
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.tree import DraftTree
+from specdec.serving.traffic_capture import feature_layers, read_captures, split_features
 from specdec.training.data import distill_prompts, load_shard, select_conversations, user_openings
-
-
-def feature_layers(cfg) -> tuple[int, ...]:
-    """The target layers one feature cache records: the EAGLE-3 taps, then the last layer
-    (Medusa heads read its output through the target's final norm); one generation pass
-    feeds both heads' training."""
-    return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
-
-
-def compact(features: Tensor) -> Tensor:
-    """fp16 halves the cache, but Gemma 3's residual stream passes fp16's range (its first
-    features held inf, and training went NaN): those keep bf16's range instead."""
-    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
-
-
-def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
-    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
-    fp16 where it holds them (compact)."""
-    H = hidden.shape[-1] // num_layers
-    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
 
 
 class _TapRecorder(Drafter):
@@ -182,6 +163,20 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
     return features
 
 
+@torch.inference_mode()
+def captured_features(target: Transformer, directory: Path, salts: set[str | None] | None = None) -> list[dict]:
+    """Sequences recorded from served traffic (specdec/serving/traffic_capture.py), each position
+    labelled with the target's own prediction, recomputed from the recorded last layer
+    (final norm, then lm_head; the argmax the served target took), as the conversations'
+    are. `salts`: only those tenants' sequences (None in it: the unsalted)."""
+    features = []
+    for s in read_captures(directory, salts):
+        last = s["last"].float()
+        labels = torch.cat([target.lm_head(target.norm(last[i : i + 256])).argmax(-1) for i in range(0, len(last), 256)]).int()
+        features.append({"tokens": s["tokens"], "taps": s["taps"], "last": s["last"], "labels": labels, "captured": True})
+    return features
+
+
 def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: int, self_distill_tokens: int,
                        eval_prompts: int, eval_tokens: int) -> None:
     """The data and run options train-eagle3 and train-draft share (one feature cache)."""
@@ -196,6 +191,14 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--answers-from", type=int, default=0, help="only the stored answers to prompts from this index on")
     p.add_argument("--no-generate", action="store_true", help="train on the self-distilled shards made so far (no generation)")
     p.add_argument("--features-only", action="store_true", help="make the feature cache, then stop (no training)")
+    p.add_argument("--captures", action="append", default=[], help="also train on a store of served traffic "
+                   "(`specdec serve --capture DIR`; repeatable)")
+    p.add_argument("--capture-salt", action="append", default=None, help="only the captured sequences of this cache_salt "
+                   "('' for the unsalted; repeatable; default: all)")
+    p.add_argument("--checkpoint-every-min", type=float, default=5.0, help="save the run's state this often (a killed run, "
+                   "re-run with the same command, continues from the last save)")
+    p.add_argument("--max-steps", type=int, default=None, help="pause after this optimizer step (checkpointed; re-run to continue)")
+    p.add_argument("--restart", action="store_true", help="ignore a checkpoint left by an earlier run of this command")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -224,6 +227,9 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
                                                         held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
+    for directory in args.captures:
+        salts = None if args.capture_salt is None else {salt or None for salt in args.capture_salt}
+        train_set = train_set + captured_features(target, Path(directory), salts)
     if args.answers:
         answers = Path(args.answers)
         train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}", args.answers_from)

@@ -93,6 +93,32 @@ def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]],
     return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
 
 
+# A first-turn prompt that asks about code: a fence, a language or a code word.
+CODE_PROMPT = re.compile(r"```|\bdef |\bfunction\b|\bclass \w|#include|\bselect\b.*\bfrom\b|\bcode\b|\bpython\b|"
+                         r"\bjavascript\b|\btypescript\b|\bjava\b|c\+\+|\bsql\b|\bhtml\b|\bcss\b|\breact\b|\brust\b|"
+                         r"\bgolang\b|\bbash\b|\bregex\b|\bapi\b|\bscript\b", re.IGNORECASE)
+
+
+def code_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]] = frozenset()) -> list[str]:
+    """n first-turn ShareGPT prompts about code (CODE_PROMPT), 16-256 tokens chat-templated,
+    in a seeded order, without the benchmarks' prompts and those whose templated ids are
+    `exclude`d (what a head trained on): the code workload of the capture cycle, split by
+    the caller."""
+    reserved = benchmark_prompt_texts()
+    firsts = [conv[0][1] for conv in sharegpt_conversations() if conv[0][0] == "user"]
+    random.Random(seed).shuffle(firsts)
+    out = []
+    for text in firsts:
+        if text.strip() in reserved or not CODE_PROMPT.search(text):
+            continue
+        ids = encode_prompt(tokenizer, text)
+        if 16 <= len(ids) <= 256 and tuple(ids) not in exclude:
+            out.append(text)
+            if len(out) == n:
+                break
+    return out
+
+
 def answers_dir(new_tokens: int, seed: int) -> Path:
     return ANSWERS_DIR / f"smollm2-135m-greedy-t{new_tokens}-seed{seed}"
 

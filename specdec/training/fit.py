@@ -49,20 +49,72 @@ def length_bucketed(train_set: list[dict], batch_size: int, rng: random.Random) 
     return [j for b in batches for j in b]
 
 
+class TrainingPaused(Exception):
+    """The run stopped at --max-steps with its state checkpointed: the same command continues it."""
+
+
+def checkpoint_path(out: Path) -> Path:
+    return Path(out) / "checkpoint.pt"
+
+
+def _trainable(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
 def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
     """The training loop the head, Medusa and draft-model trainers share: AdamW on the
     module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
     batches of args.batch_size for args.epochs. loss_of(batch features) -> (loss, report)
-    where report() gives the log entry's measurements (called on logged steps only)."""
+    where report() gives the log entry's measurements (called on logged steps only).
+
+    Resumable: every args.checkpoint_every_min minutes (and at args.max_steps, which then
+    raises TrainingPaused) the trainable weights, the optimizer's moments, the step and the
+    log go to <args.out>/checkpoint.pt; the same command re-run loads it and continues at
+    the next batch of the same order (each epoch's order is replayed from the seed), so a
+    killed run ends where an uninterrupted one would. The checkpoint is deleted when the
+    run completes; --restart ignores it. A checkpoint of other settings is refused."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total = math.ceil(len(train_set) / args.batch_size) * args.epochs
     rng = random.Random(args.seed)
-    log, step, t0 = [], 0, time.perf_counter()
+    log, step, resumed_s = [], 0, 0.0
+    ckpt = checkpoint_path(args.out) if getattr(args, "out", None) else None
+    fingerprint = {"train_sequences": len(train_set), "train_tokens": sum(len(f["tokens"]) for f in train_set),
+                   "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "seed": args.seed,
+                   "parameters": sorted(_trainable(module))}
+    if ckpt is not None and ckpt.is_file() and not getattr(args, "restart", False):
+        state = torch.load(ckpt, weights_only=True)
+        if state["fingerprint"] != fingerprint:
+            changed = sorted(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
+            raise SystemExit(f"{ckpt} was saved by a run with other settings ({', '.join(changed)} differ): "
+                             "re-run that command, or pass --restart")
+        with torch.no_grad():
+            for name, p in _trainable(module).items():
+                p.copy_(state["weights"][name])
+        opt.load_state_dict(state["optimizer"])
+        step, log, resumed_s = state["step"], state["log"], state["elapsed_s"]
+        print(f"resuming {ckpt} at step {step}/{total}", flush=True)
+    start_step = step
+    every_s = 60 * getattr(args, "checkpoint_every_min", 5.0)
+    max_steps = getattr(args, "max_steps", None)
+    t0 = time.perf_counter() - resumed_s
+    last_save = time.perf_counter()
+
+    def save() -> None:
+        state = {"fingerprint": fingerprint, "step": step, "log": log, "elapsed_s": time.perf_counter() - t0,
+                 "weights": {n: p.detach().clone() for n, p in _trainable(module).items()}, "optimizer": opt.state_dict()}
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, ckpt.with_suffix(".tmp"))
+        ckpt.with_suffix(".tmp").replace(ckpt)
+
     module.train()
+    at = 0  # batches walked (replayed ones included)
     for epoch in range(args.epochs):
         order = length_bucketed(train_set, args.batch_size, rng)
         for i in range(0, len(order), args.batch_size):
+            at += 1
+            if at <= start_step:  # done before the checkpoint
+                continue
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -79,7 +131,15 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
                 top1 = entry.get("train_top1_by_position", entry.get("train_top1"))
                 shown = [round(a, 3) for a in top1] if isinstance(top1, list) else round(top1, 3)
                 print(f"step {step}/{total} loss {loss.item():.3f} top1 {shown} ({entry['elapsed_s']:.0f} s)", flush=True)
+            if ckpt is not None and step < total and (time.perf_counter() - last_save >= every_s or step == max_steps):
+                save()
+                last_save = time.perf_counter()
+                if step == max_steps:
+                    module.eval()
+                    raise TrainingPaused(f"paused at step {step}/{total}; state in {ckpt}: run the same command to continue")
     module.eval()
+    if ckpt is not None:
+        ckpt.unlink(missing_ok=True)
     return log
 
 

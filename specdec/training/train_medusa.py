@@ -22,7 +22,7 @@ from specdec_client.envinfo import provenance, write_result
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
 from specdec.training.capture import add_data_arguments, training_data
 from specdec.training.data import target_and_tokenizer, user_openings
-from specdec.training.fit import STEP_WEIGHT, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
+from specdec.training.fit import STEP_WEIGHT, TrainingPaused, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
 from specdec.training.heldout import heldout_acceptance
 
 
@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
     target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
     t0 = time.perf_counter()
-    log = train(heads, train_set, args, target_to_draft)
+    try:
+        log = train(heads, train_set, args, target_to_draft)
+    except TrainingPaused as paused:
+        print(paused, flush=True)
+        return 0
     t_train = time.perf_counter() - t0
     out = Path(args.out)
     save_medusa(heads, out)

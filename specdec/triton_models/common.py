@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.config import ServingConfig
 from specdec.errors import ConfigError, InvalidRequestError
@@ -98,13 +99,23 @@ def internal_key() -> bytes | None:
     return key.encode() if key else None
 
 
-def from_the_loop(request, key: bytes | None) -> bool:
-    """A call to an internal model carries the secret (compared in constant time)."""
-    if key is None:
-        return True
-    sent = array(request, C.INTERNAL_KEY)
+def _carries(request, name: str, key: bytes) -> bool:
+    """The request's `name` input holds `key` (compared in constant time)."""
+    sent = array(request, name)
     value = sent.reshape(-1)[0] if sent is not None and sent.size == 1 else b""
     return hmac.compare_digest(value if isinstance(value, bytes) else str(value).encode(), key)
+
+
+def from_the_loop(request, key: bytes | None) -> bool:
+    """A call to an internal model carries the secret (compared in constant time)."""
+    return key is None or _carries(request, C.INTERNAL_KEY, key)
+
+
+def from_an_admin(request) -> bool:
+    """An administrative request carries the server's admin key (P.ADMIN_KEY_ENV, which
+    `specdec serve` always sets); where none is set, no request is an admin's."""
+    key = os.environ.get(P.ADMIN_KEY_ENV)
+    return bool(key) and _carries(request, P.ADMIN_KEY, key.encode())
 
 
 def refused() -> "pb_utils.InferenceResponse":

@@ -86,7 +86,7 @@ SAMPLING_INPUTS = ((W.MAX_TOKENS, "TYPE_INT32", (1,), True), *W.SAMPLING_INPUTS,
 # The model that hosts the verifier (the engine and its scheduler: verifier_model.py) beside its
 # own public contract: the one a client talks to, so a streamed token crosses one Python stub.
 # The other served names (speculative_loop, ensemble_unary) relay to it through ENGINE_WIRE.
-ENGINE_HOST = "ensemble"
+ENGINE_HOST = W.ENGINE_HOST_MODEL
 # specdec.json's threads entry for the engine's forwards (the host's own entry is its main
 # thread's, which runs no forward).
 VERIFIER_THREADS = "verifier"
@@ -103,6 +103,8 @@ ENGINE_WIRE: tuple[dict[str, W.TensorSpec], dict[str, W.TensorSpec]] = (
         (STOP, "TYPE_BOOL", (1,), True),
         (ROUNDS, "TYPE_BOOL", (1,), True),
         (INTERNAL_KEY, "TYPE_STRING", (1,), True),
+        (W.PROMOTE_HEADS, "TYPE_STRING", (1,), True),  # an admin's head promotion (verifier_model.Verifier.promote)
+        (W.ADMIN_KEY, "TYPE_STRING", (1,), True),
     ),
     W.tensor_specs((W.OUTPUT_IDS, "TYPE_INT32", (-1,)), (W.TEXT_OUTPUT, "TYPE_STRING", (1,)),
                    (W.FINISH_REASON, "TYPE_STRING", (1,)), (STEP_STATS, "TYPE_FP32", (-1, len(STEP_STATS_FIELDS))),

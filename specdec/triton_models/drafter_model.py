@@ -18,7 +18,7 @@ from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.triton_models.contract import decode_sampling
 from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
-from specdec.serving.runtime import build_drafters, colocated_methods, tap_layers_for
+from specdec.serving.runtime import build_drafters, colocated_methods, handed_tap_layers
 from specdec.triton_models.common import (
     HeapTrimmer, Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings,
     refused, scalar, strings,
@@ -36,7 +36,7 @@ class TritonPythonModel:
         target_cfg = read_model_config(model_dir)
         # The verifier hands over the union of every served drafter's layers (one forward taps them).
         self.drafts = DraftService(build_drafters(target_cfg, colocated_methods(settings, False), settings.engine, model_dir),
-                                   hidden_layers=tap_layers_for(target_cfg, settings.methods))
+                                   hidden_layers=handed_tap_layers(settings, target_cfg))
         self.key = internal_key()
         self.heap = HeapTrimmer()
         self.metrics = Metrics({P.ACTIVE_SEQUENCES: ("gauge", "Sequences holding drafter state")})

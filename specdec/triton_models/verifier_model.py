@@ -15,6 +15,9 @@ A STOP request (same correlation id) ends a live sequence before the next forwar
 that cancelled or went away). Drafters served apart (the `drafter` model) are called by the
 scheduler, once per round for all of their sequences.
 """
+import dataclasses
+import json
+import threading
 import time
 from typing import Callable
 
@@ -27,12 +30,13 @@ from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
-from specdec.serving.runtime import build_colocated_speculator, colocated_methods, load_tokenizer, tap_layers_of
+from specdec.serving.runtime import build_colocated_speculator, build_drafters, colocated_methods, load_tokenizer, tap_layers_of
 from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
 from specdec.triton_models.common import (
-    HeapTrimmer, Metrics, array, batched, error_response, from_the_loop, internal_key, refused, scalar, strings, text_tensor,
+    HeapTrimmer, Metrics, array, batched, error_response, from_an_admin, from_the_loop, internal_key, refused, scalar, strings,
+    text_tensor,
 )
 from specdec.triton_models.drafter_calls import DrafterCalls
 
@@ -158,6 +162,9 @@ class Verifier:
         """Requests of the internal wire (C.ENGINE_WIRE), from the relays in front."""
         for request in requests:
             sender = request.get_response_sender()
+            if array(request, P.PROMOTE_HEADS) is not None:  # an admin's, not the loop's
+                self._promote_request(request, sender)
+                continue
             if not from_the_loop(request, self.key):  # refused without touching any sequence
                 sender.send(refused(), flags=FINAL)
                 continue
@@ -180,6 +187,50 @@ class Verifier:
                 self.scheduler.submit(request_id, prompt.reshape(-1).tolist(), params, method, budget, sink, validated=True)
             except Exception as exc:  # noqa: BLE001 - every request ends with a final response
                 sender.send(error_response(exc), flags=FINAL)
+
+    def promote(self, heads: dict[str, str], timeout_s: float = 120.0) -> str:
+        """Serve new heads (kind -> directory) without a restart: build their drafters beside
+        the running engine (this thread), then swap them in between two forwards. Sequences
+        already running finish with the head they started with; the next ones draft with the
+        new one. Methods drafted apart (the `drafter` model) keep theirs."""
+        settings = self.settings.with_heads(heads)
+        changed = {name: spec for name, spec in colocated_methods(settings).items() if spec != self.settings.methods[name]}
+        if not changed:
+            raise InvalidRequestError(P.PROMOTE_HEADS, f"no method drafted beside the target uses a {', '.join(heads)} head")
+        target = self.engine.speculator.target_pass.target
+        try:
+            drafters = build_drafters(target.cfg, changed, settings.engine, resolve_model_dir(settings.model_dir), embed=target.embed)
+        except Exception as exc:  # noqa: BLE001 - a head that does not load is the request's fault, named
+            raise InvalidRequestError(", ".join(P.HEAD_PARAMETERS[k] for k in heads), f"the head does not load: {exc}") from exc
+        self.scheduler.between_rounds(lambda engine: engine.speculator.drafts.replace(drafters)).result(timeout_s)
+        self.settings = dataclasses.replace(self.settings, methods={**self.settings.methods, **changed})
+        message = f"promoted {', '.join(f'{k} {v}' for k, v in heads.items())} for {', '.join(changed)}"
+        print(f"{C.ENGINE_HOST}: {message}", flush=True)  # the server's log
+        return message
+
+    def _promote_request(self, request, sender) -> None:
+        """An admin's promotion (P.PROMOTE_HEADS, with P.ADMIN_KEY): answered when the new
+        heads serve, from a thread of its own (building them takes seconds)."""
+        if not from_an_admin(request):
+            sender.send(error_response(PermissionError(f"{P.PROMOTE_HEADS} needs the server's admin key in {P.ADMIN_KEY}")),
+                        flags=FINAL)
+            return
+        try:
+            heads = json.loads((strings(request, P.PROMOTE_HEADS) or [""])[0])
+            if not isinstance(heads, dict) or not heads or not all(isinstance(v, str) for v in heads.values()):
+                raise ValueError
+        except ValueError:
+            sender.send(error_response(InvalidRequestError(P.PROMOTE_HEADS, "must be a JSON object: head kind -> directory")),
+                        flags=FINAL)
+            return
+
+        def work() -> None:
+            try:
+                sender.send(pb_utils.InferenceResponse([text_tensor(P.TEXT_OUTPUT, self.promote(heads))]), flags=FINAL)
+            except Exception as exc:  # noqa: BLE001 - the admin hears why; serving goes on
+                sender.send(error_response(exc), flags=FINAL)
+
+        threading.Thread(target=work, name="specdec-promote", daemon=True).start()
 
     def _on_round(self, info: RoundInfo) -> None:
         """Scheduler thread, after each forward: the batch-size histogram and gauges."""
@@ -223,4 +274,7 @@ class Verifier:
 
     def close(self) -> None:
         self.scheduler.close()
+        engine = self.scheduler.engine
+        if engine is not None and engine.speculator.observer is not None:  # served-traffic capture: write what is pending
+            engine.speculator.observer.close()
         self.metrics.close()

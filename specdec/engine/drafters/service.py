@@ -26,6 +26,14 @@ def union_of_layers(layer_sets) -> tuple[int, ...]:
     return tuple(sorted({layer for layers in layer_sets for layer in layers}))
 
 
+def layer_columns(hidden: Tensor, have: Sequence[int], want: Sequence[int]) -> Tensor:
+    """From taps of layers `have` side by side ([..., len(have) * H]), those of `want`, in its order."""
+    if tuple(want) == tuple(have):
+        return hidden
+    width = hidden.shape[-1] // len(have)
+    return torch.cat([hidden[..., i * width : (i + 1) * width] for i in (list(have).index(l) for l in want)], dim=-1)
+
+
 class DraftService(KeyedSequences[SequenceState]):
     where = "drafter"
 
@@ -34,6 +42,9 @@ class DraftService(KeyedSequences[SequenceState]):
         handed (default: the ones its drafters need); each drafter gets its own columns."""
         super().__init__()
         self.drafters = dict(drafters)
+        # each sequence drafts with the drafter it started with, to its end: a head promoted
+        # mid-stream (replace) serves the sequences that start after it
+        self._bound: dict[Hashable, Drafter] = {}
         self.hidden_layers = tuple(self.tap_layers if hidden_layers is None else hidden_layers)
         missing = set(self.tap_layers) - set(self.hidden_layers)
         if missing:
@@ -47,11 +58,9 @@ class DraftService(KeyedSequences[SequenceState]):
 
     def _hidden_for(self, drafter: Drafter, hidden: Tensor | None) -> Tensor | None:
         """The columns of `drafter`'s layers, in its order."""
-        if hidden is None or not drafter.tap_layers or drafter.tap_layers == self.hidden_layers:
+        if hidden is None or not drafter.tap_layers:
             return hidden
-        width = hidden.shape[-1] // len(self.hidden_layers)
-        blocks = [hidden[..., i * width : (i + 1) * width] for i in (self.hidden_layers.index(l) for l in drafter.tap_layers)]
-        return torch.cat(blocks, dim=-1)
+        return layer_columns(hidden, self.hidden_layers, drafter.tap_layers)
 
     def needs_hidden(self, method: str) -> bool:
         drafter = self.drafters.get(method)
@@ -66,7 +75,8 @@ class DraftService(KeyedSequences[SequenceState]):
         seed = None if record.params.seed is None else record.params.seed + _DRAFT_SEED_OFFSET
         seq = SequenceState(record, make_generator(seed), last_used=time.monotonic(), appends_tokens=appends_tokens)
         self._seqs[record.seq_id] = seq
-        self.drafters[record.method].on_prefill(seq, self._hidden_for(self.drafters[record.method], hidden))
+        drafter = self._bound[record.seq_id] = self.drafters[record.method]
+        drafter.on_prefill(seq, self._hidden_for(drafter, hidden))
 
     def propose(self, items: Sequence[tuple[Hashable, int]], cut_for=None) -> list[DraftTree]:
         """items: (seq_id, budget). Each drafter is called once for all of its sequences.
@@ -74,18 +84,19 @@ class DraftService(KeyedSequences[SequenceState]):
         draft pass, and told the call's seconds."""
         seqs = [self._get(seq_id) for seq_id, _ in items]
         trees = [DraftTree() for _ in items]
-        by_method: dict[str, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            if items[i][1] > 0:  # a step without drafting (budget 0) costs the drafter nothing
-                by_method.setdefault(seq.method, []).append(i)
-        for method, idx in by_method.items():
+        by_drafter: dict[int, tuple[Drafter, str, list[int]]] = {}  # one call per drafter (a promoted head's next to its predecessor's)
+        for i, (seq_id, budget) in enumerate(items):
+            if budget > 0:  # a step without drafting (budget 0) costs the drafter nothing
+                drafter = self._bound[seq_id]
+                by_drafter.setdefault(id(drafter), (drafter, seqs[i].method, []))[2].append(i)
+        for drafter, method, idx in by_drafter.values():
             budgets = [items[i][1] for i in idx]
             cut = None if cut_for is None else cut_for(method, [items[i][0] for i in idx])
             t0 = time.perf_counter()
             if cut is None:
-                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets)
+                proposed = drafter.propose([seqs[i] for i in idx], budgets)
             else:
-                proposed = self.drafters[method].propose([seqs[i] for i in idx], budgets, cut)
+                proposed = drafter.propose([seqs[i] for i in idx], budgets, cut)
                 cut.finish(time.perf_counter() - t0)
             for i, tree, budget in zip(idx, proposed, budgets):
                 trees[i] = tree.truncated(budget)
@@ -98,10 +109,22 @@ class DraftService(KeyedSequences[SequenceState]):
         if seq.appends_tokens:
             seq.output_ids.extend(emitted)
         seq.last_used = time.monotonic()
-        drafter = self.drafters[seq.method]
+        drafter = self._bound[seq_id]
         drafter.on_verified(seq, list(emitted), accepted, self._hidden_for(drafter, hidden))
 
     def release(self, seq_id: Hashable) -> None:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
-        self.drafters[seq.method].on_finish(seq)
+        self._bound.pop(seq_id).on_finish(seq)
+
+    def replace(self, drafters: Mapping[str, Drafter]) -> None:
+        """Serve these methods with new drafters (a promoted head) from the next sequence on;
+        running sequences finish with the drafter they started with."""
+        unknown = set(drafters) - set(self.drafters)
+        if unknown:
+            raise InvalidRequestError("method", f"no method {sorted(unknown)[0]!r} to replace; served: {', '.join(self.drafters)}")
+        for name, drafter in drafters.items():
+            if tuple(drafter.tap_layers) != tuple(self.drafters[name].tap_layers):
+                raise ConfigError("tap_layers", f"{name}: the new drafter taps layers {list(drafter.tap_layers)}, "
+                                                f"the served one {list(self.drafters[name].tap_layers)}")
+        self.drafters.update(drafters)

@@ -1,0 +1,216 @@
+"""Capture from served traffic (issue 62): what a drafter trains on, recorded while the
+target answers real requests, in a bounded store on disk.
+
+Opt-in: only a server whose settings carry a `capture` block (config.CaptureConfig;
+`specdec serve --capture DIR`) records anything. For each sampled request it keeps the
+prompt and output tokens and the target's hidden states at the layers the EAGLE-3 head
+reads (its three taps) and the last layer (Medusa's input, and the soft labels' source).
+The taps are the ones the forward computes anyway for the served drafters, so recording
+them costs a copy; compression and the disk write run on a thread of their own, and a
+full queue drops a capture rather than slowing a request.
+
+The store (`capture.json` describes it):
+- `shard-<ns>.pt`: a list of sequences, each {tokens int32 [T], prompt_len, taps [T, 3H],
+  last [T, H], method, salt}; fp16 where the values fit (compact), bf16 otherwise;
+- written atomically (a temporary name, then rename), at most `shard_sequences` per file,
+  or after `flush_after_s` with fewer;
+- rotated: past `max_bytes`, the oldest shards are deleted;
+- deleting the directory deletes everything recorded (the server recreates it).
+
+Salts: a request with a cache_salt (a tenant's scope) is recorded only when the settings
+list that salt; each sequence keeps its salt, so one tenant's data can be filtered out.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Hashable
+
+import torch
+from torch import Tensor
+
+from specdec.config import CaptureConfig, ModelConfig
+from specdec.engine.sequences import SequenceRecord
+
+log = logging.getLogger(__name__)
+
+CAPTURE_FORMAT = 1
+MANIFEST = "capture.json"
+SHARD_GLOB = "shard-*.pt"
+
+
+def feature_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The target layers a capture records: the EAGLE-3 taps, then the last layer (Medusa
+    heads read its output through the target's final norm); one pass feeds both heads'
+    training."""
+    return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
+
+
+def compact(features: Tensor) -> Tensor:
+    """fp16 halves the store, but Gemma 3's residual stream passes fp16's range (its first
+    features held inf, and training went NaN): those keep bf16's range instead."""
+    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
+
+
+def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
+    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
+    compact."""
+    H = hidden.shape[-1] // num_layers
+    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
+
+
+def sequence_features(record: SequenceRecord, rows: list[Tensor], num_layers: int) -> dict | None:
+    """One recorded sequence: its taps cover positions 0 .. n-1 (the last emitted token has
+    none yet), so the tokens are the first n of prompt + output."""
+    hidden = torch.cat(rows)
+    ids = record.all_ids
+    n = min(len(hidden), len(ids))
+    if n < 2:
+        return None
+    taps, last = split_features(hidden[:n], num_layers)
+    return {"tokens": torch.tensor(ids[:n], dtype=torch.int32), "prompt_len": len(record.prompt_ids), "taps": taps, "last": last}
+
+
+class CaptureStore:
+    """The bounded directory of shards: appends, rotation, the manifest."""
+
+    def __init__(self, config: CaptureConfig, manifest: dict):
+        self.config = config
+        self.directory = Path(config.directory)
+        self.manifest = manifest
+
+    def write(self, sequences: list[dict]) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        manifest = self.directory / MANIFEST
+        if not manifest.is_file():
+            manifest.write_text(json.dumps(self.manifest, indent=2))
+        path = self.directory / f"shard-{time.time_ns():020d}.pt"
+        partial = path.with_suffix(".tmp")
+        torch.save(sequences, partial)
+        os.replace(partial, path)
+        self.rotate()
+        return path
+
+    def shards(self) -> list[Path]:
+        return sorted(self.directory.glob(SHARD_GLOB))
+
+    def rotate(self) -> None:
+        """Delete the oldest shards until the store fits its cap (the newest always stays)."""
+        shards = self.shards()
+        sizes = [p.stat().st_size for p in shards]
+        total = sum(sizes)
+        for path, size in zip(shards[:-1], sizes):
+            if total <= self.config.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+
+class TrafficCapture:
+    """A Speculator observer (engine/speculator.py SequenceObserver): picks requests at
+    admission, collects their taps on the scheduler's thread (a reference per step), and
+    hands each finished sequence to a writer thread."""
+
+    def __init__(self, config: CaptureConfig, target_cfg: ModelConfig, target_name: str, seed: int | None = None):
+        self.config = config
+        self.tap_layers = feature_layers(target_cfg)
+        self._rng = random.Random(seed)
+        self._rows: dict[Hashable, list[Tensor]] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=256)
+        self.store = CaptureStore(config, {
+            "format": CAPTURE_FORMAT, "target": target_name, "hidden_size": target_cfg.hidden_size,
+            "layers": list(self.tap_layers), "eagle3_tap_layers": list(target_cfg.eagle3_tap_layers()),
+            "stored": "per sequence: tokens (prompt + output, int32), prompt_len, taps (the EAGLE-3 tap layers' outputs side by "
+                      "side), last (the last layer's output), method, salt; fp16 (bf16 where fp16 overflows)",
+            "delete": "remove this directory (or any shard-*.pt in it); the server recreates it",
+        })
+        self.captured = 0  # sequences written
+        self.dropped = 0  # sequences lost to a full queue
+        self._closed = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="specdec-capture", daemon=True)
+        self._writer.start()
+
+    # ---- the observer (scheduler's thread) ----------------------------------------------
+    def wants(self, record: SequenceRecord) -> bool:
+        return self.config.admits(record.params.cache_salt) and self._rng.random() < self.config.sample_rate
+
+    def on_prefill(self, record: SequenceRecord, hidden: Tensor) -> None:
+        if hidden is not None:
+            self._rows[record.seq_id] = [hidden]
+
+    def on_verified(self, seq_id: Hashable, hidden: Tensor) -> None:
+        rows = self._rows.get(seq_id)
+        if rows is not None and hidden is not None:
+            rows.append(hidden)
+
+    def on_release(self, record: SequenceRecord) -> None:
+        rows = self._rows.pop(record.seq_id, None)
+        if not rows:
+            return
+        done = SequenceRecord(record.seq_id, list(record.prompt_ids), record.params, record.method, output_ids=list(record.output_ids))
+        try:
+            self._queue.put_nowait((done, rows))
+        except queue.Full:
+            self.dropped += 1
+
+    # ---- the writer thread ----------------------------------------------------------------
+    def _write_loop(self) -> None:
+        pending: list[dict] = []
+        oldest = 0.0
+        num_layers = len(self.tap_layers)
+        while True:
+            try:
+                item = self._queue.get(timeout=min(1.0, self.config.flush_after_s))
+            except queue.Empty:
+                item = None
+            if item is not None:
+                record, rows = item
+                features = sequence_features(record, rows, num_layers)
+                if features is not None:
+                    features.update(method=record.method, salt=record.params.cache_salt)
+                    if not pending:
+                        oldest = time.monotonic()
+                    pending.append(features)
+            stopping = self._closed.is_set() and self._queue.empty()
+            if pending and (len(pending) >= self.config.shard_sequences or stopping
+                            or time.monotonic() - oldest >= self.config.flush_after_s):
+                try:
+                    self.store.write(pending)
+                    self.captured += len(pending)
+                except OSError as exc:  # a full or read-only disk costs the capture, never a request
+                    log.warning("capture: cannot write to %s: %s", self.config.directory, exc)
+                    self.dropped += len(pending)
+                pending = []
+            if stopping:
+                return
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is pending, then stop the writer."""
+        self._closed.set()
+        self._writer.join(timeout_s)
+
+
+def read_captures(directory: Path, salts: set[str | None] | None = None) -> list[dict]:
+    """Every recorded sequence in a store, oldest shard first; `salts`: only the sequences
+    recorded under these (None in it: the unsalted ones)."""
+    directory = Path(directory)
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{directory} is not a capture store (no {MANIFEST})")
+    fmt = json.loads(manifest.read_text()).get("format")
+    if fmt != CAPTURE_FORMAT:
+        raise ValueError(f"{directory}: capture format {fmt}, this reader reads {CAPTURE_FORMAT}")
+    out = []
+    for path in sorted(directory.glob(SHARD_GLOB)):
+        out += [s for s in torch.load(path, weights_only=True) if salts is None or s.get("salt") in salts]
+    return out
+
+
+def capture_manifest(directory: Path) -> dict:
+    return json.loads((Path(directory) / MANIFEST).read_text())

@@ -1,0 +1,56 @@
+"""`specdec train-head` (issue 62): a head trained on served traffic, and a run that is killed
+and re-run ends exactly where an uninterrupted one does."""
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from specdec.config import CaptureConfig, EngineConfig, SamplingParams
+
+
+def capture_store(model, tokenizer, directory):
+    """A small store recorded the way the server records it."""
+    from specdec.serving.traffic_capture import TrafficCapture
+    from specdec.serving.runtime import encode_prompt
+    from specdec.serving.spec_engine import SpecEngine
+
+    capture = TrafficCapture(CaptureConfig(str(directory)), model.cfg, "SmolLM2-135M-Instruct", seed=0)
+    engine = SpecEngine(model, EngineConfig(max_batch_size=2, max_seq_len=256), tokenizer, {}, observer=capture)
+    for i, prompt in enumerate(["def add(a, b):\n    return", "import numpy as np\nx = np.", "for i in range(10):\n   "]):
+        for _ in engine.generate(encode_prompt(tokenizer, prompt), SamplingParams(max_tokens=24), request_id=str(i)):
+            pass
+    capture.close()
+    return capture.captured
+
+
+def test_a_killed_run_continues_where_it_stopped_and_ends_as_an_uninterrupted_one(tmp_path, smol_model, smol_tokenizer):
+    """train-head on ShareGPT plus captured traffic: paused after one optimizer step (the
+    checkpoint a kill would leave), the same command re-run resumes from it; its head equals,
+    bit for bit, the head of a run that was never stopped, and its record counts the captures."""
+    from specdec.training.fit import checkpoint_path
+    from specdec.training.train_head import main
+
+    assert capture_store(smol_model, smol_tokenizer, tmp_path / "captures") == 3
+    common = ["--quick", "--features-dir", str(tmp_path / "features"), "--captures", str(tmp_path / "captures"), "--log-every", "1",
+              "--batch-size", "4"]
+    whole, paused = tmp_path / "whole", tmp_path / "paused"
+    assert main(["--head", "eagle3", *common, "--out", str(whole)]) == 0
+    assert main(["--head", "eagle3", *common, "--out", str(paused), "--max-steps", "1"]) == 0
+    assert checkpoint_path(paused).is_file() and not (paused / "model.safetensors").exists()
+    assert torch.load(checkpoint_path(paused), weights_only=True)["step"] == 1
+    assert main(["--head", "eagle3", *common, "--out", str(paused), "--max-steps", "1"]) == 0  # the same command: continues
+    assert not checkpoint_path(paused).exists()  # a finished run leaves none behind
+    a, b = load_file(whole / "model.safetensors"), load_file(paused / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    record = json.loads((paused / "train_log.json").read_text())
+    steps = record["budget"]["optimizer_steps"]
+    assert steps > 1 and [c["step"] for c in record["curve"]] == list(range(1, steps + 1))
+    assert record["data"]["captured_sequences"] == 3 and "served traffic" in (paused / "README.md").read_text()
+    # a checkpoint of other settings is refused, not silently mixed in
+    assert main(["--head", "eagle3", *common, "--out", str(tmp_path / "other"), "--max-steps", "1"]) == 0
+    import pytest
+
+    with pytest.raises(SystemExit, match="lr"):
+        main(["--head", "eagle3", *common, "--out", str(tmp_path / "other"), "--lr", "1e-4"])
