@@ -57,7 +57,7 @@ def run(args) -> dict:
             subprocess.run(cmd, check=True)
             summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
             results["load_points"][str(concurrency)] = {"speedup": summary.get("speedup"), "prompts": prompts}
-    shards = sorted(store.glob("shard-*.pt"))
+    shards = sorted(store.glob("shard-*.npz"))
     results["store"] = {"shards": len(shards), "bytes": sum(p.stat().st_size for p in shards)}
     write_result(out / "capture_cost.json", results, started)
     print(json.dumps(results, indent=1))

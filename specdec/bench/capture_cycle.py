@@ -119,7 +119,7 @@ def run(args) -> dict:
             record["traffic_tokens"] = serve_traffic(grpc, train, args.max_tokens)
             record["traffic_s"] = round(time.perf_counter() - t0, 1)
             time.sleep(5)  # the store's flush
-        shards = sorted(store.glob("shard-*.pt"))
+        shards = sorted(store.glob("shard-*.npz"))
         record["store"] = {"shards": len(shards), "bytes": sum(p.stat().st_size for p in shards)}
         cmd = [str(Path(sys.executable).parent / "specdec"), "train-head", "--head", "eagle3", "--out", str(head),
                "--init-from", str(SHIPPED_HEAD), "--captures", str(store), "--conversations", str(args.conversations),

@@ -6,12 +6,15 @@ Opt-in: only a server whose settings carry a `capture` block (config.CaptureConf
 prompt and output tokens and the target's hidden states at the layers the EAGLE-3 head
 reads (its three taps) and the last layer (Medusa's input, and the soft labels' source).
 The taps are the ones the forward computes anyway for the served drafters, so recording
-them costs a copy; compression and the disk write run on a thread of their own, and a
-full queue drops a capture rather than slowing a request.
+them costs a reference per step; compression and the disk write run on a thread of their
+own, in numpy: a second thread running torch ops (its own OpenMP team) slowed every later
+forward by a third (measured: 62 -> 38 tok/s at c=1, in process), and a full queue drops a
+capture rather than slowing a request.
 
 The store (`capture.json` describes it):
-- `shard-<ns>.pt`: a list of sequences, each {tokens int32 [T], prompt_len, taps [T, 3H],
-  last [T, H], method, salt}; fp16 where the values fit (compact), bf16 otherwise;
+- `shard-<ns>.npz`: sequences side by side (tokens int32, taps [T, 3H], last [T, H], each
+  sequence's length, prompt_len, method and salt), fp16 where a sequence's values fit,
+  bf16 otherwise (read_captures gives one dict per sequence, as torch tensors);
 - written atomically (a temporary name, then rename), at most `shard_sequences` per file,
   or after `flush_after_s` with fewer;
 - rotated: past `max_bytes`, the oldest shards are deleted;
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Hashable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,7 +46,8 @@ log = logging.getLogger(__name__)
 
 CAPTURE_FORMAT = 1
 MANIFEST = "capture.json"
-SHARD_GLOB = "shard-*.pt"
+SHARD_GLOB = "shard-*.npz"
+FP16_MAX = 65504.0
 
 
 def feature_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -65,16 +70,67 @@ def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
     return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
 
 
-def sequence_features(record: SequenceRecord, rows: list[Tensor], num_layers: int) -> dict | None:
-    """One recorded sequence: its taps cover positions 0 .. n-1 (the last emitted token has
-    none yet), so the tokens are the first n of prompt + output."""
-    hidden = torch.cat(rows)
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16's bits (uint16), rounded to nearest even, in numpy."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def encode_rows(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(the values as stored, bf16?): fp16 where they fit, else bf16 (as compact() does in torch)."""
+    if np.abs(x).max(initial=0.0) < FP16_MAX:
+        return x.astype(np.float16), False
+    return to_bf16_bits(x), True
+
+
+def decode_rows(stored: np.ndarray, bf16: bool) -> Tensor:
+    return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(stored)
+
+
+def sequence_record(record: SequenceRecord, rows: list[np.ndarray], num_layers: int) -> dict | None:
+    """One recorded sequence, in numpy: its taps cover positions 0 .. n-1 (the last emitted
+    token has none yet), so the tokens are the first n of prompt + output."""
+    hidden = np.concatenate(rows)
     ids = record.all_ids
     n = min(len(hidden), len(ids))
     if n < 2:
         return None
-    taps, last = split_features(hidden[:n], num_layers)
-    return {"tokens": torch.tensor(ids[:n], dtype=torch.int32), "prompt_len": len(record.prompt_ids), "taps": taps, "last": last}
+    H = hidden.shape[-1] // num_layers
+    taps, taps_bf16 = encode_rows(hidden[:n, :-H])
+    last, last_bf16 = encode_rows(hidden[:n, -H:])
+    return {"tokens": np.asarray(ids[:n], dtype=np.int32), "prompt_len": len(record.prompt_ids), "taps": taps, "last": last,
+            "bf16": (taps_bf16, last_bf16), "method": record.method, "salt": record.params.cache_salt}
+
+
+def write_shard(path: Path, sequences: list[dict]) -> None:
+    """Sequences side by side in one .npz, grouped by storage type (fp16 or bf16 bits)."""
+    meta = [{"length": len(s["tokens"]), "prompt_len": s["prompt_len"], "method": s["method"], "salt": s["salt"], "bf16": s["bf16"]}
+            for s in sequences]
+    arrays = {"tokens": np.concatenate([s["tokens"] for s in sequences]), "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
+    for name in ("taps", "last"):
+        for kind, index in (("fp16", False), ("bf16", True)):
+            part = [s[name] for s in sequences if s["bf16"][0 if name == "taps" else 1] == index]
+            if part:
+                arrays[f"{name}_{kind}"] = np.concatenate(part)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def read_shard(path: Path) -> list[dict]:
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+        tokens = torch.from_numpy(z["tokens"].copy())
+        stored = {k: z[k] for k in z.files if k.startswith(("taps_", "last_"))}
+    out, at, cursor = [], 0, {k: 0 for k in stored}
+    for m in meta:
+        seq = {"tokens": tokens[at : at + m["length"]], "prompt_len": m["prompt_len"], "method": m["method"], "salt": m["salt"]}
+        for name, bf16 in zip(("taps", "last"), m["bf16"]):
+            key = f"{name}_{'bf16' if bf16 else 'fp16'}"
+            seq[name] = decode_rows(stored[key][cursor[key] : cursor[key] + m["length"]].copy(), bf16)
+            cursor[key] += m["length"]
+        at += m["length"]
+        out.append(seq)
+    return out
 
 
 class CaptureStore:
@@ -90,9 +146,9 @@ class CaptureStore:
         manifest = self.directory / MANIFEST
         if not manifest.is_file():
             manifest.write_text(json.dumps(self.manifest, indent=2))
-        path = self.directory / f"shard-{time.time_ns():020d}.pt"
+        path = self.directory / f"shard-{time.time_ns():020d}.npz"
         partial = path.with_suffix(".tmp")
-        torch.save(sequences, partial)
+        write_shard(partial, sequences)
         os.replace(partial, path)
         self.rotate()
         return path
@@ -121,14 +177,14 @@ class TrafficCapture:
         self.config = config
         self.tap_layers = feature_layers(target_cfg)
         self._rng = random.Random(seed)
-        self._rows: dict[Hashable, list[Tensor]] = {}
+        self._rows: dict[Hashable, list[np.ndarray]] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self.store = CaptureStore(config, {
             "format": CAPTURE_FORMAT, "target": target_name, "hidden_size": target_cfg.hidden_size,
             "layers": list(self.tap_layers), "eagle3_tap_layers": list(target_cfg.eagle3_tap_layers()),
             "stored": "per sequence: tokens (prompt + output, int32), prompt_len, taps (the EAGLE-3 tap layers' outputs side by "
                       "side), last (the last layer's output), method, salt; fp16 (bf16 where fp16 overflows)",
-            "delete": "remove this directory (or any shard-*.pt in it); the server recreates it",
+            "delete": "remove this directory (or any shard-*.npz in it); the server recreates it",
         })
         self.captured = 0  # sequences written
         self.dropped = 0  # sequences lost to a full queue
@@ -141,13 +197,13 @@ class TrafficCapture:
         return self.config.admits(record.params.cache_salt) and self._rng.random() < self.config.sample_rate
 
     def on_prefill(self, record: SequenceRecord, hidden: Tensor) -> None:
-        if hidden is not None:
-            self._rows[record.seq_id] = [hidden]
+        if hidden is not None:  # a tensor of this step's own (the target pass copies taps out): kept by reference
+            self._rows[record.seq_id] = [hidden.numpy()]
 
     def on_verified(self, seq_id: Hashable, hidden: Tensor) -> None:
         rows = self._rows.get(seq_id)
         if rows is not None and hidden is not None:
-            rows.append(hidden)
+            rows.append(hidden.numpy())
 
     def on_release(self, record: SequenceRecord) -> None:
         rows = self._rows.pop(record.seq_id, None)
@@ -171,9 +227,8 @@ class TrafficCapture:
                 item = None
             if item is not None:
                 record, rows = item
-                features = sequence_features(record, rows, num_layers)
+                features = sequence_record(record, rows, num_layers)  # numpy only: no torch op on this thread
                 if features is not None:
-                    features.update(method=record.method, salt=record.params.cache_salt)
                     if not pending:
                         oldest = time.monotonic()
                     pending.append(features)
@@ -208,7 +263,7 @@ def read_captures(directory: Path, salts: set[str | None] | None = None) -> list
         raise ValueError(f"{directory}: capture format {fmt}, this reader reads {CAPTURE_FORMAT}")
     out = []
     for path in sorted(directory.glob(SHARD_GLOB)):
-        out += [s for s in torch.load(path, weights_only=True) if salts is None or s.get("salt") in salts]
+        out += [s for s in read_shard(path) if salts is None or s.get("salt") in salts]
     return out
 
 

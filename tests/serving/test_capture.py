@@ -62,7 +62,7 @@ def test_capture_records_what_the_target_computed_and_changes_no_answer(tmp_path
     assert run(engine, smol_tokenizer, REQUESTS) == expected
     capture.close()
     assert capture.captured == len(REQUESTS) and capture.dropped == 0
-    assert len(list(store.glob("shard-*.pt"))) == 2  # 3 per shard, the last one written at close
+    assert len(list(store.glob("shard-*.npz"))) == 2  # 3 per shard, the last one written at close
     manifest = json.loads((store / "capture.json").read_text())
     assert manifest["layers"] == list(smol_int8_model.cfg.eagle3_tap_layers()) + [smol_int8_model.cfg.num_layers - 1]
     recorded = read_captures(store)
@@ -105,7 +105,7 @@ def test_the_store_keeps_under_its_cap_by_deleting_the_oldest(tmp_path, smol_int
     prompt = " ".join(["A long prompt about ships and harbours and the weather at sea."] * 12)
     run(engine, smol_tokenizer, [(prompt, "none", SamplingParams(max_tokens=4))] * 6)
     capture.close()
-    shards = sorted(store.glob("shard-*.pt"))
+    shards = sorted(store.glob("shard-*.npz"))
     sizes = [p.stat().st_size for p in shards]
     assert capture.captured == 6 and 1 <= len(shards) < 6  # some were rotated out
     assert sum(sizes) <= 1 << 20 and sizes[-1] > (1 << 20) // 6  # each shard is big enough that six pass the cap
