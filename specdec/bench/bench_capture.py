@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -42,7 +44,7 @@ def run(args) -> dict:
     started = provenance()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / "store"
+    store = Path(tempfile.mkdtemp(prefix="specdec-capture-"))  # measured, then deleted (never results/)
     results = {"method": "the served default", "max_tokens": args.max_tokens, "load_points": {}}
     with server(out, "off", None) as plain, server(out, "on", store) as capturing:
         for concurrency in args.concurrency:
