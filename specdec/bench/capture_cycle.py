@@ -11,7 +11,7 @@
    (greedy, chain of 5) of the shipped head and of the new one.
 5. Promotion: held-out prompts stream through the server while `promote_heads` swaps the
    new head in; every stream must finish, and every greedy answer equal plain decoding's.
-Writes <out>/cycle.json (and the head, the store and the server log under <out>).
+Writes <out>/cycle.json and the server's log; the store and the head go to --work.
 """
 from __future__ import annotations
 
@@ -101,7 +101,9 @@ def run(args) -> dict:
     texts = code_prompts(tokenizer, args.train + args.heldout, args.seed, trained_on)
     train, held = texts[: args.train], texts[args.train :]
     (out / "prompts.json").write_text(json.dumps({"train": train, "heldout": held}, indent=1))
-    store, head = out / "captures", out / "head"
+    work = Path(args.work).resolve()  # the store and the head: large, never results/
+    work.mkdir(parents=True, exist_ok=True)
+    store, head = work / "captures", work / "head"
     settings = json.loads(SERVED_SETTINGS.read_text())
     settings["capture"] = {"directory": str(store), "flush_after_s": 2.0}
     (out / "specdec.json").write_text(json.dumps(settings, indent=1))
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--promote-streams", type=int, default=4)
-    p.add_argument("--skip-capture", action="store_true", help="train on the store already in <out>/captures")
+    p.add_argument("--work", default="tmp/capture-cycle", help="where the capture store and the trained head go")
+    p.add_argument("--skip-capture", action="store_true", help="train on the store already in <work>/captures")
     run(p.parse_args(argv))
 
 
