@@ -57,19 +57,6 @@ def feature_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(cfg.eagle3_tap_layers()) + (cfg.num_layers - 1,)
 
 
-def compact(features: Tensor) -> Tensor:
-    """fp16 halves the store, but Gemma 3's residual stream passes fp16's range (its first
-    features held inf, and training went NaN): those keep bf16's range instead."""
-    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
-
-
-def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
-    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
-    compact."""
-    H = hidden.shape[-1] // num_layers
-    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
-
-
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16's bits (uint16), rounded to nearest even, in numpy."""
     bits = x.astype(np.float32).view(np.uint32)
@@ -77,7 +64,7 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def encode_rows(x: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(the values as stored, bf16?): fp16 where they fit, else bf16 (as compact() does in torch)."""
+    """(the values as stored, bf16?): fp16 where they fit, else bf16 (as training's compact() does in torch)."""
     if np.abs(x).max(initial=0.0) < FP16_MAX:
         return x.astype(np.float16), False
     return to_bf16_bits(x), True

@@ -20,8 +20,21 @@ from specdec.config import cache_root
 from specdec.engine.drafters.base import Drafter
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.tree import DraftTree
-from specdec.serving.traffic_capture import feature_layers, read_captures, split_features
+from specdec.serving.traffic_capture import feature_layers, read_captures
 from specdec.training.data import distill_prompts, load_shard, select_conversations, user_openings
+
+
+def compact(features: Tensor) -> Tensor:
+    """fp16 halves the cache, but Gemma 3's residual stream passes fp16's range (its first
+    features held inf, and training went NaN): those keep bf16's range instead."""
+    return features.half() if features.abs().max() < torch.finfo(torch.float16).max else features.bfloat16()
+
+
+def split_features(hidden: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
+    """[T, num_layers * H] recorded feature_layers -> (EAGLE-3 taps, last layer [T, H]),
+    compact."""
+    H = hidden.shape[-1] // num_layers
+    return compact(hidden[:, :-H]).contiguous(), compact(hidden[:, -H:]).contiguous()
 
 
 class _TapRecorder(Drafter):

@@ -58,7 +58,7 @@ def test_capture_records_what_the_target_computed_and_changes_no_answer(tmp_path
     plain, _ = engine_with(smol_int8_model, smol_tokenizer, None)
     expected = run(plain, smol_tokenizer, REQUESTS)
     store = tmp_path / "store"
-    engine, capture = engine_with(smol_int8_model, smol_tokenizer, CaptureConfig(str(store), shard_sequences=3))
+    engine, capture = engine_with(smol_int8_model, smol_tokenizer, CaptureConfig(str(store), shard_sequences=3, flush_after_s=3600))
     assert run(engine, smol_tokenizer, REQUESTS) == expected
     capture.close()
     assert capture.captured == len(REQUESTS) and capture.dropped == 0
