@@ -1,8 +1,9 @@
 """`specdec capture-cycle`: capture, train and promote on code traffic, measured (issue 62).
 
 1. Code prompts: first-turn ShareGPT prompts that ask about code (training.data.code_prompts),
-   without the benchmarks' prompts and those the shipped head's stored answers answered; the
-   first --train are traffic, the next --heldout are never served before they are measured.
+   without the benchmarks' prompts: --heldout of those the shipped head never trained on (not
+   among its stored answers' prompts), never served before they are measured; --train others
+   are the traffic.
 2. A real Triton server (explicit model control) with capture on serves the traffic
    (greedy, the served default method, 4 streams); the store records it.
 3. `specdec train-head` continues the shipped EAGLE-3 head on the captures (plus the ShareGPT
@@ -97,9 +98,13 @@ def run(args) -> dict:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(default_model_dir())
+    # held out: code prompts the shipped head never trained on (not among its stored answers' prompts);
+    # traffic: other code prompts (the shipped head may have seen those: a server's traffic is what it is)
     trained_on = {tuple(prompt) for _, prompt, _ in load_answers(answers_dir(192, 0))}
-    texts = code_prompts(tokenizer, args.train + args.heldout, args.seed, trained_on)
-    train, held = texts[: args.train], texts[args.train :]
+    held = code_prompts(tokenizer, args.heldout, args.seed, trained_on)
+    if len(held) < args.heldout:
+        raise SystemExit(f"only {len(held)} held-out code prompts")
+    train = code_prompts(tokenizer, args.train, args.seed + 1, {tuple(encode_prompt(tokenizer, t)) for t in held})
     (out / "prompts.json").write_text(json.dumps({"train": train, "heldout": held}, indent=1))
     work = Path(args.work).resolve()  # the store and the head: large, never results/
     work.mkdir(parents=True, exist_ok=True)
