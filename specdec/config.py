@@ -675,23 +675,16 @@ class ServingConfig:
         raw = dict(raw)
         known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s",
                  "admission_timeout_s", "threads", "capture"}
-        unknown = set(raw) - known
-        if unknown:
-            raise ConfigError(sorted(unknown)[0], f"unknown setting; known: {', '.join(sorted(known))}")
+        _check_known(raw, known, "")
         engine_raw = dict(raw.get("engine", {}))
-        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}
-        for key in engine_raw:
-            if key not in engine_fields:
-                raise ConfigError(f"engine.{key}", f"unknown setting; known: {', '.join(sorted(engine_fields))}")
+        _check_known(engine_raw, {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}, "engine.")
         engine = EngineConfig(**engine_raw)
         methods: dict[str, SpeculativeConfig] = {}
         spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         for name, spec in dict(raw.get("methods", {})).items():
             if name == METHOD_NONE:
                 raise ConfigError(f"methods.{name}", "'none' is reserved for plain decoding")
-            for key in spec:
-                if key not in spec_fields:
-                    raise ConfigError(f"methods.{name}.{key}", f"unknown setting; known: {', '.join(sorted(spec_fields))}")
+            _check_known(spec, spec_fields, f"methods.{name}.")
             cfg = SpeculativeConfig(**spec)
             if cfg.max_total_draft_tokens > engine.max_num_draft_tokens:
                 raise ConfigError(
@@ -721,7 +714,7 @@ class ServingConfig:
     def with_heads(self, heads: Mapping[str, str]) -> "ServingConfig":
         """These settings with heads promoted: heads maps a drafting kind (specdec_wire.HEAD_PARAMETERS'
         keys: eagle3, medusa) to a head directory, which every served method of that kind then
-        drafts with (a new version of the engine's host model, loaded by Triton's model control)."""
+        drafts with (a promotion: the engine builds their drafters and swaps them in)."""
         unknown = set(heads) - set(P.HEAD_PARAMETERS)
         if unknown:
             raise ConfigError(sorted(unknown)[0], f"no head kind; known: {', '.join(P.HEAD_PARAMETERS)}")
@@ -743,11 +736,15 @@ def _capture_config(raw: Any) -> CaptureConfig | None:
         return None
     if not isinstance(raw, Mapping):
         raise ConfigError("capture", "must be an object (directory, sample_rate, max_bytes, shard_sequences, salts) or null")
-    known = {f.name for f in dataclasses.fields(CaptureConfig)}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(f"capture.{key}", f"unknown setting; known: {', '.join(sorted(known))}")
+    _check_known(raw, {f.name for f in dataclasses.fields(CaptureConfig)}, "capture.")
     return CaptureConfig(**raw)
+
+
+def _check_known(raw: Mapping[str, Any], known: set[str], prefix: str) -> None:
+    """A settings block names only known keys; the first unknown one is named (with `prefix`)."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}", f"unknown setting; known: {', '.join(sorted(known))}")
 
 
 def target_weight_dtype(config: "EngineConfig") -> str:

@@ -104,6 +104,9 @@ class SequenceObserver(Protocol):
     def on_release(self, record: SequenceRecord) -> None:
         """The sequence is gone (finished, cancelled or failed): its record holds every token."""
 
+    def close(self) -> None:
+        """The server stops: finish what is pending."""
+
 
 @dataclass
 class _Sequence:
@@ -111,6 +114,7 @@ class _Sequence:
     budget: int = 0  # decided for the next tree
     next_tree: DraftTree = field(default_factory=DraftTree)
     start: StartItem | None = None  # until the prompt is prefilled (its first token sampled)
+    observed: bool = False  # the observer (served-traffic capture) watches it
 
     @property
     def method(self) -> str:
@@ -135,7 +139,6 @@ class Speculator(KeyedSequences[_Sequence]):
         self.config = config
         drafters = drafters or {}
         self.observer = observer
-        self._observed: set[Hashable] = set()
         taps = union_of_layers([apart_tap_layers, observer.tap_layers if observer else ()] +
                                [d.tap_layers for d in drafters.values()])
         self.drafts = DraftService(drafters, hidden_layers=taps)
@@ -220,12 +223,11 @@ class Speculator(KeyedSequences[_Sequence]):
             speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
             records.append(SequenceRecord(item.seq_id, list(item.prompt_ids), item.params, item.method if speculative else METHOD_NONE,
                                           item.num_draft_tokens if speculative else 0))
-        observed = {r.seq_id for r in records if self.observer is not None and self.observer.wants(r)}
+        observed = frozenset(r.seq_id for r in records if self.observer is not None and self.observer.wants(r))
         self.target_pass.admit(records, frozenset(i.seq_id for i in starts if i.want_hidden or self.drafts.needs_hidden(i.method))
                                | observed)
-        self._observed |= observed
         for item, record in zip(starts, records):
-            self._seqs[item.seq_id] = _Sequence(record, start=item)
+            self._seqs[item.seq_id] = _Sequence(record, start=item, observed=item.seq_id in observed)
         try:
             return self._run(starts, steps)
         except Exception:
@@ -257,7 +259,7 @@ class Speculator(KeyedSequences[_Sequence]):
                                          for i, s, t in zip(decoding, seqs, trees)])
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(decoding, seqs)) or any(
             self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling) or any(
-            i.seq_id in self._observed for i in [*decoding, *prefilling])
+            self._get(i.seq_id).observed for i in [*decoding, *prefilling])
         chunk = self.config.prefill_chunk_tokens if decoding and self.config.prefill_chunk_tokens else None
         return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk)
 
@@ -282,7 +284,7 @@ class Speculator(KeyedSequences[_Sequence]):
             seq.start = None
             if seq.method != METHOD_NONE and seq.method in self.drafts.drafters:
                 self.drafts.start(seq.record, out.hidden, appends_tokens=False)  # the target pass appends them
-            if item.seq_id in self._observed:
+            if seq.observed:
                 self.observer.on_prefill(seq.record, self._observer_columns(out.hidden))
             result = StepResult([out.first_token], 0, hidden=out.hidden if item.want_hidden else None,
                                 verify_seconds=t1 - t0, log_probs=out.log_probs, cached_tokens=out.cached_tokens)
@@ -298,7 +300,7 @@ class Speculator(KeyedSequences[_Sequence]):
             if item.seq_id in self.drafts and not out.dead_end:  # every step, drafting or not: the drafter sees every token once
                 # (a dead end's sequence ends now: its taps hold one row more than its tokens)
                 self.drafts.advance(item.seq_id, emitted, accepted, out.hidden)
-            if item.seq_id in self._observed and not out.dead_end:
+            if seq.observed and not out.dead_end:
                 self.observer.on_verified(item.seq_id, self._observer_columns(out.hidden))
             result = StepResult(
                 emitted, accepted, max(tree.depths(), default=0), len(tree),
@@ -367,10 +369,8 @@ class Speculator(KeyedSequences[_Sequence]):
 
     def _drop(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id, None)
-        if seq_id in self._observed:
-            self._observed.discard(seq_id)
-            if seq is not None:
-                self.observer.on_release(seq.record)
+        if seq is not None and seq.observed:
+            self.observer.on_release(seq.record)
         self.planner.forget(seq_id)
         if seq_id in self.target_pass:
             self.target_pass.release(seq_id)

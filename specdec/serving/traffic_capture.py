@@ -12,9 +12,9 @@ forward by a third (measured: 62 -> 38 tok/s at c=1, in process), and a full que
 capture rather than slowing a request.
 
 The store (`capture.json` describes it):
-- `shard-<ns>.npz`: sequences side by side (tokens int32, taps [T, 3H], last [T, H], each
-  sequence's length, prompt_len, method and salt), fp16 where a sequence's values fit,
-  bf16 otherwise (read_captures gives one dict per sequence, as torch tensors);
+- `shard-<ns>.npz`: per sequence its tokens (int32), taps [T, 3H] and last [T, H] (fp16
+  where the sequence's values fit, bf16 otherwise), and a JSON list of each one's
+  prompt_len, method and salt (read_captures gives one dict per sequence, torch tensors);
 - written atomically (a temporary name, then rename), at most `shard_sequences` per file,
   or after `flush_after_s` with fewer;
 - rotated: past `max_bytes`, the oldest shards are deleted;
@@ -90,34 +90,19 @@ def sequence_record(record: SequenceRecord, rows: list[np.ndarray], num_layers: 
 
 
 def write_shard(path: Path, sequences: list[dict]) -> None:
-    """Sequences side by side in one .npz, grouped by storage type (fp16 or bf16 bits)."""
-    meta = [{"length": len(s["tokens"]), "prompt_len": s["prompt_len"], "method": s["method"], "salt": s["salt"], "bf16": s["bf16"]}
-            for s in sequences]
-    arrays = {"tokens": np.concatenate([s["tokens"] for s in sequences]), "meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    for name in ("taps", "last"):
-        for kind, index in (("fp16", False), ("bf16", True)):
-            part = [s[name] for s in sequences if s["bf16"][0 if name == "taps" else 1] == index]
-            if part:
-                arrays[f"{name}_{kind}"] = np.concatenate(part)
+    """One .npz: each sequence's arrays under its index, and a JSON list of the rest."""
+    meta = [{k: s[k] for k in ("prompt_len", "method", "salt", "bf16")} for s in sequences]
+    arrays = {f"{name}_{i}": s[name] for i, s in enumerate(sequences) for name in ("tokens", "taps", "last")}
     with open(path, "wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
 
 
 def read_shard(path: Path) -> list[dict]:
     with np.load(path) as z:
-        meta = json.loads(z["meta"].tobytes())
-        tokens = torch.from_numpy(z["tokens"].copy())
-        stored = {k: z[k] for k in z.files if k.startswith(("taps_", "last_"))}
-    out, at, cursor = [], 0, {k: 0 for k in stored}
-    for m in meta:
-        seq = {"tokens": tokens[at : at + m["length"]], "prompt_len": m["prompt_len"], "method": m["method"], "salt": m["salt"]}
-        for name, bf16 in zip(("taps", "last"), m["bf16"]):
-            key = f"{name}_{'bf16' if bf16 else 'fp16'}"
-            seq[name] = decode_rows(stored[key][cursor[key] : cursor[key] + m["length"]].copy(), bf16)
-            cursor[key] += m["length"]
-        at += m["length"]
-        out.append(seq)
-    return out
+        return [{"tokens": torch.from_numpy(z[f"tokens_{i}"]), "taps": decode_rows(z[f"taps_{i}"], m["bf16"][0]),
+                 "last": decode_rows(z[f"last_{i}"], m["bf16"][1]), "prompt_len": m["prompt_len"], "method": m["method"],
+                 "salt": m["salt"]}
+                for i, m in enumerate(json.loads(z["meta"].tobytes()))]
 
 
 class CaptureStore:
@@ -140,12 +125,9 @@ class CaptureStore:
         self.rotate()
         return path
 
-    def shards(self) -> list[Path]:
-        return sorted(self.directory.glob(SHARD_GLOB))
-
     def rotate(self) -> None:
         """Delete the oldest shards until the store fits its cap (the newest always stays)."""
-        shards = self.shards()
+        shards = sorted(self.directory.glob(SHARD_GLOB))
         sizes = [p.stat().st_size for p in shards]
         total = sum(sizes)
         for path, size in zip(shards[:-1], sizes):
@@ -252,7 +234,3 @@ def read_captures(directory: Path, salts: set[str | None] | None = None) -> list
     for path in sorted(directory.glob(SHARD_GLOB)):
         out += [s for s in read_shard(path) if salts is None or s.get("salt") in salts]
     return out
-
-
-def capture_manifest(directory: Path) -> dict:
-    return json.loads((Path(directory) / MANIFEST).read_text())

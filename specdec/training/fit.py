@@ -73,15 +73,16 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
     the next batch of the same order (each epoch's order is replayed from the seed), so a
     killed run ends where an uninterrupted one would. The checkpoint is deleted when the
     run completes; --restart ignores it. A checkpoint of other settings is refused."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = math.ceil(len(train_set) / args.batch_size) * args.epochs
+    params = _trainable(module)
+    opt = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    per_epoch = math.ceil(len(train_set) / args.batch_size)
+    total = per_epoch * args.epochs
     rng = random.Random(args.seed)
     log, step, resumed_s = [], 0, 0.0
     ckpt = checkpoint_path(args.out) if getattr(args, "out", None) else None
     fingerprint = {"train_sequences": len(train_set), "train_tokens": sum(len(f["tokens"]) for f in train_set),
                    "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "seed": args.seed,
-                   "parameters": sorted(_trainable(module))}
+                   "parameters": sorted(params)}
     if ckpt is not None and ckpt.is_file() and not getattr(args, "restart", False):
         state = torch.load(ckpt, weights_only=True)
         if state["fingerprint"] != fingerprint:
@@ -89,7 +90,7 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
             raise SystemExit(f"{ckpt} was saved by a run with other settings ({', '.join(changed)} differ): "
                              "re-run that command, or pass --restart")
         with torch.no_grad():
-            for name, p in _trainable(module).items():
+            for name, p in params.items():
                 p.copy_(state["weights"][name])
         opt.load_state_dict(state["optimizer"])
         step, log, resumed_s = state["step"], state["log"], state["elapsed_s"]
@@ -102,18 +103,16 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
 
     def save() -> None:
         state = {"fingerprint": fingerprint, "step": step, "log": log, "elapsed_s": time.perf_counter() - t0,
-                 "weights": {n: p.detach().clone() for n, p in _trainable(module).items()}, "optimizer": opt.state_dict()}
+                 "weights": {n: p.detach().clone() for n, p in params.items()}, "optimizer": opt.state_dict()}
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, ckpt.with_suffix(".tmp"))
         ckpt.with_suffix(".tmp").replace(ckpt)
 
     module.train()
-    at = 0  # batches walked (replayed ones included)
     for epoch in range(args.epochs):
-        order = length_bucketed(train_set, args.batch_size, rng)
+        order = length_bucketed(train_set, args.batch_size, rng)  # every epoch's, the replayed ones too: the seed's sequence
         for i in range(0, len(order), args.batch_size):
-            at += 1
-            if at <= start_step:  # done before the checkpoint
+            if epoch * per_epoch + i // args.batch_size < start_step:  # done before the checkpoint
                 continue
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
@@ -121,7 +120,7 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
             loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
             opt.step()
             step += 1
             if step % args.log_every == 0 or step == total:

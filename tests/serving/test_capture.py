@@ -173,3 +173,27 @@ def test_a_promoted_drafter_serves_new_sequences_and_running_ones_finish_with_th
     assert set(calls[id(old)]) == {"a"} and set(calls[id(new)]) == {"b"}
     with pytest.raises(ConfigError, match="tap_layers"):
         drafts.replace({"eagle3": build_drafters(smol_int8_model.cfg, {"ngram": SpeculativeConfig(method="ngram")}, engine.config)["ngram"]})
+
+
+def test_a_shard_keeps_values_past_fp16s_range_in_bf16(tmp_path):
+    """Gemma 3's residual stream passes fp16's range: such a sequence is stored as bf16,
+    rounded as torch rounds, beside an fp16 one in the same shard."""
+    import numpy as np
+
+    from specdec.serving.traffic_capture import encode_rows, read_shard, write_shard
+
+    rng = np.random.default_rng(0)
+    small = rng.normal(size=(5, 6)).astype(np.float32)
+    large = (rng.normal(size=(5, 6)) * 1e5).astype(np.float32)
+    sequences = []
+    for i, x in enumerate((small, large)):
+        taps, taps_bf16 = encode_rows(x)
+        last, last_bf16 = encode_rows(x[:, :2])
+        sequences.append({"tokens": np.arange(5, dtype=np.int32) + i, "prompt_len": 2, "taps": taps, "last": last,
+                          "bf16": (taps_bf16, last_bf16), "method": "none", "salt": None})
+    path = tmp_path / "shard.npz"
+    write_shard(path, sequences)
+    fp16, bf16 = read_shard(path)
+    assert fp16["taps"].dtype == torch.float16 and torch.equal(fp16["taps"], torch.from_numpy(small).half())
+    assert bf16["taps"].dtype == torch.bfloat16 and torch.equal(bf16["taps"], torch.from_numpy(large).bfloat16())
+    assert bf16["tokens"].tolist() == [1, 2, 3, 4, 5] and bf16["prompt_len"] == 2
