@@ -653,6 +653,35 @@ class CaptureConfig:
         return salt is None or salt in self.salts or "*" in self.salts
 
 
+# Caps every served model's OpenMP team (the `threads` settings and torch's default): for a
+# server given fewer cores than the machine has (a pod's CPU limit, two test workers on two
+# cores), where more OpenMP threads than cores spin against each other.
+MAX_THREADS_ENV = "SPECDEC_MAX_THREADS"
+
+
+def max_threads() -> int | None:
+    cap = os.environ.get(MAX_THREADS_ENV)
+    if not cap:
+        return None
+    if not cap.isdigit() or int(cap) < 1:
+        raise ConfigError(MAX_THREADS_ENV, f"must be a positive integer, got {cap!r}")
+    return int(cap)
+
+
+def capped_threads(threads: Mapping[str, int]) -> dict[str, int]:
+    cap = max_threads()
+    return {name: min(int(n), cap) if cap else int(n) for name, n in threads.items()}
+
+
+def team_size(threads: Mapping[str, int], model: str, default: int) -> int | None:
+    """The OpenMP team a served model sets: its `threads` setting (already capped), else the
+    cap where it is below torch's default; None leaves torch's default."""
+    if model in threads:
+        return threads[model]
+    cap = max_threads()
+    return cap if cap and cap < default else None
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Everything the served models share, read from one JSON file
@@ -698,7 +727,7 @@ class ServingConfig:
         return ServingConfig(
             engine=engine, methods=methods, default_method=default, model_dir=raw.get("model_dir"),
             apply_chat_template=bool(raw.get("apply_chat_template", True)),
-            idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=dict(raw.get("threads", {})),
+            idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=capped_threads(raw.get("threads", {})),
             admission_timeout_s=float(raw.get("admission_timeout_s", 60.0)),
             capture=_capture_config(raw.get("capture")),
         )

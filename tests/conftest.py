@@ -20,9 +20,18 @@ for folder in ("support", "engine", "serving", "server", "client", "deploy", "pr
     if str(TESTS / folder) not in sys.path:
         sys.path.insert(0, str(TESTS / folder))
 
-# `make test-parallel` runs two pytest-xdist workers on 2 cores: each takes its share of the cores.
+# Under pytest-xdist each worker takes its share of the cores (the mutation harness's copies set
+# SPECDEC_TEST_THREADS), and so do the servers and subprocesses it starts. OpenMP teams that
+# together outnumber the cores spin against each other (GNU OpenMP spins before it sleeps):
+# measured in process on 2 cores, two plain-decoding runs at 2 threads each made 6 tok/s apiece
+# (66 alone), at 1 thread each 42 apiece.
+CORES = len(os.sched_getaffinity(0))
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", str(max(1, 2 // WORKERS)))))
+THREADS = int(os.environ.get("SPECDEC_TEST_THREADS", str(max(1, CORES // WORKERS))))
+torch.set_num_threads(THREADS)
+if THREADS < CORES:
+    os.environ.setdefault("SPECDEC_MAX_THREADS", str(THREADS))  # specdec.config.MAX_THREADS_ENV
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def pytest_collection_modifyitems(config, items):

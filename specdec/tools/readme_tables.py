@@ -263,6 +263,22 @@ def heads() -> Table:
     return Table(table(["method", f"greedy, {' / '.join(loads)}", f"T=0.7, {' / '.join(loads)}"], rows), paths)
 
 
+def head_acceptance() -> Table:
+    """Each EAGLE-3 head version per workload (make bench-head-acceptance): greedy mean acceptance
+    length as a chain and as the served tree, and c=1 speed against plain decoding beside it."""
+    path = "results/heads/summary.json"
+    record = read(path)
+    rows = []
+    for r in record["rows"]:
+        chain, tree = r["chain"], r["tree"]
+        rows.append([r["head"], r["workload"], str(r["prompts"]), f"{chain['mean_acceptance_length']:.2f}", f"{tree['mean_acceptance_length']:.2f}",
+                     f"{chain['speedup_c1']:.2f}", f"{tree['speedup_c1']:.2f}",
+                     ", ".join(f"{a:.2f}" for a in chain["per_position_acceptance"])])
+    header = ["head", "workload", "prompts", "MAL chain (K=5)", "MAL tree", "c=1 x plain, chain", "c=1 x plain, tree",
+              "chain acceptance by position"]
+    return Table(table(header, rows), [path])
+
+
 def v5() -> Table:
     paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
              "T=1.0": "results/bench/v5-t10/summary.json"}

@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
 from specdec.triton_models import contract as C
-from specdec.config import ServingConfig
+from specdec.config import ServingConfig, team_size
 from specdec.errors import ConfigError, InvalidRequestError
 
 SETTINGS_FILE = "specdec.json"
@@ -30,11 +30,11 @@ def load_settings(args: dict[str, Any]) -> ServingConfig:
     default = Path(args["model_repository"]).resolve().parent / SETTINGS_FILE
     path = Path(os.environ.get("SPECDEC_SETTINGS", params.get("settings_file") or default))
     settings = ServingConfig.from_file(path)
-    threads = settings.threads.get(model_config["name"])
-    if threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(int(threads))
+    threads = team_size(settings.threads, model_config["name"], torch.get_num_threads())
+    if threads:
+        torch.set_num_threads(threads)
     logging.getLogger("specdec").info("%s: settings from %s", model_config["name"], path)
     return settings
 

@@ -26,7 +26,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 import specdec_wire as P
-from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir
+from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir, team_size
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
@@ -124,7 +124,7 @@ class Verifier:
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         target_cfg = read_model_config(model_dir)
-        threads = settings.threads.get(C.VERIFIER_THREADS)
+        threads = team_size(settings.threads, C.VERIFIER_THREADS, torch.get_num_threads())
 
         def build_engine():  # on the scheduler's thread, where every forward will run
             if threads:  # OpenMP's team size is per thread: this one runs the forwards

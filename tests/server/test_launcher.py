@@ -152,6 +152,26 @@ def test_server_environment(monkeypatch):
     assert "PYTHONHOME" not in env
 
 
+def test_the_thread_cap_bounds_every_served_models_team(monkeypatch):
+    """SPECDEC_MAX_THREADS (a pod's CPU limit, test workers sharing cores) caps the `threads`
+    settings and torch's default; without it both stand; a bad value names the variable."""
+    from specdec.config import MAX_THREADS_ENV, ServingConfig, team_size
+    from specdec.errors import ConfigError
+
+    raw = {"methods": {}, "threads": {"verifier": 4, "drafter": 1}}
+    monkeypatch.delenv(MAX_THREADS_ENV, raising=False)
+    assert ServingConfig.from_dict(raw).threads == {"verifier": 4, "drafter": 1}
+    assert team_size({}, "ensemble", 8) is None
+    monkeypatch.setenv(MAX_THREADS_ENV, "2")
+    threads = ServingConfig.from_dict(raw).threads
+    assert threads == {"verifier": 2, "drafter": 1}
+    assert team_size(threads, "verifier", 8) == 2 and team_size(threads, "ensemble", 8) == 2
+    assert team_size(threads, "ensemble", 1) is None  # never raised above torch's default
+    monkeypatch.setenv(MAX_THREADS_ENV, "zero")
+    with pytest.raises(ConfigError, match=MAX_THREADS_ENV):
+        ServingConfig.from_dict(raw)
+
+
 def test_missing_model_repository_is_a_clear_error(tmp_path):
     server = L.TritonServer(cache_dir=tmp_path)
     missing = tmp_path / "does-not-exist"

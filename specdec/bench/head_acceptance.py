@@ -1,0 +1,142 @@
+"""`specdec bench-head-acceptance`: each EAGLE-3 head version on each workload (issue 62).
+
+Greedy decoding in process on the served weight format (int8), with prompts no head of the
+comparison trained on unless the table says so:
+- sharegpt: the benchmarks' first-turn prompts (reserved from every training set);
+- code: the capture cycle's held-out code prompts (never served, never trained on);
+- multi-turn: second turns of reserved conversations (turn one, its dataset answer, turn two);
+- captured: the capture cycle's served traffic replayed (the captured head trained on it).
+Per head and workload: mean acceptance length as a chain (K=5) and as the served dynamic tree
+(eagle3-tree's shape), and c=1 speed against plain decoding, measured prompt by prompt beside
+it (interleaved, same process). Writes <out>/summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from specdec_client.envinfo import provenance, write_result
+
+from specdec.config import REPO_ROOT, SERVED_SETTINGS, EngineConfig, SamplingParams, SpeculativeConfig, default_model_dir
+from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
+from specdec.serving.spec_engine import SpecEngine
+from specdec.serving.stats import SpecStats
+from specdec.tools.sharegpt import sharegpt_conversations, sharegpt_prompts
+from specdec.training.data import benchmark_prompt_texts, select_conversations, user_openings
+
+SHIPPED_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+CHAIN = SpeculativeConfig(method="eagle3", max_draft_len=5)
+
+
+def served_tree() -> SpeculativeConfig:
+    """eagle3-tree as specdec.json serves it, without its concurrency cap."""
+    raw = dict(json.loads(SERVED_SETTINGS.read_text())["methods"]["eagle3-tree"])
+    raw.pop("max_concurrency", None)
+    return SpeculativeConfig(**raw)
+
+
+def trained_openings(tokenizer, heads: dict[str, str]) -> set[tuple[int, ...]]:
+    """The user openings of every ShareGPT conversation a head of the comparison trained on
+    (its train_log's selection): multi-turn prompts starting with one are left out."""
+    out: set[tuple[int, ...]] = set()
+    for head in heads.values():
+        log = Path(head) / "train_log.json"
+        data = json.loads(log.read_text()).get("data", {}) if log.exists() else {}
+        if data.get("conversations"):
+            seqs = select_conversations(tokenizer, data["conversations"], data["max_len"], data["seed"])
+            out |= {tuple(ids) for ids in user_openings(seqs, tokenizer)}
+    return out
+
+
+def multi_turn_prompts(tokenizer, n: int, exclude: set[tuple[int, ...]]) -> list[list[int]]:
+    """Second turns (turn one, its dataset answer, turn two) of conversations whose first prompt
+    is reserved for benchmarks and that no head trained on."""
+    reserved = benchmark_prompt_texts()
+    out = []
+    for conv in sharegpt_conversations():
+        turns = [(r, t) for r, t in conv if r in ("user", "assistant")]
+        if len(turns) < 3 or turns[0][0] != "user" or turns[0][1].strip() not in reserved:
+            continue
+        messages = [{"role": r, "content": t} for r, t in turns[:3]]
+        if tuple(tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)) in exclude:
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if 32 <= len(ids) <= 768:
+            out.append(list(ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def workloads(tokenizer, n: int, cycle_prompts: Path | None, heads: dict[str, str]) -> dict[str, list[list[int]]]:
+    sets = {"sharegpt": [encode_prompt(tokenizer, t) for t in sharegpt_prompts(n, seed=0, tokenizer=tokenizer, min_tokens=4, max_tokens=256)],
+            "multi-turn": multi_turn_prompts(tokenizer, n, trained_openings(tokenizer, heads))}
+    if cycle_prompts and cycle_prompts.exists():
+        cycle = json.loads(cycle_prompts.read_text())
+        sets["code"] = [encode_prompt(tokenizer, t) for t in cycle["heldout"][:n]]
+        sets["captured"] = [encode_prompt(tokenizer, t) for t in cycle["train"][:n]]
+    return sets
+
+
+def measure(target, tokenizer, head: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Chain and tree acceptance, and c=1 speed against plain decoding run beside each prompt."""
+    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=2048)
+    spec = {name: dataclasses.replace(cfg, speculative_model=str(head)) for name, cfg in (("chain", CHAIN), ("tree", served_tree()))}
+    engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
+    row: dict = {"prompts": len(prompts), "max_tokens": max_tokens}
+    for name, cfg in spec.items():
+        seconds, tokens, stats = {"none": 0.0, name: 0.0}, {"none": 0, name: 0}, SpecStats()
+        for i, ids in enumerate(prompts):
+            for method in ("none", name):  # plain decoding beside the method, prompt by prompt
+                t0 = time.perf_counter()
+                for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method,
+                                           cfg.max_draft_len if method == name else 0, request_id=f"{method}-{i}"):
+                    tokens[method] += len(out.new_token_ids)
+                seconds[method] += time.perf_counter() - t0
+                if method == name:
+                    stats.merge(out.stats)  # the request's own
+        row[name] = {"mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
+                     "per_position_acceptance": stats.per_position_acceptance, "steps": stats.steps,
+                     "speedup_c1": (tokens[name] / seconds[name]) / (tokens["none"] / seconds["none"]),
+                     "plain_tok_s": tokens["none"] / seconds["none"]}
+    return row
+
+
+def run(args) -> dict:
+    started = provenance()
+    tokenizer = load_tokenizer(default_model_dir())
+    target = load_target(default_model_dir(), EngineConfig(weight_format="int8"))
+    heads = dict(h.split("=", 1) for h in args.head) or {"shipped": str(SHIPPED_HEAD)}
+    sets = workloads(tokenizer, args.prompts, Path(args.cycle_prompts) if args.cycle_prompts else None, heads)
+    record: dict = {"heads": heads, "workloads": {name: len(p) for name, p in sets.items()}, "tree": served_tree().__dict__,
+                    "chain_draft_len": CHAIN.max_draft_len, "weight_format": "int8", "rows": []}
+    for head_name, head_dir in heads.items():
+        for workload, prompts in sets.items():
+            t0 = time.perf_counter()
+            row = {"head": head_name, "workload": workload, **measure(target, tokenizer, Path(head_dir), prompts, args.max_tokens)}
+            record["rows"].append(row)
+            print(f"{head_name:>12} {workload:>10}: chain MAL {row['chain']['mean_acceptance_length']:.2f} "
+                  f"({row['chain']['speedup_c1']:.2f}x), tree MAL {row['tree']['mean_acceptance_length']:.2f} "
+                  f"({row['tree']['speedup_c1']:.2f}x) [{time.perf_counter() - t0:.0f} s]", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_result(out / "summary.json", record, started)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="specdec bench-head-acceptance", description=__doc__.splitlines()[0])
+    p.add_argument("--head", action="append", default=[], metavar="NAME=DIR", help="a head version (repeatable; default: the shipped head)")
+    p.add_argument("--cycle-prompts", default="results/capture_cycle/prompts.json",
+                   help="the capture cycle's prompts: its held-out code prompts and its served traffic")
+    p.add_argument("--prompts", type=int, default=12, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--out", default="results/heads")
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
