@@ -42,8 +42,13 @@ SHIPPED_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
 RELAY = "speculative_loop"
 
 
-def greedy(text: str, method: str | None, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(text, max_tokens=max_tokens, temperature=0.0, method=method)
+# The measurement's requests (held-out prompts) carry a salt the capture does not name, so the
+# store keeps the traffic alone and a later training run never sees a held-out prompt.
+MEASURED_SALT = "capture-cycle-heldout"
+
+
+def greedy(text: str, method: str | None, max_tokens: int, salt: str | None = MEASURED_SALT) -> GenerateRequest:
+    return GenerateRequest(text, max_tokens=max_tokens, temperature=0.0, method=method, cache_salt=salt)
 
 
 def client(url: str) -> SpecDecClient:
@@ -53,7 +58,7 @@ def client(url: str) -> SpecDecClient:
 def serve_traffic(grpc: int, prompts: list[str], max_tokens: int, streams: int = 4) -> int:
     def one(text: str) -> int:
         with client(f"127.0.0.1:{grpc}") as c:
-            return len(c.generate(greedy(text, None, max_tokens)).token_ids)
+            return len(c.generate(greedy(text, None, max_tokens, salt=None)).token_ids)  # captured
 
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         return sum(pool.map(one, prompts))
