@@ -435,6 +435,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "matrix-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "heads": heads,
     "v5": v5,
+    "head-acceptance": head_acceptance,
     "greedy-margin": greedy_margin,
     "weight-formats": weight_formats,
     "verify-cost": verify_cost,
