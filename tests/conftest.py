@@ -35,7 +35,7 @@ if THREADS < CORES:
 
 
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup` (make test): every test of the shared Triton server runs on one
+    """With `--dist loadgroup` (make test-parallel): every test of the shared Triton server runs on one
     worker, so the server starts once per run, and every other module stays on one worker, so a
     module's fixtures (an engine, a server of its own) are built once."""
     for item in items:

@@ -61,8 +61,9 @@ class CompileProbe:
 
     def start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
+            first = self._proc is None  # at load: nothing served yet (a restart after a kill starts niced)
             self._proc = subprocess.Popen(
-                [_python(), "-m", "specdec.engine.guide_compiler", self._info_path],
+                [_python(), "-m", "specdec.engine.guide_compiler", self._info_path] + ([NICE_AFTER_READY] if first else []),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8", bufsize=1,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"},
             )
@@ -225,9 +226,16 @@ def yield_the_cores() -> None:
         pass
 
 
-def _probe_main(info_path: str) -> None:
-    """The probe process: one JSON line in per guide, one out ({} or {"error": ...})."""
-    yield_the_cores()
+NICE_AFTER_READY = "--nice-after-ready"
+
+
+def _probe_main(info_path: str, nice_after_ready: bool = False) -> None:
+    """The probe process: one JSON line in per guide, one out ({} or {"error": ...}). The first
+    probe (started while the model loads, before anything is served) starts at normal priority
+    and yields the cores once ready: at nice 19 on a fully busy machine its start (importing
+    xgrammar, loading the vocabulary) waited out the 120 s bound and failed the model's load."""
+    if not nice_after_ready:
+        yield_the_cores()
     import xgrammar
 
     from specdec.engine.grammar import compile_guide
@@ -235,6 +243,8 @@ def _probe_main(info_path: str) -> None:
     info = xgrammar.TokenizerInfo.deserialize_json(Path(info_path).read_text(encoding="utf-8"))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     print("ready", flush=True)
+    if nice_after_ready:
+        yield_the_cores()
     for line in sys.stdin:
         request = json.loads(line)
         try:
@@ -245,4 +255,4 @@ def _probe_main(info_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _probe_main(sys.argv[1])
+    _probe_main(sys.argv[1], NICE_AFTER_READY in sys.argv[2:])
