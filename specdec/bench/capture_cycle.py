@@ -29,14 +29,12 @@ import specdec_wire as P
 from specdec_client import GenerateRequest, SpecDecClient
 from specdec_client.envinfo import provenance, write_result
 
-from specdec.config import REPO_ROOT, SERVED_SETTINGS, EngineConfig, default_model_dir
+from specdec.bench.head_acceptance import SHIPPED_HEAD
+from specdec.config import SERVED_SETTINGS, EngineConfig, default_model_dir
 from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
 from specdec.serving.runtime import encode_prompt, load_target, load_tokenizer
 from specdec.training.data import answers_dir, code_prompts, load_answers
 from specdec.training.heldout import heldout_acceptance
-
-SHIPPED_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
-
 
 # The relay returns output_ids (the ensemble returns text only): answers are compared token for token.
 RELAY = "speculative_loop"
