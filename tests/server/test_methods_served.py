@@ -7,7 +7,11 @@ The method list is read from specdec.json, so a method added there is held here 
 streams is the most at which the fixed methods still draft (`max_concurrency: 4`), so their
 draft counter must rise in the four-stream phase too; the adaptive planner may choose to
 draft little in a crowded batch, so for those methods drafting is asserted at one stream.
-Acceptance is asserted over both phases, for every method (the default, eagle3-hybrid, too)."""
+Acceptance is asserted over both phases, for every method (the default, eagle3-hybrid, too).
+A planned method whose measured costs say drafting does not pay (a loaded machine) verifies
+only its exploration nodes, one per EXPLORE_EVERY steps, which 16-token answers can leave
+all rejected; such a method then also answers LONG_PROMPTS (long, predictable answers, the
+output again equal to the baseline's) before its acceptance is asserted."""
 from __future__ import annotations
 
 import asyncio
@@ -40,12 +44,20 @@ PROMPTS = [
 SOLO = 3
 STREAMS = 4
 MAX_TOKENS = 16
+# Answers that repeat (what n-gram lookup copies) and count (what the heads and draft models
+# guess): long enough for several exploration nodes of a planned method.
+LONG_PROMPTS = [
+    "Repeat after me: speculative decoding is lossless. Repeat it again.",
+    "List the numbers from 1 to 30, one per line.",
+]
+LONG_MAX_TOKENS = 64
 
 
 BASELINE = METHOD_NONE  # plain decoding (num_draft_tokens 0)
 
 
-def generate(server, prompts: list[str], method: str, concurrency: int) -> list[list[int]]:
+def generate(server, prompts: list[str], method: str, concurrency: int,
+             max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Token ids per prompt, at most `concurrency` streams in flight over one channel."""
 
     async def run() -> list[list[int]]:
@@ -53,7 +65,7 @@ def generate(server, prompts: list[str], method: str, concurrency: int) -> list[
         async with AsyncSpecDecClient(server.endpoints.grpc, model="speculative_loop") as client:
             async def one(prompt: str) -> list[int]:
                 async with gate:
-                    request = GenerateRequest(prompt, max_tokens=MAX_TOKENS, method=method,
+                    request = GenerateRequest(prompt, max_tokens=max_tokens, method=method,
                                               num_draft_tokens=0 if method == BASELINE else None)
                     return (await client.generate(request)).token_ids
 
@@ -78,6 +90,19 @@ def baseline(triton_server) -> list[list[int]]:
     return together
 
 
+@pytest.fixture(scope="module")
+def long_baseline(triton_server):
+    """Plain decoding of LONG_PROMPTS, made on first use (most runs never need it)."""
+    made: list[list[list[int]]] = []
+
+    def get() -> list[list[int]]:
+        if not made:
+            made.append(generate(triton_server, LONG_PROMPTS, BASELINE, concurrency=1, max_tokens=LONG_MAX_TOKENS))
+        return made[0]
+
+    return get
+
+
 def test_the_parametrisation_holds_the_shipped_methods():
     """Guards the parametrisation below against an empty or renamed list: these four were
     never served in a test before this file."""
@@ -85,7 +110,7 @@ def test_the_parametrisation_holds_the_shipped_methods():
 
 
 @pytest.mark.parametrize("method", SHIPPED)
-def test_shipped_method_equals_the_baseline_at_1_and_4_streams(triton_server, baseline, method):
+def test_shipped_method_equals_the_baseline_at_1_and_4_streams(triton_server, baseline, long_baseline, method):
     start = counters(triton_server, method)
     solo = generate(triton_server, PROMPTS[:SOLO], method, concurrency=1)
     assert solo == baseline[:SOLO], method
@@ -102,6 +127,10 @@ def test_shipped_method_equals_the_baseline_at_1_and_4_streams(triton_server, ba
     assert steps >= STREAMS, (method, after_solo, end)
     if not SETTINGS["methods"][method].get("adaptive"):  # fixed budgets still draft at four streams
         assert end[P.DRAFT_TOKENS_TOTAL] > after_solo[P.DRAFT_TOKENS_TOTAL], (method, after_solo, end)
+    if SETTINGS["methods"][method].get("adaptive") and end[P.ACCEPTED_TOKENS_TOTAL] == start[P.ACCEPTED_TOKENS_TOTAL]:
+        longer = generate(triton_server, LONG_PROMPTS, method, concurrency=1, max_tokens=LONG_MAX_TOKENS)
+        assert longer == long_baseline(), method
+        end = counters(triton_server, method)
     # The target accepted some of the method's drafts (over both phases), the planned methods and
     # the served default included: a method that equals the baseline without speculating proves
     # nothing about its speculation.
