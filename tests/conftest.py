@@ -34,10 +34,13 @@ if THREADS < CORES:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """With `--dist loadgroup` (make test-parallel): every test of the shared Triton server runs on one
     worker, so the server starts once per run, and every other module stays on one worker, so a
-    module's fixtures (an engine, a server of its own) are built once."""
+    module's fixtures (an engine, a server of its own) are built once. Without tryfirst xdist saw no
+    group: each worker started its own shared server, and two workers wrote test_layering's probe
+    file into one package at once."""
     for item in items:
         uses_server = "triton_server" in getattr(item, "fixturenames", ())
         item.add_marker(pytest.mark.xdist_group("triton_server" if uses_server else item.nodeid.split("::")[0]))
