@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-parallel test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-serial test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 # setup.py compiles the engine's kernels (specdec/engine/kernels) during the install: a change to them reinstalls.
 $(STAMP): pyproject.toml setup.py $(wildcard specdec/engine/kernels/*.c specdec/engine/kernels/*.h)
@@ -65,15 +65,15 @@ bench-gemma: prepare-gemma
 generate: prepare
 	$(BIN)/specdec generate --prompt "Write a short poem about the sea." --method ngram --max-tokens 96
 
+# Two pytest-xdist workers (one per core; tests/conftest.py: the shared Triton server's tests on one
+# worker, each other module whole on one, every OpenMP team a worker starts at 1 thread), measured
+# against the serial run side by side (issue 61; docs/reliability.md#the-suites-speed).
 test: prepare
-	$(BIN)/python -m pytest -q -x -m "not slow and not gemma" --durations=30 tests
-
-# The same tests on two pytest-xdist workers (one per core; tests/conftest.py: the shared Triton server's
-# tests on one worker, each other module whole on one, every OpenMP team a worker starts at 1 thread):
-# 1.4x `make test` on 2 cores, measured side by side (issue 61; docs/reliability.md#the-suites-speed).
-# Not yet what CI runs: one of its three runs failed a model load (the guide probe starved at nice 19; fixed since).
-test-parallel: prepare
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup -m "not slow and not gemma" --durations=30 tests
+
+# The same tests one after another (the order a failure is easiest to read in)
+test-serial: prepare
+	$(BIN)/python -m pytest -q -x -m "not slow and not gemma" --durations=30 tests
 
 # Everything, the slow tests too (the chi-square sampling tests, the served-path variants): ~50 min on 2 cores
 test-all: prepare

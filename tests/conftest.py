@@ -36,7 +36,7 @@ if THREADS < CORES:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup` (make test-parallel): every test of the shared Triton server runs on one
+    """With `--dist loadgroup` (make test): every test of the shared Triton server runs on one
     worker, so the server starts once per run, and every other module stays on one worker, so a
     module's fixtures (an engine, a server of its own) are built once. Without tryfirst xdist saw no
     group: each worker started its own shared server, and two workers wrote test_layering's probe
@@ -44,6 +44,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         uses_server = "triton_server" in getattr(item, "fixturenames", ())
         item.add_marker(pytest.mark.xdist_group("triton_server" if uses_server else item.nodeid.split("::")[0]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def give_back_freed_memory():
+    """After each module: collect its engines and servers' clients and hand the freed heap back
+    to the OS. A worker's resident memory otherwise only grows (glibc keeps freed arenas): the
+    two-worker suite peaked at 22.7 of 24 GiB near its end, 6 GiB in one worker; trimmed after
+    each module, six engine modules in one process ended at 2.4 GiB instead of 3.5."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def read_pbtxt(path: Path):

@@ -1,4 +1,4 @@
-"""`make test-parallel` relies on tests/conftest.py grouping the tests for pytest-xdist's
+"""`make test` (two workers) relies on tests/conftest.py grouping the tests for pytest-xdist's
 loadgroup scheduler: one group for the shared Triton server, one per other module. xdist reads
 the groups into the node ids in its own collection hook, so ours must run first; when it did
 not, every worker started a shared server of its own and two workers wrote one module's probe

@@ -314,6 +314,10 @@ def two_slot_server(tmp_path_factory, smol_dir):
     settings = json.loads((repo / "specdec.json").read_text())
     settings["engine"].update(max_batch_size=2, max_seq_len=512, max_tokens_limit=512)
     settings["admission_timeout_s"] = 1.0
+    # Slots and admission are what is tested: one method that drafts in the verifier (no heads,
+    # no planner calibration) keeps the server's start short.
+    settings["methods"] = {"ngram": settings["methods"]["ngram"]}
+    settings["default_method"] = "ngram"
     (repo / "specdec.json").write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=root / "triton.log")
