@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-serial test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-serial test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-tree-shapes bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 # setup.py compiles the engine's kernels (specdec/engine/kernels) during the install: a change to them reinstalls.
 $(STAMP): pyproject.toml setup.py $(wildcard specdec/engine/kernels/*.c specdec/engine/kernels/*.h)
@@ -276,6 +276,10 @@ capture-cycle: prepare
 bench-head-acceptance: prepare
 	$(BIN)/specdec bench-head-acceptance --head shipped=models/eagle3-smollm2-135m \
 		$(if $(wildcard tmp/capture-cycle/head/model.safetensors),--head captured-code=tmp/capture-cycle/head) --out results/heads
+
+# The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
+bench-tree-shapes: prepare
+	$(BIN)/specdec bench-tree-shapes --out results/tree_shapes
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest

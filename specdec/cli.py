@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-serving", help="Triton path vs in-process engine at c=1 -> results/serving_overhead.json")
     sub.add_parser("bench-capture", help="what recording served traffic costs: two servers, capture off and on, c=1 and 16 -> results/capture/")
     sub.add_parser("bench-head-acceptance", help="each head version's chain and tree acceptance and c=1 speed per workload -> results/heads/")
+    sub.add_parser("bench-tree-shapes", help="EAGLE-3 chain and tree shapes: MAL, rows per step, c=1 speed vs plain -> results/tree_shapes/")
     sub.add_parser("capture-cycle", help="capture code traffic, train a head on it, compare with the shipped head, promote it live -> results/capture_cycle/")
     sub.add_parser("bench-load", help="Triton vs the in-process engine at load, closed loop, same prompts -> results/bench/load/")
     sub.add_parser("trtllm-config", help="write the TensorRT-LLM LLM-API model repository configs (deploy/trtllm)")
@@ -207,6 +208,7 @@ OWN_FLAGS = {
     "bench-load": ("specdec.bench.bench_load", "main"),
     "bench-capture": ("specdec.bench.bench_capture", "main"),
     "bench-head-acceptance": ("specdec.bench.head_acceptance", "main"),
+    "bench-tree-shapes": ("specdec.bench.tree_shapes", "main"),
     "capture-cycle": ("specdec.bench.capture_cycle", "main"),
     "check-stops": ("specdec.bench.check_stops", "main"),
     "greedy-margin": ("specdec.bench.greedy_margin", "main"),

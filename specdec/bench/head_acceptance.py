@@ -87,13 +87,15 @@ def measure(target, tokenizer, head: Path, prompts: list[list[int]], max_tokens:
     spec = {name: dataclasses.replace(cfg, speculative_model=str(head)) for name, cfg in (("chain", CHAIN), ("tree", served_tree()))}
     engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
     row: dict = {"prompts": len(prompts), "max_tokens": max_tokens}
-    for name, cfg in spec.items():
+    for name in spec:
         seconds, tokens, stats = {"none": 0.0, name: 0.0}, {"none": 0, name: 0}, SpecStats()
         for i, ids in enumerate(prompts):
             for method in ("none", name):  # plain decoding beside the method, prompt by prompt
                 t0 = time.perf_counter()
+                # None: the method's configured budget (a tree's max_total_draft_tokens; max_draft_len
+                # here cut the served tree to 4 nodes before 2026-12-06)
                 for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method,
-                                           cfg.max_draft_len if method == name else 0, request_id=f"{method}-{i}"):
+                                           None if method == name else 0, request_id=f"{method}-{i}"):
                     tokens[method] += len(out.new_token_ids)
                 seconds[method] += time.perf_counter() - t0
                 if method == name:

@@ -1,0 +1,100 @@
+"""`specdec bench-tree-shapes`: the EAGLE-3 draft's shape against the verifier's measured cost (issue 62, item 4).
+
+With the row-invariant kernels a verification of n rows costs far less than n decodes, so the
+shape that pays is the one whose extra accepted tokens outweigh its extra rows. This measures,
+in process on the served weight format (int8) with the shipped head and held-out ShareGPT
+prompts: for each shape (chains of K tokens, dynamic trees of depth x top-K with a node budget,
+and the planner's own choice within the largest tree), greedy mean acceptance length (MAL), the
+tokens each verified row yields, and c=1 speed against plain decoding run beside it prompt by
+prompt (same process, interleaved). Writes <out>/summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from specdec_client.envinfo import provenance, write_result
+
+from specdec.bench.head_acceptance import SHIPPED_HEAD
+from specdec.config import SERVED_SETTINGS, EngineConfig, SamplingParams, SpeculativeConfig, default_model_dir
+from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
+from specdec.serving.spec_engine import SpecEngine
+from specdec.serving.stats import SpecStats
+from specdec.tools.sharegpt import sharegpt_prompts
+
+# (name, settings): chains, then trees from narrow to wide, then the planner within the widest.
+SHAPES: list[tuple[str, dict]] = [
+    ("chain K=2", {"max_draft_len": 2}),
+    ("chain K=3", {"max_draft_len": 3}),
+    ("chain K=5", {"max_draft_len": 5}),
+    ("tree d=3 k=2 n=6", {"max_draft_len": 3, "use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "max_total_draft_tokens": 6}),
+    ("tree d=4 k=2 n=8", {"max_draft_len": 4, "use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "max_total_draft_tokens": 8}),
+    ("tree d=4 k=4 n=12", {"max_draft_len": 4, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 12}),
+    ("tree d=5 k=4 n=16", {"max_draft_len": 5, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 16}),
+    ("tree d=6 k=4 n=24", {"max_draft_len": 6, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 24}),
+    ("planned, tree d=6 k=4 n=16", {"max_draft_len": 6, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 16,
+                                    "adaptive": True}),
+]
+
+
+def served_shape() -> dict:
+    """eagle3-tree as specdec.json serves it (for the record beside the measured shapes)."""
+    return json.loads(SERVED_SETTINGS.read_text())["methods"]["eagle3-tree"]
+
+
+def measure(engine: SpecEngine, name: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    seconds, tokens, stats = {"none": 0.0, name: 0.0}, {"none": 0, name: 0}, SpecStats()
+    for i, ids in enumerate(prompts):
+        for method in ("none", name):  # plain decoding beside the shape, prompt by prompt
+            t0 = time.perf_counter()
+            for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method, None if method == name else 0,
+                                       request_id=f"{method}-{i}"):
+                tokens[method] += len(out.new_token_ids)
+            seconds[method] += time.perf_counter() - t0
+            if method == name:
+                stats.merge(out.stats)
+    return {"mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
+            "steps": stats.steps, "draft_tokens": stats.draft_tokens,
+            "rows_per_step": 1 + stats.draft_tokens / max(stats.steps, 1),
+            "tokens_per_row": stats.mean_acceptance_length / (1 + stats.draft_tokens / max(stats.steps, 1)),
+            "speedup_c1": (tokens[name] / seconds[name]) / (tokens["none"] / seconds["none"]),
+            "plain_tok_s": tokens["none"] / seconds["none"], "tok_s": tokens[name] / seconds[name]}
+
+
+def run(args) -> dict:
+    started = provenance()
+    tokenizer = load_tokenizer(default_model_dir())
+    target = load_target(default_model_dir(), EngineConfig(weight_format="int8"))
+    prompts = [encode_prompt(tokenizer, t) for t in sharegpt_prompts(args.prompts, seed=0, tokenizer=tokenizer, min_tokens=4, max_tokens=256)]
+    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=2048, max_num_draft_tokens=max(s.get("max_total_draft_tokens", s["max_draft_len"]) for _, s in SHAPES))
+    specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
+    engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, specs, engine_cfg, embed=target.embed))
+    record: dict = {"head": str(args.head), "weight_format": "int8", "prompts": len(prompts), "max_tokens": args.max_tokens,
+                    "served_eagle3_tree": served_shape(), "rows": []}
+    for rep in range(args.repeats):
+        for name, shape in SHAPES:
+            row = {"shape": name, "settings": shape, "repeat": rep,
+                   **measure(engine, name, prompts, args.max_tokens)}
+            record["rows"].append(row)
+            print(f"{name:>28}: MAL {row['mean_acceptance_length']:.2f}, rows/step {row['rows_per_step']:.1f}, "
+                  f"{row['speedup_c1']:.2f}x plain ({row['tok_s']:.1f} vs {row['plain_tok_s']:.1f} tok/s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_result(out / "summary.json", record, started)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="specdec bench-tree-shapes", description=__doc__.splitlines()[0])
+    p.add_argument("--head", type=Path, default=SHIPPED_HEAD)
+    p.add_argument("--prompts", type=int, default=12, help="held-out ShareGPT prompts")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2, help="passes over every shape (the first warms up nothing: each is kept)")
+    p.add_argument("--out", default="results/tree_shapes")
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
