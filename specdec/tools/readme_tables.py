@@ -279,6 +279,15 @@ def head_acceptance() -> Table:
     return Table(table(header, rows), [path])
 
 
+def tree_shapes() -> Table:
+    """EAGLE-3 chain and tree shapes against the measured verify cost (make bench-tree-shapes)."""
+    path = "results/tree_shapes/summary.json"
+    rows = [[r["shape"], f"{r['mean_acceptance_length']:.2f}", f"{r['rows_per_step']:.1f}", f"{r['tokens_per_row']:.2f}",
+             f"{r['tok_s']:.1f}", f"{r['plain_tok_s']:.1f}", f"{r['speedup_c1']:.2f}"] for r in read(path)["rows"]]
+    header = ["shape", "MAL", "rows verified per step", "tokens per row", "tok/s", "plain tok/s beside it", "c=1 x plain"]
+    return Table(table(header, rows), [path])
+
+
 def v5() -> Table:
     paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
              "T=1.0": "results/bench/v5-t10/summary.json"}
@@ -436,6 +445,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "heads": heads,
     "v5": v5,
     "head-acceptance": head_acceptance,
+    "tree-shapes": tree_shapes,
     "greedy-margin": greedy_margin,
     "weight-formats": weight_formats,
     "verify-cost": verify_cost,
