@@ -81,30 +81,35 @@ def workloads(tokenizer, n: int, cycle_prompts: Path | None, heads: dict[str, st
     return sets
 
 
+def beside_plain(engine: SpecEngine, method: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy `method` (its configured budget) with plain decoding run beside it prompt by
+    prompt (interleaved, same process): acceptance, and c=1 speed against plain."""
+    seconds, tokens, stats = {"none": 0.0, method: 0.0}, {"none": 0, method: 0}, SpecStats()
+    for i, ids in enumerate(prompts):
+        for name in ("none", method):
+            t0 = time.perf_counter()
+            # None: the method's configured budget (a tree's max_total_draft_tokens; max_draft_len
+            # here cut the served tree to 4 nodes before 2026-12-06)
+            for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), name, None if name == method else 0,
+                                       request_id=f"{name}-{i}"):
+                tokens[name] += len(out.new_token_ids)
+            seconds[name] += time.perf_counter() - t0
+            if name == method:
+                stats.merge(out.stats)  # the request's own
+    rows_per_step = 1 + stats.draft_tokens / max(stats.steps, 1)
+    return {"mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
+            "per_position_acceptance": stats.per_position_acceptance, "steps": stats.steps, "draft_tokens": stats.draft_tokens,
+            "rows_per_step": rows_per_step, "tokens_per_row": stats.mean_acceptance_length / rows_per_step,
+            "speedup_c1": (tokens[method] / seconds[method]) / (tokens["none"] / seconds["none"]),
+            "plain_tok_s": tokens["none"] / seconds["none"], "tok_s": tokens[method] / seconds[method]}
+
+
 def measure(target, tokenizer, head: Path, prompts: list[list[int]], max_tokens: int) -> dict:
     """Chain and tree acceptance, and c=1 speed against plain decoding run beside each prompt."""
     engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=2048)
     spec = {name: dataclasses.replace(cfg, speculative_model=str(head)) for name, cfg in (("chain", CHAIN), ("tree", served_tree()))}
     engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
-    row: dict = {"prompts": len(prompts), "max_tokens": max_tokens}
-    for name in spec:
-        seconds, tokens, stats = {"none": 0.0, name: 0.0}, {"none": 0, name: 0}, SpecStats()
-        for i, ids in enumerate(prompts):
-            for method in ("none", name):  # plain decoding beside the method, prompt by prompt
-                t0 = time.perf_counter()
-                # None: the method's configured budget (a tree's max_total_draft_tokens; max_draft_len
-                # here cut the served tree to 4 nodes before 2026-12-06)
-                for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method,
-                                           None if method == name else 0, request_id=f"{method}-{i}"):
-                    tokens[method] += len(out.new_token_ids)
-                seconds[method] += time.perf_counter() - t0
-                if method == name:
-                    stats.merge(out.stats)  # the request's own
-        row[name] = {"mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
-                     "per_position_acceptance": stats.per_position_acceptance, "steps": stats.steps,
-                     "speedup_c1": (tokens[name] / seconds[name]) / (tokens["none"] / seconds["none"]),
-                     "plain_tok_s": tokens["none"] / seconds["none"]}
-    return row
+    return {"prompts": len(prompts), "max_tokens": max_tokens, **{name: beside_plain(engine, name, prompts, max_tokens) for name in spec}}
 
 
 def run(args) -> dict:

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
 
-from specdec.bench.head_acceptance import SHIPPED_HEAD
-from specdec.config import SERVED_SETTINGS, EngineConfig, SamplingParams, SpeculativeConfig, default_model_dir
+from specdec.bench.head_acceptance import SHIPPED_HEAD, beside_plain
+from specdec.config import SERVED_SETTINGS, EngineConfig, SpeculativeConfig, default_model_dir
 from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
 from specdec.serving.spec_engine import SpecEngine
-from specdec.serving.stats import SpecStats
 from specdec.tools.sharegpt import sharegpt_prompts
 
 # (name, settings): chains, then trees from narrow to wide, then the planner within the widest.
@@ -44,25 +42,6 @@ def served_shape() -> dict:
     return json.loads(SERVED_SETTINGS.read_text())["methods"]["eagle3-tree"]
 
 
-def measure(engine: SpecEngine, name: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    seconds, tokens, stats = {"none": 0.0, name: 0.0}, {"none": 0, name: 0}, SpecStats()
-    for i, ids in enumerate(prompts):
-        for method in ("none", name):  # plain decoding beside the shape, prompt by prompt
-            t0 = time.perf_counter()
-            for out in engine.generate(ids, SamplingParams(max_tokens=max_tokens), method, None if method == name else 0,
-                                       request_id=f"{method}-{i}"):
-                tokens[method] += len(out.new_token_ids)
-            seconds[method] += time.perf_counter() - t0
-            if method == name:
-                stats.merge(out.stats)
-    return {"mean_acceptance_length": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate,
-            "steps": stats.steps, "draft_tokens": stats.draft_tokens,
-            "rows_per_step": 1 + stats.draft_tokens / max(stats.steps, 1),
-            "tokens_per_row": stats.mean_acceptance_length / (1 + stats.draft_tokens / max(stats.steps, 1)),
-            "speedup_c1": (tokens[name] / seconds[name]) / (tokens["none"] / seconds["none"]),
-            "plain_tok_s": tokens["none"] / seconds["none"], "tok_s": tokens[name] / seconds[name]}
-
-
 def run(args) -> dict:
     started = provenance()
     tokenizer = load_tokenizer(default_model_dir())
@@ -76,7 +55,7 @@ def run(args) -> dict:
     for rep in range(args.repeats):
         for name, shape in SHAPES:
             row = {"shape": name, "settings": shape, "repeat": rep,
-                   **measure(engine, name, prompts, args.max_tokens)}
+                   **beside_plain(engine, name, prompts, args.max_tokens)}
             record["rows"].append(row)
             print(f"{name:>28}: MAL {row['mean_acceptance_length']:.2f}, rows/step {row['rows_per_step']:.1f}, "
                   f"{row['speedup_c1']:.2f}x plain ({row['tok_s']:.1f} vs {row['plain_tok_s']:.1f} tok/s)", flush=True)
