@@ -11,13 +11,12 @@ prompt (same process, interleaved). Writes <out>/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
 
-from specdec.bench.head_acceptance import SHIPPED_HEAD, beside_plain
-from specdec.config import SERVED_SETTINGS, EngineConfig, SpeculativeConfig, default_model_dir
+from specdec.bench.head_acceptance import SHIPPED_HEAD, beside_plain, served_tree
+from specdec.config import EngineConfig, SpeculativeConfig, default_model_dir
 from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
 from specdec.serving.spec_engine import SpecEngine
 from specdec.tools.sharegpt import sharegpt_prompts
@@ -37,11 +36,6 @@ SHAPES: list[tuple[str, dict]] = [
 ]
 
 
-def served_shape() -> dict:
-    """eagle3-tree as specdec.json serves it (for the record beside the measured shapes)."""
-    return json.loads(SERVED_SETTINGS.read_text())["methods"]["eagle3-tree"]
-
-
 def run(args) -> dict:
     started = provenance()
     tokenizer = load_tokenizer(default_model_dir())
@@ -51,7 +45,7 @@ def run(args) -> dict:
     specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
     engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, specs, engine_cfg, embed=target.embed))
     record: dict = {"head": str(args.head), "weight_format": "int8", "prompts": len(prompts), "max_tokens": args.max_tokens,
-                    "served_eagle3_tree": served_shape(), "rows": []}
+                    "served_eagle3_tree": served_tree().__dict__, "rows": []}
     for rep in range(args.repeats):
         for name, shape in SHAPES:
             row = {"shape": name, "settings": shape, "repeat": rep,
