@@ -461,8 +461,8 @@ class SpeculativeConfig:
             raise ConfigError("adaptive", "chooses budgets itself: leave max_concurrency and draft_len_schedule unset")
         if self.adaptive and not self.colocated:
             raise ConfigError("adaptive", "plans each step beside the target (in the verifier): needs colocated: true")
-        if self.draft_dtype not in (None, "float32", "bfloat16"):
-            raise ConfigError("draft_dtype", f"must be float32, bfloat16 or null (= engine.draft_dtype), got {self.draft_dtype!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise ConfigError("draft_dtype", f"must be one of {', '.join(DRAFT_DTYPES)} or null (= engine.draft_dtype), got {self.draft_dtype!r}")
         if not isinstance(self.max_draft_len, int) or self.max_draft_len < 1:
             raise ConfigError("max_draft_len", f"must be an integer >= 1, got {self.max_draft_len!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -538,6 +538,7 @@ def _parse_schedule(raw: Any) -> dict[int, int]:
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "gguf")  # EngineConfig.weight_format
 QUANTIZED_WEIGHT_FORMATS = ("int8", "gguf")
+DRAFT_DTYPES = ("float32", "bfloat16", "int8")  # EngineConfig.draft_dtype, SpeculativeConfig.draft_dtype
 
 
 @dataclass(frozen=True)
@@ -557,8 +558,9 @@ class EngineConfig:
     # The quantized formats run on CPU (dtype float32 for everything else). The served settings
     # (model_repository/specdec.json) choose int8; None here keeps library callers dense.
     weight_format: str | None = None
-    # EAGLE-3 head linears: a draft pass streams its ~9M weights per token, so bfloat16
-    # halves the bytes (the target's output, hence losslessness, does not depend on it).
+    # Drafter weights (EAGLE-3 and Medusa heads, draft models): a draft pass streams its ~10M
+    # weights per token, so bfloat16 halves the bytes and int8 (CPU, the project's kernels; the
+    # served setting) halves them again. The target's output, hence losslessness, does not depend on it.
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None
@@ -586,8 +588,10 @@ class EngineConfig:
             raise ConfigError("max_seq_len", f"must be >= 16, got {self.max_seq_len}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.draft_dtype not in ("float32", "bfloat16"):
-            raise ConfigError("draft_dtype", f"must be float32 or bfloat16, got {self.draft_dtype!r}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ConfigError("draft_dtype", f"must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
+        if self.draft_dtype == "int8" and self.device != "cpu":
+            raise ConfigError("draft_dtype", "int8 drafts run on the project's CPU kernels (device cpu); use bfloat16")
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError("weight_format", f"must be one of {', '.join(WEIGHT_FORMATS)} or null (dense in dtype), got {self.weight_format!r}")
         if self.weight_format in QUANTIZED_WEIGHT_FORMATS and (self.device != "cpu" or self.dtype != "float32"):

@@ -106,7 +106,7 @@ def test_bad_drafts_fail_at_load_naming_the_field(tmp_path, target_dir):
     with pytest.raises(ConfigError, match="speculative_model.*eos_token_id"):
         build(_variant(tmp_path, target_dir, eos_token_id=5))
     with pytest.raises(ConfigError, match="draft_dtype"):
-        SpeculativeConfig(method="draft_model", draft_dtype="int8")
+        SpeculativeConfig(method="draft_model", draft_dtype="int4")
 
 
 def test_train_draft_quick_mode_writes_a_loadable_draft(tmp_path, smol_dir, smol_model):

@@ -131,3 +131,38 @@ def test_weight_format_settings_are_checked_by_name():
         EngineConfig(weight_format="q4")
     with pytest.raises(ConfigError, match="weight_format"):
         EngineConfig(weight_format="int8", dtype="bfloat16")
+
+
+def test_a_biased_layer_keeps_its_bias():
+    """Qwen2's q/k/v (and Medusa's residual blocks) carry biases: the int8 copy adds them in float32."""
+    g = torch.Generator().manual_seed(7)
+    dense = torch.nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        dense.bias.copy_(torch.randn(48, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    q = Q.QuantizedLinear.of(dense)
+    assert torch.equal(q(x), Q.QuantizedLinear.per_block(dense.weight)(x) + dense.bias.detach())
+    assert _close(q(x), dense(x).detach()) < ACTIVATION_ROUNDING
+
+
+def test_int8_draft_weights_quantize_a_heads_linears_and_are_checked_by_name(smol_model):
+    """engine.draft_dtype int8: every linear of an EAGLE-3 head (and a draft model) runs on the
+    int8 kernels; the head's outputs stay near its float32 ones. Off CPU it is refused by name."""
+    import copy
+
+    from specdec.config import SpeculativeConfig
+    from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, draft_weights
+
+    head = Eagle3Head(Eagle3Config.for_target(smol_model.cfg, draft_vocab_size=256), smol_model.embed).eval()
+    int8 = draft_weights(copy.deepcopy(head), "int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
+    assert isinstance(int8.lm_head, Q.QuantizedLinear) and isinstance(int8.attn.wqkv, Q.QuantizedLinear)
+    x = torch.randn(2, 3 * smol_model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert _close(int8.fc(x), head.fc(x)) < ACTIVATION_ROUNDING
+    assert EngineConfig(draft_dtype="int8").draft_dtype == "int8"
+    with pytest.raises(ConfigError, match="draft_dtype"):
+        EngineConfig(draft_dtype="int8", device="cuda")
+    with pytest.raises(ConfigError, match="draft_dtype"):
+        EngineConfig(draft_dtype="int4")
+    assert SpeculativeConfig(method="draft_model", draft_dtype="int8").draft_dtype == "int8"

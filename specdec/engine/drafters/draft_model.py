@@ -27,6 +27,7 @@ from torch import Tensor
 
 from specdec.config import METHOD_DRAFT_MODEL, ModelConfig, SpeculativeConfig
 from specdec.errors import ConfigError, ModelLoadError
+from specdec.engine.models.eagle3_head import draft_weights
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.models.loading import check_same_tokenizer, load_safetensors_dir, prepare_gguf, transformer_from_state
 from specdec.engine.sampling import logits_to_probs, sample
@@ -223,9 +224,12 @@ def load_draft(path: Path, ctx: BuildContext, dtype: str) -> tuple[Transformer, 
         raise ConfigError("speculative_model", f"{path}: the draft's context (max_position_embeddings="
                                                f"{cfg.max_position_embeddings}) is shorter than engine.max_seq_len={ctx.engine.max_seq_len}")
     try:
-        model = transformer_from_state(cfg, state, dtype, ctx.engine.device, path, None if d2t is None else len(d2t))
+        model = transformer_from_state(cfg, state, "float32" if dtype == "int8" else dtype, ctx.engine.device, path,
+                                       None if d2t is None else len(d2t))
     except ModelLoadError as exc:
         raise ConfigError("speculative_model", str(exc)) from exc
+    if dtype == "int8":  # its linears on the int8 kernels, as an EAGLE-3 head's (draft_weights)
+        model = draft_weights(model, dtype)
     return model, draft_to_target
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specdec.config import METHOD_EAGLE3, METHOD_EAGLE3_TREE, ModelConfig, SpeculativeConfig
-from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, cast_linears, draft_log_probs, load_eagle3, mapped_logits
+from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, draft_weights, draft_log_probs, load_eagle3, mapped_logits
 from specdec.engine.models.llama import build_batch
 from specdec.engine.models.loading import check_same_tokenizer
 from specdec.engine.sampling import logits_to_probs, sample
@@ -246,7 +246,7 @@ def head_dir(spec: SpeculativeConfig) -> Path:
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> Eagle3Drafter:
     check_same_tokenizer(head_dir(spec), ctx.target_dir)
     head = load_eagle3(head_dir(spec), ctx.embedding(), ctx.target_cfg).to(ctx.engine.device)
-    head = cast_linears(head, getattr(torch, ctx.engine.draft_dtype))
+    head = draft_weights(head, ctx.engine.draft_dtype)
     return Eagle3Drafter(head, spec, ctx.engine.max_batch_size, ctx.engine.max_seq_len,
                          ctx.suffix_corpora(spec) if spec.hybrid_suffix else None)
 

@@ -20,7 +20,7 @@ from specdec.config import METHOD_MEDUSA, REPO_ROOT, ModelConfig, SpeculativeCon
 from specdec.engine.drafters.base import Drafter, KeepDrafting
 from specdec.engine.drafters.registry import BuildContext, DrafterKind, register, resolve_path
 from specdec.engine.drafters.tree_search import Expansion, dynamic_trees
-from specdec.engine.models.eagle3_head import cast_linears, draft_log_probs, mapped_logits
+from specdec.engine.models.eagle3_head import draft_weights, draft_log_probs, mapped_logits
 from specdec.engine.models.medusa_heads import MedusaHeads, heads_config, load_medusa
 from specdec.engine.models.loading import check_same_tokenizer
 from specdec.engine.sampling import logits_to_probs, sample
@@ -97,10 +97,10 @@ def heads_dir(spec: SpeculativeConfig) -> Path:
 
 
 def _build(spec: SpeculativeConfig, ctx: BuildContext) -> MedusaDrafter:
-    # Weight-only bf16 for the heads' linears, as for the EAGLE-3 head (engine.draft_dtype): drafts only.
+    # The heads' linears in engine.draft_dtype, as for the EAGLE-3 head: drafts only.
     check_same_tokenizer(heads_dir(spec), ctx.target_dir)
     heads = load_medusa(heads_dir(spec), ctx.target_cfg, ctx.target_dir).to(ctx.engine.device)
-    return MedusaDrafter(cast_linears(heads, getattr(torch, ctx.engine.draft_dtype)), spec)
+    return MedusaDrafter(draft_weights(heads, ctx.engine.draft_dtype), spec)
 
 
 def _tap_layers(spec: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:

@@ -378,10 +378,25 @@ class Eagle3Head(DraftVocabulary):
             raise ModelLoadError(f"EAGLE-3 checkpoint mismatch: missing {missing}, unexpected {unexpected}")
 
 
-def cast_linears(head: DraftVocabulary, dtype: torch.dtype) -> DraftVocabulary:
-    """Weight-only low precision for drafting: the linears' weights in `dtype` (on CPU only
-    where oneDNN has bf16 kernels), norms and activations stay float32."""
-    if dtype == torch.bfloat16 and head.d2t.device.type == "cpu" and not onednn_supports(dtype):
+def draft_weights(head: nn.Module, draft_dtype: str) -> nn.Module:
+    """Weight-only low precision for drafting (engine.draft_dtype); norms and activations stay
+    float32, and the target's output, hence losslessness, does not depend on it.
+    - int8: the linears on the project's int8 kernels (one scale per 32 inputs, as the target's
+      int8). A draft pass is bound by the bytes it streams (~10M weights per token), so this
+      halves bfloat16's; measured side by side, the same head's c=1 speed rose ~10% at every
+      shape with its acceptance unchanged (docs/methods.md "Draft weights").
+    - bfloat16: oneDNN's bf16 kernels (on CPU only where oneDNN has them; float32 otherwise)."""
+    if draft_dtype == "int8":
+        from specdec.engine import kernels
+        from specdec.engine.models.quantized import quantize_linears
+
+        on_cpu = next(head.parameters()).device.type == "cpu"
+        if not on_cpu or not kernels.available():
+            reason = kernels.unavailable_reason() if on_cpu else "they run on CPU"
+            raise ConfigError("draft_dtype", f"int8 needs the project's compiled CPU kernels ({reason}); use bfloat16")
+        return quantize_linears(head)
+    dtype = getattr(torch, draft_dtype)
+    if dtype == torch.bfloat16 and next(head.parameters()).device.type == "cpu" and not onednn_supports(dtype):
         return head
     for module in head.modules():
         if isinstance(module, Linear):

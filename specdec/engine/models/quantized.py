@@ -34,14 +34,16 @@ GROUP = 32  # Q4_1 and Q8_0 block size: weights per scale along the input dimens
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T with W held as int8 codes in the kernels' layout (no float copy)."""
+    """y = x W^T (+ b) with W held as int8 codes in the kernels' layout (no float copy); the bias,
+    when there is one, stays float32."""
 
-    def __init__(self, weight: PackedInt8):
+    def __init__(self, weight: PackedInt8, bias: Tensor | None = None):
         super().__init__()
         self.weight = weight
         self.out_features, self.in_features = weight.out_features, weight.in_features
         for name, tensor in weight.tensors().items():  # buffers: counted, saved and shown like any weight
             self.register_buffer(name, tensor)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
     def per_row(cls, weight: Tensor) -> "QuantizedLinear":
@@ -53,12 +55,18 @@ class QuantizedLinear(nn.Module):
         return cls(PackedInt8.pack(codes, Format.ROW, column_scale=scale))
 
     @classmethod
-    def per_block(cls, weight: Tensor) -> "QuantizedLinear":
+    def per_block(cls, weight: Tensor, bias: Tensor | None = None) -> "QuantizedLinear":
         """Symmetric int8 of a float weight [N, K] with one scale per 32 inputs of a row (Q8_0's
         layout, weight_format int8): a row's outlier then coarsens only its own block."""
         w = weight.detach().float().view(weight.shape[0], -1, GROUP)
         scale = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [N, K / 32]
-        return cls.q8_0(torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(weight.shape), scale)
+        codes = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(weight.shape)
+        return cls(PackedInt8.pack(codes, Format.Q8_0, block_scale=scale), bias)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "QuantizedLinear":
+        """per_block of a dense layer, its bias kept."""
+        return cls.per_block(linear.weight, linear.bias)
 
     @classmethod
     def q8_0(cls, codes: Tensor, scale: Tensor) -> "QuantizedLinear":
@@ -71,10 +79,11 @@ class QuantizedLinear(nn.Module):
         return cls(PackedInt8.pack(codes, Format.Q4_1, block_scale=scale, block_offset=offset))
 
     def forward(self, x: Tensor) -> Tensor:
-        return int8_linear(x, self.weight)
+        y = int8_linear(x, self.weight)
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight.format}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight.format}, bias={self.bias is not None}"
 
 
 # ---- the GGUF file's blocks ------------------------------------------------------------------
@@ -190,12 +199,22 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     format-quality, same kernels and activations): one scale per row, KL 0.0077; per block, 0.0044,
     at the same forward time (the block scales cost one multiply a block)."""
     for layer in model.layers:
-        layer.attn.wqkv = QuantizedLinear.per_block(layer.attn.wqkv.weight)
-        layer.attn.wo = QuantizedLinear.per_block(layer.attn.wo.weight)
-        layer.mlp.w13 = QuantizedLinear.per_block(layer.mlp.w13.weight)
-        layer.mlp.w2 = QuantizedLinear.per_block(layer.mlp.w2.weight)
-    model.lm_head = QuantizedLinear.per_block(model.lm_head.weight)
+        layer.attn.wqkv = QuantizedLinear.of(layer.attn.wqkv)  # Qwen2's q/k/v biases stay float32
+        layer.attn.wo = QuantizedLinear.of(layer.attn.wo)
+        layer.mlp.w13 = QuantizedLinear.of(layer.mlp.w13)
+        layer.mlp.w2 = QuantizedLinear.of(layer.mlp.w2)
+    model.lm_head = QuantizedLinear.of(model.lm_head)
     return model
+
+
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """Every dense linear layer inside `module` (a drafter's heads) as QuantizedLinear.per_block,
+    in place. Layers whose input width is not a multiple of 32 keep their weights."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
+                setattr(parent, name, QuantizedLinear.of(child))
+    return module
 
 
 def quantize(model: nn.Module, weight_format: str | None, model_dir: Path) -> nn.Module:
