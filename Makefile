@@ -279,7 +279,7 @@ bench-head-acceptance: prepare
 
 # The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
 bench-tree-shapes: prepare
-	$(BIN)/specdec bench-tree-shapes --out results/tree_shapes
+	$(BIN)/specdec bench-tree-shapes --draft-dtype int8 --draft-dtype bfloat16 --out results/tree_shapes
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
 
-from specdec.config import REPO_ROOT, SERVED_SETTINGS, EngineConfig, SamplingParams, SpeculativeConfig, default_model_dir
+from specdec.config import REPO_ROOT, SERVED_SETTINGS, EngineConfig, SamplingParams, ServingConfig, SpeculativeConfig, default_model_dir
 from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
 from specdec.serving.spec_engine import SpecEngine
 from specdec.serving.stats import SpecStats
@@ -29,6 +29,11 @@ from specdec.training.data import benchmark_prompt_texts, select_conversations, 
 
 SHIPPED_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
 CHAIN = SpeculativeConfig(method="eagle3", max_draft_len=5)
+
+
+def served_engine(**overrides) -> EngineConfig:
+    """The served engine settings (weight format, draft dtype, ...) with `overrides`."""
+    return dataclasses.replace(ServingConfig.from_file(SERVED_SETTINGS).engine, **overrides)
 
 
 def served_tree() -> SpeculativeConfig:
@@ -106,7 +111,7 @@ def beside_plain(engine: SpecEngine, method: str, prompts: list[list[int]], max_
 
 def measure(target, tokenizer, head: Path, prompts: list[list[int]], max_tokens: int) -> dict:
     """Chain and tree acceptance, and c=1 speed against plain decoding run beside each prompt."""
-    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=2048)
+    engine_cfg = served_engine(max_batch_size=1, max_seq_len=2048)
     spec = {name: dataclasses.replace(cfg, speculative_model=str(head)) for name, cfg in (("chain", CHAIN), ("tree", served_tree()))}
     engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, spec, engine_cfg, embed=target.embed))
     return {"prompts": len(prompts), "max_tokens": max_tokens, **{name: beside_plain(engine, name, prompts, max_tokens) for name in spec}}
@@ -115,7 +120,7 @@ def measure(target, tokenizer, head: Path, prompts: list[list[int]], max_tokens:
 def run(args) -> dict:
     started = provenance()
     tokenizer = load_tokenizer(default_model_dir())
-    target = load_target(default_model_dir(), EngineConfig(weight_format="int8"))
+    target = load_target(default_model_dir(), served_engine())
     heads = dict(h.split("=", 1) for h in args.head) or {"shipped": str(SHIPPED_HEAD)}
     sets = workloads(tokenizer, args.prompts, Path(args.cycle_prompts) if args.cycle_prompts else None, heads)
     record: dict = {"heads": heads, "workloads": {name: len(p) for name, p in sets.items()}, "tree": served_tree().__dict__,

@@ -4,7 +4,8 @@ With the row-invariant kernels a verification of n rows costs far less than n de
 shape that pays is the one whose extra accepted tokens outweigh its extra rows. This measures,
 in process on the served weight format (int8) with the shipped head and held-out ShareGPT
 prompts: for each shape (chains of K tokens, dynamic trees of depth x top-K with a node budget,
-and the planner's own choice within the largest tree), greedy mean acceptance length (MAL), the
+and the planner's own choice within the largest tree) and each head weight dtype asked for
+(`--draft-dtype`, side by side shape by shape), greedy mean acceptance length (MAL), the
 tokens each verified row yields, and c=1 speed against plain decoding run beside it prompt by
 prompt (same process, interleaved). Writes <out>/summary.json.
 """
@@ -15,8 +16,8 @@ from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
 
-from specdec.bench.head_acceptance import SHIPPED_HEAD, beside_plain, served_tree
-from specdec.config import EngineConfig, SpeculativeConfig, default_model_dir
+from specdec.bench.head_acceptance import SHIPPED_HEAD, beside_plain, served_engine, served_tree
+from specdec.config import DRAFT_DTYPES, SpeculativeConfig, default_model_dir
 from specdec.serving.runtime import build_drafters, encode_prompt, load_target, load_tokenizer
 from specdec.serving.spec_engine import SpecEngine
 from specdec.tools.sharegpt import sharegpt_prompts
@@ -39,20 +40,26 @@ SHAPES: list[tuple[str, dict]] = [
 def run(args) -> dict:
     started = provenance()
     tokenizer = load_tokenizer(default_model_dir())
-    target = load_target(default_model_dir(), EngineConfig(weight_format="int8"))
+    target = load_target(default_model_dir(), served_engine())
     prompts = [encode_prompt(tokenizer, t) for t in sharegpt_prompts(args.prompts, seed=0, tokenizer=tokenizer, min_tokens=4, max_tokens=256)]
-    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=2048, max_num_draft_tokens=max(s.get("max_total_draft_tokens", s["max_draft_len"]) for _, s in SHAPES))
-    specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
-    engine = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, specs, engine_cfg, embed=target.embed))
-    record: dict = {"head": str(args.head), "weight_format": "int8", "prompts": len(prompts), "max_tokens": args.max_tokens,
-                    "served_eagle3_tree": served_tree().__dict__, "rows": []}
+    draft_dtypes = args.draft_dtype or [served_engine().draft_dtype]
+    engines = {}
+    for draft_dtype in draft_dtypes:  # one engine per draft dtype, sharing the target
+        engine_cfg = served_engine(max_batch_size=1, max_seq_len=2048, draft_dtype=draft_dtype,
+                                   max_num_draft_tokens=max(s.get("max_total_draft_tokens", s["max_draft_len"]) for _, s in SHAPES))
+        specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
+        engines[draft_dtype] = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, specs, engine_cfg, embed=target.embed))
+    record: dict = {"head": str(args.head), "weight_format": served_engine().weight_format, "prompts": len(prompts),
+                    "max_tokens": args.max_tokens, "served_eagle3_tree": served_tree().__dict__,
+                    "served_draft_dtype": served_engine().draft_dtype, "rows": []}
     for rep in range(args.repeats):
         for name, shape in SHAPES:
-            row = {"shape": name, "settings": shape, "repeat": rep,
-                   **beside_plain(engine, name, prompts, args.max_tokens)}
-            record["rows"].append(row)
-            print(f"{name:>28}: MAL {row['mean_acceptance_length']:.2f}, rows/step {row['rows_per_step']:.1f}, "
-                  f"{row['speedup_c1']:.2f}x plain ({row['tok_s']:.1f} vs {row['plain_tok_s']:.1f} tok/s)", flush=True)
+            for draft_dtype, engine in engines.items():  # the dtypes side by side, shape by shape
+                row = {"shape": name, "settings": shape, "draft_dtype": draft_dtype, "repeat": rep,
+                       **beside_plain(engine, name, prompts, args.max_tokens)}
+                record["rows"].append(row)
+                print(f"{name:>28} {draft_dtype:>8}: MAL {row['mean_acceptance_length']:.2f}, rows/step {row['rows_per_step']:.1f}, "
+                      f"{row['speedup_c1']:.2f}x plain ({row['tok_s']:.1f} vs {row['plain_tok_s']:.1f} tok/s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_result(out / "summary.json", record, started)
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=12, help="held-out ShareGPT prompts")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="passes over every shape (each pass is kept)")
+    p.add_argument("--draft-dtype", action="append", choices=DRAFT_DTYPES,
+                   help="the head's weights (repeatable: compared shape by shape; default: the served engine.draft_dtype)")
     p.add_argument("--out", default="results/tree_shapes")
     run(p.parse_args(argv))
 

@@ -280,11 +280,13 @@ def head_acceptance() -> Table:
 
 
 def tree_shapes() -> Table:
-    """EAGLE-3 chain and tree shapes against the measured verify cost (make bench-tree-shapes)."""
+    """EAGLE-3 chain and tree shapes against the measured verify cost (make bench-tree-shapes),
+    per head weight dtype (runs before 2026-12-06's int8 drafts were bfloat16 only)."""
     path = "results/tree_shapes/summary.json"
-    rows = [[r["shape"], f"{r['mean_acceptance_length']:.2f}", f"{r['rows_per_step']:.1f}", f"{r['tokens_per_row']:.2f}",
-             f"{r['tok_s']:.1f}", f"{r['plain_tok_s']:.1f}", f"{r['speedup_c1']:.2f}"] for r in read(path)["rows"]]
-    header = ["shape", "MAL", "rows verified per step", "tokens per row", "tok/s", "plain tok/s beside it", "c=1 x plain"]
+    rows = [[r["shape"], r.get("draft_dtype", "bfloat16"), f"{r['mean_acceptance_length']:.2f}", f"{r['rows_per_step']:.1f}",
+             f"{r['tokens_per_row']:.2f}", f"{r['tok_s']:.1f}", f"{r['plain_tok_s']:.1f}", f"{r['speedup_c1']:.2f}"]
+            for r in read(path)["rows"]]
+    header = ["shape", "head weights", "MAL", "rows verified per step", "tokens per row", "tok/s", "plain tok/s beside it", "c=1 x plain"]
     return Table(table(header, rows), [path])
 
 
