@@ -384,7 +384,7 @@ def draft_weights(head: nn.Module, draft_dtype: str) -> nn.Module:
     - int8: the linears on the project's int8 kernels (one scale per 32 inputs, as the target's
       int8). A draft pass is bound by the bytes it streams (~10M weights per token), so this
       halves bfloat16's; measured side by side, the same head's c=1 speed rose ~10% at every
-      shape with its acceptance unchanged (docs/methods.md "Draft weights").
+      shape with its acceptance unchanged (docs/methods.md, `engine.draft_dtype`; make bench-tree-shapes).
     - bfloat16: oneDNN's bf16 kernels (on CPU only where oneDNN has them; float32 otherwise)."""
     if draft_dtype == "int8":
         from specdec.engine import kernels
