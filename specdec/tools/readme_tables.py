@@ -290,6 +290,24 @@ def tree_shapes() -> Table:
     return Table(table(header, rows), [path])
 
 
+def served_shapes() -> Table:
+    """EAGLE-3 shapes through Triton at c=1 and c=4 (the served defaults' evidence): each mode's
+    aggregate output tok/s over the baseline (paired blocks) and its mean acceptance length."""
+    path = "results/tree_shapes/served/summary.json"
+    runs, speedups, summary = summary_index(path)
+    shapes = summary["env"]["server_config"]["speculative"]["methods"]
+    rows = []
+    for mode in modes_of(runs, "c=1"):
+        spec = shapes.get(mode, {})
+        shape = (f"tree d={spec.get('max_draft_len')} k={spec.get('dynamic_tree_max_topK')} n={spec.get('max_total_draft_tokens')}"
+                 if spec.get("use_dynamic_tree") else f"chain K={spec.get('max_draft_len')}")
+        if spec.get("adaptive"):
+            shape = "planned" + (", n-gram + suffix merged" if spec.get("hybrid_ngram") else "")
+        rows.append([mode, shape, *(f"{ratio(speedups[(mode, load)])} ({accept_len(runs[(mode, load)])})"
+                                    if (mode, load) in speedups else "" for load in ("c=1", "c=4"))])
+    return Table(table(["mode", "shape", "c=1 x baseline (accept len)", "c=4 x baseline (accept len)"], rows), [path])
+
+
 def v5() -> Table:
     paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
              "T=1.0": "results/bench/v5-t10/summary.json"}
@@ -448,6 +466,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "v5": v5,
     "head-acceptance": head_acceptance,
     "tree-shapes": tree_shapes,
+    "served-shapes": served_shapes,
     "greedy-margin": greedy_margin,
     "weight-formats": weight_formats,
     "verify-cost": verify_cost,

@@ -85,8 +85,8 @@ TWO_STEPS = {
     "ngram-adaptive": Case(PARAMS, cost=flat_cost),  # chain of 8, planned
     "suffix": Case(TOP_K_3, cost=flat_cost),  # frequency tree from an earlier request, 16 nodes, planned
     # drafts sampled from q (SpecInfer's min(1, p/q)): reduced budgets, see the docstring
-    "eagle3": Case(TOP_K, 3),  # sampled chain (shipped 5)
-    "eagle3-tree": Case(TOP_K, 3),  # sampled tree, children drawn until they cover mass 0.8 (shipped 12)
+    "eagle3": Case(TOP_K),  # sampled chain, the shipped 2 whole
+    "eagle3-tree": Case(TOP_K, 3),  # sampled tree, children drawn until they cover mass 0.8 (shipped 6)
     "eagle3-adaptive": Case(TOP_P),  # planned chain, confidence-cut drafting (shipped 6)
     "eagle3-hybrid": Case(TOP_K, cost=flat_cost),  # sampled chain, n-gram and suffix continuations merged in (6)
     "medusa": Case(TOP_K, 3),  # sampled chain, each head's q independent of the draws before it (shipped 4)
@@ -127,10 +127,10 @@ FULL_VOCABULARY = {
 
 # Sampled drafting at the shipped budget, one step (the slow ones: thousands of runs each).
 ONE_STEP_SHIPPED = [
-    pytest.param("eagle3", Case(TOP_K), id="eagle3"),  # chain of 5
+    pytest.param("eagle3", Case(TOP_K), id="eagle3"),  # chain of 2
     pytest.param("medusa", Case(PARAMS), id="medusa"),  # chain of 4
     pytest.param("draft_model", Case(PARAMS), id="draft_model"),  # chain of 3
-    pytest.param("eagle3-tree", Case(TOP_K), id="eagle3-tree", marks=pytest.mark.slow),  # sampled tree of 12
+    pytest.param("eagle3-tree", Case(TOP_K), id="eagle3-tree", marks=pytest.mark.slow),  # sampled tree of 6
     pytest.param("eagle3", Case(PARAMS), id="eagle3-full-vocabulary", marks=pytest.mark.slow),
 ]
 
