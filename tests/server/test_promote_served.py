@@ -35,7 +35,7 @@ def capture_server(tmp_path_factory, smol_dir):
     settings["engine"].update(max_seq_len=512, max_tokens_limit=512)
     settings["capture"] = {"directory": str(base / "captures"), "flush_after_s": 0.5, "shard_sequences": 64}
     # a head in the `drafter` model: the hidden states it is handed carry the capture's layer too
-    settings["methods"]["eagle3-apart"] = {"method": "eagle3", "max_draft_len": 5, "colocated": False}
+    settings["methods"]["eagle3-apart"] = {**settings["methods"]["eagle3"], "colocated": False}  # the same shape
     (base / "specdec.json").write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)
     server = TritonServer(log_path=base / "triton.log")
