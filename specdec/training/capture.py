@@ -200,8 +200,10 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--self-distill", type=int, default=0, help="also train on N prompts answered by the target (greedy)")
     p.add_argument("--self-distill-tokens", type=int, default=self_distill_tokens)
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once for --self-distill")
-    p.add_argument("--answers", default=None, help="also train on the target's stored answers (a `specdec distill-answers` directory)")
-    p.add_argument("--answers-from", type=int, default=0, help="only the stored answers to prompts from this index on")
+    p.add_argument("--answers", action="append", default=[],
+                   help="also train on the target's stored answers (a `specdec distill-answers` directory; repeatable)")
+    p.add_argument("--answers-from", type=int, default=0,
+                   help="only the first --answers directory's answers to prompts from this index on (the others whole)")
     p.add_argument("--no-generate", action="store_true", help="train on the self-distilled shards made so far (no generation)")
     p.add_argument("--features-only", action="store_true", help="make the feature cache, then stop (no training)")
     p.add_argument("--captures", action="append", default=[], help="also train on a store of served traffic "
@@ -243,7 +245,8 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
     for directory in args.captures:
         salts = None if args.capture_salt is None else {salt or None for salt in args.capture_salt}
         train_set = train_set + captured_features(target, Path(directory), salts)
-    if args.answers:
-        answers = Path(args.answers)
-        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}", args.answers_from)
+    for i, directory in enumerate(args.answers):
+        answers = Path(directory)
+        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}",
+                                                args.answers_from if i == 0 else 0)
     return seqs, n_held, train_set, held

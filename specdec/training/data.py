@@ -93,6 +93,33 @@ def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]],
     return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
 
 
+def second_turn_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]]) -> list[list[int]]:
+    """The first n second-turn prompts (turn one, its dataset answer, turn two, chat-templated,
+    32-512 tokens) of the self-distillation order: ShareGPT conversations shuffled with seed + 2,
+    without those whose first prompt the benchmarks reserve (bench-head-acceptance's multi-turn
+    workload is drawn from those) or whose opening is held out (`exclude`). The first-turn
+    prompts ran out at 6,624; these are the next data. The order does not depend on n."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("second-turn prompts need a chat template (a base model has no turns)")
+    reserved = benchmark_prompt_texts()
+    conversations = list(sharegpt_conversations())
+    random.Random(seed + 2).shuffle(conversations)
+    out = []
+    for conv in conversations:
+        turns = [(r, t) for r, t in conv if r in ("user", "assistant")]
+        if len(turns) < 3 or [r for r, _ in turns[:3]] != ["user", "assistant", "user"] or turns[0][1].strip() in reserved:
+            continue
+        messages = [{"role": r, "content": t} for r, t in turns[:3]]
+        if tuple(tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)) in exclude:
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if 32 <= len(ids) <= 512:
+            out.append(list(ids))
+            if len(out) == n:
+                break
+    return out
+
+
 # A first-turn prompt that asks about code: a fence, a language or a code word.
 CODE_PROMPT = re.compile(r"```|\bdef |\bfunction\b|\bclass \w|#include|\bselect\b.*\bfrom\b|\bcode\b|\bpython\b|"
                          r"\bjavascript\b|\btypescript\b|\bjava\b|c\+\+|\bsql\b|\bhtml\b|\bcss\b|\breact\b|\brust\b|"
@@ -119,8 +146,8 @@ def code_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]] = f
     return out
 
 
-def answers_dir(new_tokens: int, seed: int) -> Path:
-    return ANSWERS_DIR / f"smollm2-135m-greedy-t{new_tokens}-seed{seed}"
+def answers_dir(new_tokens: int, seed: int, turn: int = 1) -> Path:
+    return ANSWERS_DIR / (f"smollm2-135m-greedy-t{new_tokens}-seed{seed}" + (f"-turn{turn}" if turn != 1 else ""))
 
 
 def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers: list[list[int]]) -> None:

@@ -1,5 +1,6 @@
 """`specdec distill-answers`: the target's own greedy answers to first-turn ShareGPT
-prompts, kept as token ids so that they accumulate across machines and sessions.
+prompts (`--turn 2`: to second turns, after turn one and its dataset answer), kept as token ids
+so that they accumulate across machines and sessions.
 
 Decoding is the slow part of making target-regenerated training data (about 170 answer
 tokens/s on 2 CPU cores); the features a head trains on are recomputed from the ids by one
@@ -16,7 +17,9 @@ import argparse
 import time
 from pathlib import Path
 
-from specdec.training.data import ANSWERS_DIR, answers_dir, distill_prompts, heldout_openings, save_shard, target_and_tokenizer
+from specdec.training.data import (
+    ANSWERS_DIR, answers_dir, distill_prompts, heldout_openings, save_shard, second_turn_prompts, target_and_tokenizer,
+)
 
 
 def greedy_answers(target, tokenizer, prompts: list[list[int]], new_tokens: int, batch: int) -> list[list[int]]:
@@ -46,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="train-eagle3's --seed (its conversations' held-out part is left out)")
     p.add_argument("--conversations", type=int, default=600, help="train-eagle3's --conversations (for the held-out part)")
     p.add_argument("--max-len", type=int, default=256, help="train-eagle3's --max-len (for the held-out part)")
-    p.add_argument("--out", default=None, help=f"default: {ANSWERS_DIR}/smollm2-135m-greedy-t<new-tokens>-seed<seed>")
+    p.add_argument("--turn", type=int, choices=(1, 2), default=1,
+                   help="1: first-turn prompts; 2: second turns (turn one, its dataset answer, turn two), their own order and directory")
+    p.add_argument("--out", default=None, help=f"default: {ANSWERS_DIR}/smollm2-135m-greedy-t<new-tokens>-seed<seed>[-turn2]")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--minutes", type=float, default=None, help="stop after the shard that passes this much time")
@@ -55,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     target, tokenizer = target_and_tokenizer(args)
-    prompts = distill_prompts(tokenizer, args.prompts, args.seed, heldout_openings(tokenizer, args.conversations, args.max_len, args.seed))
-    out = Path(args.out) if args.out else answers_dir(args.new_tokens, args.seed)
+    held = heldout_openings(tokenizer, args.conversations, args.max_len, args.seed)
+    prompts = (distill_prompts if args.turn == 1 else second_turn_prompts)(tokenizer, args.prompts, args.seed, held)
+    out = Path(args.out) if args.out else answers_dir(args.new_tokens, args.seed, args.turn)
     out.mkdir(parents=True, exist_ok=True)
     t0, made = time.perf_counter(), 0
     first = args.start // args.shard

@@ -176,8 +176,11 @@ def write_model_card(out: Path, record: dict) -> None:
         f"{', '.join(f'{a:.3f}' for a in v)}"
         + (f" (the head it started from: {', '.join(f'{a:.3f}' for a in init['heldout_sampled_overlap'][t])})" if init else "") + "\n"
         for t, v in (record.get("heldout_sampled_overlap") or {}).items())
-    answers_how = (f"stored as token ids in `{d['answers']}` by `specdec distill-answers` (prompts from index {d.get('answers_from', 0)} on), "
-                   "features recomputed by a teacher-forced prefill" if d.get("answers") else "features recorded while generating")
+    stored = [d["answers"]] if isinstance(d.get("answers"), str) else d.get("answers") or []  # one directory before 2026-12-06
+    answers_how = (f"stored as token ids in {', '.join(f'`{a}`' for a in stored)} by `specdec distill-answers` "
+                   f"(the first's prompts from index {d.get('answers_from', 0)} on), "
+                   "features recomputed by a teacher-forced prefill" if stored else "features recorded while generating")
+    turns = "first-turn and second-turn" if any(str(a).endswith("-turn2") for a in stored) else "first-turn"
     captured_line = (f"- plus {d['captured_sequences']} sequences of served traffic (`specdec serve --capture`: {', '.join(d['captures'])}), "
                      "labelled with the served target's own predictions\n" if d.get("captured_sequences") else "")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
@@ -193,7 +196,7 @@ Trained on this repository's CPU by:
 {earlier}
 - data: {d['dataset']}; {d['selection']}; seed {d['seed']}; {d['conversations']} conversations
   ({d['heldout_conversations']} held out), truncated to {d['max_len']} tokens: {d['train_tokens']} training tokens
-- plus {d.get('self_distilled_prompts', 0)} first-turn ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
+- plus {d.get('self_distilled_prompts', 0)} {turns} ShareGPT prompts (not the held-out ones, not the prompts the benchmarks draw)
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
   loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 {captured_line}- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                  "conversations starting with a user turn, chat template applied (a base model: turns joined as plain text), >= 32 tokens", "seed": args.seed,
                  "conversations": len(seqs), "heldout_conversations": n_held, "max_len": args.max_len, "train_tokens": train_tokens, "labelled_tokens": labelled_tokens,
                  "captured_sequences": captured, "captures": args.captures,
-                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held) - captured, "self_distilled_new_tokens": answers_new_tokens(args.answers) if args.answers else args.self_distill_tokens,
+                 "self_distilled_prompts": len(train_set) - (len(seqs) - n_held) - captured, "self_distilled_new_tokens": answers_new_tokens(args.answers[0]) if args.answers else args.self_distill_tokens,
                  "answers": args.answers, "answers_from": args.answers_from},
         "budget": {"features_s": t_features, "train_s": t_train, "threads": torch.get_num_threads(), "epochs": args.epochs,
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},

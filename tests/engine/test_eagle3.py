@@ -421,6 +421,30 @@ def test_stored_answers_give_the_recorded_features(tmp_path, smol_model, smol_to
     assert len(answer_features(smol_model, tmp_path / "ans", tmp_path / "feat", first_prompt=2)) == 1
 
 
+def test_second_turn_prompts_are_a_stable_order_apart_from_what_is_measured(smol_tokenizer):
+    """distill-answers --turn 2 (the first-turn prompts ran out): turn one, its dataset answer and
+    turn two, in an order that does not depend on n, never a conversation whose first prompt the
+    benchmarks reserve (bench-head-acceptance's multi-turn workload) or whose opening is held out."""
+    from specdec.bench.head_acceptance import multi_turn_prompts
+    from specdec.training.data import benchmark_prompt_texts, second_turn_prompts, user_openings
+
+    prompts = second_turn_prompts(smol_tokenizer, 6, 0, set())
+    assert len(prompts) == 6 and prompts[:3] == second_turn_prompts(smol_tokenizer, 3, 0, set())
+    header = smol_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for ids in prompts:
+        text = smol_tokenizer.decode(ids)
+        assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2, text[:200]
+        assert ids[-len(header):] == header  # ends where the answer starts
+    measured = {tuple(ids) for ids in multi_turn_prompts(smol_tokenizer, 32, set())}
+    assert measured and not measured & {tuple(ids) for ids in second_turn_prompts(smol_tokenizer, 200, 0, set())}
+    reserved = benchmark_prompt_texts()
+    assert not any(smol_tokenizer.decode(ids).split("<|im_start|>user\n")[1].split("<|im_end|>")[0].strip() in reserved
+                   for ids in prompts)
+    held = {tuple(o) for o in user_openings(prompts[:2], smol_tokenizer)}  # hold two openings out: they go
+    kept = second_turn_prompts(smol_tokenizer, 6, 0, held)
+    assert prompts[0] not in kept and prompts[1] not in kept and kept[:4] == prompts[2:]
+
+
 def test_draft_len_schedule_and_max_concurrency_semantics():
     """TensorRT-LLM's meaning: {4: 4, 8: 2, 32: 1} -> batch 1-4: 4, 5-8: 2, 9-32: 1, 33+: 0."""
     spec = SpeculativeConfig(method="eagle3", max_draft_len=5, draft_len_schedule={"4": 4, "8": 2, "32": 1})
