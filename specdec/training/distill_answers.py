@@ -27,7 +27,9 @@ def greedy_answers(target, tokenizer, prompts: list[list[int]], new_tokens: int,
     from specdec.config import EngineConfig, SamplingParams
     from specdec.serving.spec_engine import SpecEngine
 
-    engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=512), tokenizer, {})
+    # room for the longest prompt and its whole answer (second turns run to 512 prompt tokens)
+    max_seq_len = max(512, max((len(p) for p in prompts), default=0) + new_tokens)
+    engine = SpecEngine(target, EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len), tokenizer, {})
     todo = [(str(i), ids) for i, ids in enumerate(prompts)]
     answers: dict[str, list[int]] = {}
     while todo or engine.has_work():
