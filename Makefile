@@ -201,8 +201,10 @@ bench-draft: prepare
 # More of the target's own greedy answers for training the heads, kept as token ids in data/answers/ (resumable:
 # stop any time, commit the new shards; ~300 answer tok/s on 2 cores). DISTILL_MINUTES bounds one run.
 DISTILL_MINUTES ?= 60
+# DISTILL_TURN=2: second turns (the first-turn prompts are all answered since 2026-12-06)
+DISTILL_TURN ?= 2
 distill-answers: prepare
-	$(BIN)/specdec distill-answers --batch 64 --minutes $(DISTILL_MINUTES)
+	$(BIN)/specdec distill-answers --batch 64 --turn $(DISTILL_TURN) --minutes $(DISTILL_MINUTES)
 
 # Every drafting family side by side in process (MAL, draft and verify ms per step, tok/s vs the baseline),
 # c=1 and c=4, greedy and T=0.7 -> results/drafters/ (~15 min on 2 cores)
