@@ -25,7 +25,7 @@ from specdec.serving.runtime import build_drafters, encode_prompt, load_target, 
 from specdec.serving.spec_engine import SpecEngine
 from specdec.serving.stats import SpecStats
 from specdec.tools.sharegpt import sharegpt_conversations, sharegpt_prompts
-from specdec.training.data import benchmark_prompt_texts, select_conversations, user_openings
+from specdec.training.data import benchmark_prompt_texts, second_turn, select_conversations, user_openings
 
 SHIPPED_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
 # The shapes a head's acceptance is measured in (issue 62's targets: a chain of 5 and a dynamic
@@ -65,17 +65,11 @@ def multi_turn_prompts(tokenizer, n: int, exclude: set[tuple[int, ...]]) -> list
     reserved = benchmark_prompt_texts()
     out = []
     for conv in sharegpt_conversations():
-        turns = [(r, t) for r, t in conv if r in ("user", "assistant")]
-        if len(turns) < 3 or turns[0][0] != "user" or turns[0][1].strip() not in reserved:
-            continue
-        messages = [{"role": r, "content": t} for r, t in turns[:3]]
-        if tuple(tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)) in exclude:
-            continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if 32 <= len(ids) <= 768:
-            out.append(list(ids))
-        if len(out) == n:
-            break
+        found = second_turn(tokenizer, conv, exclude)
+        if found is not None and found[0].strip() in reserved and 32 <= len(found[1]) <= 768:
+            out.append(found[1])
+            if len(out) == n:
+                break
     return out
 
 

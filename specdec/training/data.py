@@ -93,6 +93,19 @@ def distill_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]],
     return [ids for ids in (encode_prompt(tokenizer, t) for t in texts) if tuple(ids) not in exclude][:n]
 
 
+def second_turn(tokenizer, conv, exclude: set[tuple[int, ...]]) -> tuple[str, list[int]] | None:
+    """(turn one's text, the chat-templated ids of its first three turns up to the assistant
+    header: turn one, its dataset answer, turn two) of a conversation that opens with a user
+    turn and whose opening is not in `exclude`; None otherwise."""
+    turns = [(r, t) for r, t in conv if r in ("user", "assistant")]
+    if len(turns) < 3 or turns[0][0] != "user":
+        return None
+    messages = [{"role": r, "content": t} for r, t in turns[:3]]
+    if tuple(tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)) in exclude:
+        return None
+    return turns[0][1], list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+
 def second_turn_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]]) -> list[list[int]]:
     """The first n second-turn prompts (turn one, its dataset answer, turn two, chat-templated,
     32-512 tokens) of the self-distillation order: ShareGPT conversations shuffled with seed + 2,
@@ -106,15 +119,9 @@ def second_turn_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ..
     random.Random(seed + 2).shuffle(conversations)
     out = []
     for conv in conversations:
-        turns = [(r, t) for r, t in conv if r in ("user", "assistant")]
-        if len(turns) < 3 or [r for r, _ in turns[:3]] != ["user", "assistant", "user"] or turns[0][1].strip() in reserved:
-            continue
-        messages = [{"role": r, "content": t} for r, t in turns[:3]]
-        if tuple(tokenizer.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)) in exclude:
-            continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if 32 <= len(ids) <= 512:
-            out.append(list(ids))
+        found = second_turn(tokenizer, conv, exclude)
+        if found is not None and found[0].strip() not in reserved and 32 <= len(found[1]) <= 512:
+            out.append(found[1])
             if len(out) == n:
                 break
     return out
