@@ -12,6 +12,7 @@ prompt (same process, interleaved). Writes <out>/summary.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
@@ -40,18 +41,18 @@ SHAPES: list[tuple[str, dict]] = [
 def run(args) -> dict:
     started = provenance()
     tokenizer = load_tokenizer(default_model_dir())
-    target = load_target(default_model_dir(), served_engine())
+    served = served_engine()
+    target = load_target(default_model_dir(), served)
     prompts = [encode_prompt(tokenizer, t) for t in sharegpt_prompts(args.prompts, seed=0, tokenizer=tokenizer, min_tokens=4, max_tokens=256)]
-    draft_dtypes = args.draft_dtype or [served_engine().draft_dtype]
+    specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
+    most_nodes = max(s.get("max_total_draft_tokens", s["max_draft_len"]) for _, s in SHAPES)
     engines = {}
-    for draft_dtype in draft_dtypes:  # one engine per draft dtype, sharing the target
-        engine_cfg = served_engine(max_batch_size=1, max_seq_len=2048, draft_dtype=draft_dtype,
-                                   max_num_draft_tokens=max(s.get("max_total_draft_tokens", s["max_draft_len"]) for _, s in SHAPES))
-        specs = {name: SpeculativeConfig(method="eagle3", speculative_model=str(args.head), **shape) for name, shape in SHAPES}
+    for draft_dtype in args.draft_dtype or [served.draft_dtype]:  # one engine per draft dtype, sharing the target
+        engine_cfg = dataclasses.replace(served, max_batch_size=1, max_seq_len=2048, draft_dtype=draft_dtype, max_num_draft_tokens=most_nodes)
         engines[draft_dtype] = SpecEngine(target, engine_cfg, tokenizer, build_drafters(target.cfg, specs, engine_cfg, embed=target.embed))
-    record: dict = {"head": str(args.head), "weight_format": served_engine().weight_format, "prompts": len(prompts),
+    record: dict = {"head": str(args.head), "weight_format": served.weight_format, "prompts": len(prompts),
                     "max_tokens": args.max_tokens, "served_eagle3_tree": served_tree().__dict__,
-                    "served_draft_dtype": served_engine().draft_dtype, "rows": []}
+                    "served_draft_dtype": served.draft_dtype, "rows": []}
     for rep in range(args.repeats):
         for name, shape in SHAPES:
             for draft_dtype, engine in engines.items():  # the dtypes side by side, shape by shape

@@ -146,8 +146,9 @@ def test_a_biased_layer_keeps_its_bias():
 
 
 def test_int8_draft_weights_quantize_a_heads_linears_and_are_checked_by_name(smol_model):
-    """engine.draft_dtype int8: every linear of an EAGLE-3 head (and a draft model) runs on the
-    int8 kernels; the head's outputs stay near its float32 ones. Off CPU it is refused by name."""
+    """engine.draft_dtype int8: every linear of an EAGLE-3 head runs on the int8 kernels; the head's
+    outputs stay near its float32 ones. Off CPU it is refused by name. (The served int8 draft model
+    and Medusa heads run in test_acceptance_floor's greedy-beside-sampled test.)"""
     import copy
 
     from specdec.config import SpeculativeConfig

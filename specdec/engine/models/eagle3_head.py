@@ -386,17 +386,17 @@ def draft_weights(head: nn.Module, draft_dtype: str) -> nn.Module:
       halves bfloat16's; measured side by side, the same head's c=1 speed rose ~10% at every
       shape with its acceptance unchanged (docs/methods.md, `engine.draft_dtype`; make bench-tree-shapes).
     - bfloat16: oneDNN's bf16 kernels (on CPU only where oneDNN has them; float32 otherwise)."""
+    on_cpu = next(head.parameters()).device.type == "cpu"
     if draft_dtype == "int8":
         from specdec.engine import kernels
         from specdec.engine.models.quantized import quantize_linears
 
-        on_cpu = next(head.parameters()).device.type == "cpu"
         if not on_cpu or not kernels.available():
             reason = kernels.unavailable_reason() if on_cpu else "they run on CPU"
             raise ConfigError("draft_dtype", f"int8 needs the project's compiled CPU kernels ({reason}); use bfloat16")
         return quantize_linears(head)
     dtype = getattr(torch, draft_dtype)
-    if dtype == torch.bfloat16 and next(head.parameters()).device.type == "cpu" and not onednn_supports(dtype):
+    if dtype == torch.bfloat16 and on_cpu and not onednn_supports(dtype):
         return head
     for module in head.modules():
         if isinstance(module, Linear):
