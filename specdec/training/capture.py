@@ -21,7 +21,9 @@ from specdec.engine.drafters.base import Drafter
 from specdec.engine.models.llama import Transformer, build_batch
 from specdec.engine.tree import DraftTree
 from specdec.serving.traffic_capture import feature_layers, read_captures
-from specdec.training.data import distill_prompts, load_shard, select_conversations, user_openings
+from specdec.training.data import (
+    FEATURE_FORMATS, distill_prompts, feature_cache_suffix, load_shard, select_conversations, user_openings,
+)
 
 
 def compact(features: Tensor) -> Tensor:
@@ -158,6 +160,8 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
             part = torch.load(cached, weights_only=True)
         else:
             rows = sorted(load_shard(path), key=lambda r: len(r[1]) + len(r[2]))
+            if all(index < first_prompt for index, _, _ in rows):
+                continue  # a shard the run skips whole: no prefill (cached shards are whole shards)
             part = []
             for i in range(0, len(rows), batch):  # ragged batches of similar length
                 chunk = rows[i : i + batch]
@@ -210,6 +214,12 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
                    "(`specdec serve --capture DIR`; repeatable)")
     p.add_argument("--capture-salt", action="append", default=None, help="only the captured sequences of this cache_salt "
                    "('' for the unsalted; repeatable; default: all)")
+    p.add_argument("--feature-format", choices=FEATURE_FORMATS, default="float32",
+                   help="the target's weight format that computes the training features and labels (and runs EAGLE-3's and "
+                        "Medusa's held-out check): int8, the served CPU target's own; bfloat16, faster; each its own feature cache")
+    p.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: the drafter's forward and backward under bfloat16 autocast (fp32 master weights "
+                        "and optimizer; ~2x the steps a minute on CPUs with AMX)")
     p.add_argument("--checkpoint-every-min", type=float, default=5.0, help="save the run's state this often (a killed run, "
                    "re-run with the same command, continues from the last save)")
     p.add_argument("--max-steps", type=int, default=None, help="pause after this optimizer step (checkpointed; re-run to continue)")
@@ -234,11 +244,13 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
     n_held = max(1, int(len(seqs) * args.holdout))
     # keyed by the target too: two targets' features must never share a cache
     target_key = "" if args.model_dir is None else f"{Path(args.model_dir).resolve().name}-"
-    feature_dir = Path(args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    formatted = feature_cache_suffix(args)
+    base = args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}"
+    feature_dir = Path(f"{base}{formatted}")
     features = build_features(target, seqs, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
-        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}"
+        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}{formatted}"
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
                                                         held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
@@ -247,6 +259,6 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         train_set = train_set + captured_features(target, Path(directory), salts)
     for i, directory in enumerate(args.answers):
         answers = Path(directory)
-        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}",
+        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}{formatted}",
                                                 args.answers_from if i == 0 else 0)
     return seqs, n_held, train_set, held

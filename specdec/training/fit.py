@@ -64,7 +64,8 @@ def _trainable(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
     """The training loop the head, Medusa and draft-model trainers share: AdamW on the
     module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
-    batches of args.batch_size for args.epochs. loss_of(batch features) -> (loss, report)
+    batches of args.batch_size for args.epochs; under bfloat16 autocast with
+    args.train_dtype bfloat16 (the forward and loss; weights, gradients and moments stay fp32). loss_of(batch features) -> (loss, report)
     where report() gives the log entry's measurements (called on logged steps only).
 
     Resumable: every args.checkpoint_every_min minutes (and at args.max_steps, which then
@@ -82,7 +83,8 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
     ckpt = checkpoint_path(args.out) if getattr(args, "out", None) else None
     fingerprint = {"train_sequences": len(train_set), "train_tokens": sum(len(f["tokens"]) for f in train_set),
                    "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "seed": args.seed,
-                   "parameters": sorted(params)}
+                   "parameters": sorted(params), "train_dtype": getattr(args, "train_dtype", "float32")}
+    autocast = fingerprint["train_dtype"] == "bfloat16"
     if ckpt is not None and ckpt.is_file() and not getattr(args, "restart", False):
         state = torch.load(ckpt, weights_only=True)
         if state["fingerprint"] != fingerprint:
@@ -117,7 +119,8 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, report = loss_of([train_set[j] for j in order[i : i + args.batch_size]])
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)

@@ -39,7 +39,7 @@ from specdec.config import default_model_dir
 from specdec.engine.models.loading import load_safetensors_dir, load_transformer
 from specdec.serving.runtime import load_tokenizer
 from specdec.training.capture import add_data_arguments, training_data
-from specdec.training.data import user_openings
+from specdec.training.data import labelling_target, user_openings
 from specdec.training.fit import TrainingPaused, draft_vocabulary, optimize, plot_curve
 from specdec.training.heldout import heldout_decoding
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model_dir or default_model_dir())
     tokenizer = load_tokenizer(model_dir)
     target = load_transformer(model_dir)
-    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
+    seqs, n_held, train_set, held = training_data(args, labelling_target(target, args), tokenizer)  # --feature-format
     vocab = target.cfg.vocab_size
     del target
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

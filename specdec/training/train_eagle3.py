@@ -28,7 +28,7 @@ from specdec.config import default_model_dir
 from specdec.engine.models.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
 from specdec.engine.models.llama import Transformer
 from specdec.training.capture import add_data_arguments, training_data
-from specdec.training.data import answers_new_tokens, target_and_tokenizer, user_openings
+from specdec.training.data import answers_new_tokens, labelling_target, target_and_tokenizer, user_openings
 from specdec.training.fit import STEP_WEIGHT, TrainingPaused, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
 from specdec.training.heldout import heldout_acceptance
 
@@ -184,6 +184,8 @@ def write_model_card(out: Path, record: dict) -> None:
     captured_line = (f"- plus {d['captured_sequences']} sequences of served traffic (`specdec serve --capture`: {', '.join(d['captures'])}), "
                      "labelled with the served target's own predictions\n" if d.get("captured_sequences") else "")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
+    autocast_note = ("; forward and backward under bfloat16 autocast (fp32 weights and optimizer)"
+                     if record.get("train_dtype") == "bfloat16" else "")
     fc_norm_note = ("; with EAGLE-3.1's per-tap norms before `fc` (`fc_norm: true`, `fc_norm.{i}.weight`)"
                     if record.get("fc_norm") else "")
     (out / "README.md").write_text(f"""# EAGLE-3 head for {record.get('target', 'SmolLM2-135M-Instruct')} (trained here)
@@ -200,10 +202,11 @@ Trained on this repository's CPU by:
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
   loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 {captured_line}- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
-- labels: {labels_how} (features and labels from `specdec.engine.models.llama`)
+- labels: {labels_how} (features and labels from `specdec.engine.models.llama` with the target's weights in
+  {record.get('feature_format', 'float32')}{' (the served CPU format)' if record.get('feature_format') == 'int8' else ''})
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
-  {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}
+  {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}{autocast_note}
 - layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16){fc_norm_note}
 
 ## Held-out results
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     target, tokenizer = target_and_tokenizer(args)
     taps = target.cfg.eagle3_tap_layers()
-    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
+    labeller = labelling_target(target, args)  # --feature-format: features, labels and the held-out check
+    seqs, n_held, train_set, held = training_data(args, labeller, tokenizer)
     t_features = time.perf_counter() - t_start
     if args.features_only:
         print(f"features: {len(train_set)} training sequences, {sum(len(f['tokens']) for f in train_set)} tokens ({t_features:.0f} s)")
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     top1 = heldout_top1(head, held, args.ttt_steps, target_to_draft)
     sampled_overlap = overlap()
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
-    acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens)
+    acceptance = heldout_acceptance(labeller, out, tokenizer, openings, args.eval_tokens)
     train_tokens = sum(len(f["tokens"]) for f in train_set)
     captured = sum(1 for f in train_set if f.get("captured"))
     labelled_tokens = sum(int((f["labels"] >= 0).sum()) for f in train_set)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
         "heldout_top1_by_position": top1, "heldout_sampled_overlap": sampled_overlap, "heldout_acceptance": acceptance,
-        "soft_labels": args.soft_labels, "fc_norm": head.cfg.fc_norm, "init_head_heldout": before, "curve": log,
+        "soft_labels": args.soft_labels, "feature_format": args.feature_format, "train_dtype": args.train_dtype, "fc_norm": head.cfg.fc_norm, "init_head_heldout": before, "curve": log,
         "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
     write_result(out / "train_log.json", record, started)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specdec_client.envinfo import provenance, write_result
 from specdec.engine.models.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
 from specdec.training.capture import add_data_arguments, training_data
-from specdec.training.data import target_and_tokenizer, user_openings
+from specdec.training.data import labelling_target, target_and_tokenizer, user_openings
 from specdec.training.fit import STEP_WEIGHT, TrainingPaused, draft_vocabulary, make_batch, optimize, plot_curve, top1_by_position
 from specdec.training.heldout import heldout_acceptance
 
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     started = provenance()  # the tree the head was trained from (train_log.json)
     target, tokenizer = target_and_tokenizer(args)
-    seqs, n_held, train_set, held = training_data(args, target, tokenizer)
+    labeller = labelling_target(target, args)  # --feature-format: features, labels and the held-out check
+    seqs, n_held, train_set, held = training_data(args, labeller, tokenizer)
     if args.max_sequences:
         train_set = random.Random(args.seed).sample(train_set, min(args.max_sequences, len(train_set)))
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     save_medusa(heads, out)
     top1 = heldout_top1(heads, held, target_to_draft)
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
-    acceptance = heldout_acceptance(target, out, tokenizer, openings, args.eval_tokens, "medusa", args.num_heads)
+    acceptance = heldout_acceptance(labeller, out, tokenizer, openings, args.eval_tokens, "medusa", args.num_heads)
     record = {
         "command": "specdec train-medusa " + " ".join(argv if argv is not None else __import__("sys").argv[2:]),
         "num_heads": args.num_heads, "source_layer": heads.cfg.source_layer, "draft_vocab": len(vocab_ids), "lr": args.lr,

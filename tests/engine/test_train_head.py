@@ -54,3 +54,51 @@ def test_a_killed_run_continues_where_it_stopped_and_ends_as_an_uninterrupted_on
 
     with pytest.raises(SystemExit, match="lr"):
         main(["--head", "eagle3", *common, "--out", str(tmp_path / "other"), "--lr", "1e-4"])
+
+
+def test_int8_features_label_with_the_served_targets_own_greedy_tokens(tmp_path, smol_dir, smol_int8_model, smol_tokenizer):
+    """--feature-format int8: the features and labels come from the served CPU target itself. Its
+    teacher-forced prefill labels every answer position with the token the served engine
+    emitted there (the int8 forward is row-invariant), and its features live in their own
+    cache directory, never mixed with float32's."""
+    import argparse
+
+    from specdec.serving.runtime import encode_prompt
+    from specdec.serving.spec_engine import SpecEngine
+    from specdec.training.capture import target_features
+    from specdec.training.data import labelling_target
+    from specdec.training.train_head import main
+
+    # a prompt whose 64 served tokens the float32 target labels differently at 4 positions (measured)
+    prompt = encode_prompt(smol_tokenizer, "Explain what a hash map is to a child.")
+    engine = SpecEngine(smol_int8_model, EngineConfig(max_batch_size=1, max_seq_len=256, weight_format="int8"), smol_tokenizer, {})
+    served = [t for out in engine.generate(prompt, SamplingParams(max_tokens=64), request_id="a") for t in out.new_token_ids]
+    labeller = labelling_target(None, argparse.Namespace(feature_format="int8", model_dir=str(smol_dir)))
+    with torch.inference_mode():
+        (features,) = target_features(labeller, [prompt + served])
+    assert len(served) == 64 and features["labels"][len(prompt) - 1 : len(prompt) - 1 + len(served)].tolist() == served
+
+    features_dir = tmp_path / "features"
+    assert main(["--head", "eagle3", "--quick", "--features-only", "--features-dir", str(features_dir), "--feature-format", "int8"]) == 0
+    assert any((tmp_path / "features-int8").glob("shard_*.pt")) and not features_dir.exists()
+
+
+def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
+    """--train-dtype bfloat16 (autocast; fp32 master weights): a paused run's checkpoint records
+    the dtype, the same command continues it to a head with finite weights, and a float32 run
+    is refused that checkpoint, naming train_dtype."""
+    import pytest
+
+    from specdec.training.fit import checkpoint_path
+    from specdec.training.train_head import main
+
+    common = ["--head", "eagle3", "--quick", "--features-dir", str(tmp_path / "features"), "--batch-size", "4", "--log-every", "1"]
+    out = tmp_path / "bf16"
+    assert main([*common, "--out", str(out), "--train-dtype", "bfloat16", "--max-steps", "1"]) == 0
+    assert torch.load(checkpoint_path(out), weights_only=True)["fingerprint"]["train_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match="train_dtype"):
+        main([*common, "--out", str(out), "--max-steps", "2"])
+    assert main([*common, "--out", str(out), "--train-dtype", "bfloat16"]) == 0
+    weights = load_file(out / "model.safetensors")
+    record = json.loads((out / "train_log.json").read_text())
+    assert all(torch.isfinite(w.float()).all() for w in weights.values()) and record["curve"][-1]["step"] > 1
