@@ -55,6 +55,28 @@ def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, s
     return head
 
 
+@torch.no_grad()
+def with_vocabulary(head: Eagle3Head, target: Transformer, vocab_ids: torch.Tensor) -> Eagle3Head:
+    """A continued head over a new draft vocabulary (--init-from with --new-vocab): every
+    weight kept; lm_head rows of the tokens it already drafted kept as trained, the new
+    tokens' rows from the target's lm_head (as a fresh head starts), scaled to the kept rows'
+    mean norm (training moved them ~5% from the target's)."""
+    new = Eagle3Head(dataclasses.replace(head.cfg, draft_vocab_size=len(vocab_ids)), head.embed)
+    kept_state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = new.load_state_dict(kept_state, strict=False)
+    assert set(missing) == {"lm_head.weight", "d2t", "t2d"} and not unexpected, (missing, unexpected)
+    old_row = {int(t): i for i, t in enumerate(head.draft_to_target)}
+    rows = target.lm_head.weight.detach().float()[vocab_ids].clone()
+    kept = torch.tensor([j for j, t in enumerate(vocab_ids.tolist()) if t in old_row], dtype=torch.long)
+    trained = head.lm_head.weight.detach().float()[[old_row[int(vocab_ids[j])] for j in kept.tolist()]]
+    if len(kept):
+        rows *= trained.norm(dim=1).mean() / rows[kept].norm(dim=1).mean()
+        rows[kept] = trained
+    new.lm_head.weight.copy_(rows)
+    new.set_vocabulary(vocab_ids)
+    return new
+
+
 class SoftTargets:
     """The target's own next-token distribution over the draft vocabulary, recomputed from
     the recorded last layer (its final norm and lm_head rows, one [T, H] x [H, Vd] GEMM):
@@ -230,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="models/eagle3-smollm2-135m")
     add_data_arguments(p, conversations=800, max_len=320, self_distill_tokens=160, eval_prompts=8, eval_tokens=64)
     p.add_argument("--init-from", default=None, help="continue from this head (published layout) instead of a fresh one")
+    p.add_argument("--new-vocab", action="store_true", help="with --init-from: draft over the --draft-vocab most frequent "
+                   "target predictions of this run's data (the head's trained rows kept, new tokens' rows from the target)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=3)
@@ -248,25 +272,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.features_only:
         print(f"features: {len(train_set)} training sequences, {sum(len(f['tokens']) for f in train_set)} tokens ({t_features:.0f} s)")
         return 0
-    if args.init_from:  # continue training a head (its draft vocabulary and tap layers stay)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def vocabulary_maps(vocab_ids: torch.Tensor) -> tuple[torch.Tensor, SoftTargets]:
+        target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
+        target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
+        return target_to_draft, SoftTargets(target, vocab_ids)
+
+    def heldout_checks(head: Eagle3Head, target_to_draft: torch.Tensor, soft: SoftTargets) -> dict:
+        return {"heldout_top1_by_position": heldout_top1(head, held, args.ttt_steps, target_to_draft),
+                "heldout_sampled_overlap": {f"T={t}": heldout_overlap(head, held, args.ttt_steps, target_to_draft, soft, t)
+                                            for t in (0.7, 1.0)}}
+
+    before = None
+    if args.init_from:  # continue training a head (its tap layers stay; its draft vocabulary too, unless --new-vocab)
         head = load_eagle3(Path(args.init_from), frozen_embedding(target), target.cfg)
         if head.cfg.tap_layers != tuple(taps):
             raise SystemExit(f"--init-from head taps {head.cfg.tap_layers} differ from the target's {taps}")
+        before = heldout_checks(head, *vocabulary_maps(head.draft_to_target.clone()))  # the head as it was
+        if args.new_vocab:
+            head = with_vocabulary(head, target, draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos))
         vocab_ids = head.draft_to_target.clone()
     else:
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
         cfg = dataclasses.replace(Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), fc_norm=args.fc_norm)
         head = init_head(target, cfg, vocab_ids, args.seed)
-    target_to_draft = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)
-    target_to_draft[vocab_ids] = torch.arange(len(vocab_ids))
-    soft = SoftTargets(target, vocab_ids)
-
-    def overlap() -> dict[str, list[float]]:
-        return {f"T={t}": heldout_overlap(head, held, args.ttt_steps, target_to_draft, soft, t) for t in (0.7, 1.0)}
-
-    before = {"heldout_top1_by_position": heldout_top1(head, held, args.ttt_steps, target_to_draft),
-              "heldout_sampled_overlap": overlap()} if args.init_from else None
+    target_to_draft, soft = vocabulary_maps(vocab_ids)
     try:
         log = train(head, train_set, args, target_to_draft, soft if args.soft_labels else None)
     except TrainingPaused as paused:
@@ -275,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     t_train = time.perf_counter() - t_start - t_features
     out = Path(args.out)
     save_eagle3(head, out)
-    top1 = heldout_top1(head, held, args.ttt_steps, target_to_draft)
-    sampled_overlap = overlap()
+    after = heldout_checks(head, target_to_draft, soft)
+    top1, sampled_overlap = after["heldout_top1_by_position"], after["heldout_sampled_overlap"]
     openings = user_openings(seqs[-n_held:], tokenizer)[: args.eval_prompts]
     acceptance = heldout_acceptance(labeller, out, tokenizer, openings, args.eval_tokens)
     train_tokens = sum(len(f["tokens"]) for f in train_set)

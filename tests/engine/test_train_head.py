@@ -102,3 +102,32 @@ def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
     weights = load_file(out / "model.safetensors")
     record = json.loads((out / "train_log.json").read_text())
     assert all(torch.isfinite(w.float()).all() for w in weights.values()) and record["curve"][-1]["step"] > 1
+
+
+def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
+    """--new-vocab on a continued head: every token it drafted before and keeps scores exactly
+    as before (its trained lm_head rows and the rest of its weights unchanged); a token new to
+    the vocabulary starts from the target's own lm_head row, scaled to the trained rows."""
+    from pathlib import Path
+
+    from specdec.engine.models.eagle3_head import load_eagle3
+    from specdec.training.train_eagle3 import frozen_embedding, with_vocabulary
+
+    head = load_eagle3(Path("models/eagle3-smollm2-135m"), frozen_embedding(smol_model), smol_model.cfg).float()
+    old = head.draft_to_target
+    added = torch.tensor(sorted(set(range(smol_model.cfg.vocab_size)) - set(old.tolist()))[:1000])
+    vocab = torch.cat([old[::2], added]).sort().values  # half the old tokens kept, 1,000 new ones
+    new = with_vocabulary(head, smol_model, vocab).float()
+    assert new.cfg.draft_vocab_size == len(vocab) and new.draft_to_target.tolist() == vocab.tolist()
+    torch.manual_seed(0)
+    taps, next_tokens = torch.randn(2, 12, 3 * smol_model.cfg.hidden_size), torch.randint(0, 1000, (2, 14))
+    with torch.no_grad():
+        before, after = head.ttt_forward(taps, next_tokens, 2), new.ttt_forward(taps, next_tokens, 2)
+    kept = torch.isin(vocab, old)
+    old_column = {t: i for i, t in enumerate(old.tolist())}
+    columns = torch.tensor([old_column[t] for t in vocab[kept].tolist()])
+    for b, a in zip(before, after):
+        assert torch.allclose(a[..., kept], b[..., columns], rtol=1e-5, atol=1e-5)
+    fresh = new.lm_head.weight[~kept]
+    target_rows = smol_model.lm_head.weight.detach().float()[vocab[~kept]]
+    assert torch.allclose(torch.nn.functional.cosine_similarity(fresh, target_rows, dim=1), torch.ones(len(fresh)), atol=1e-5)
