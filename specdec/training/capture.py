@@ -218,7 +218,7 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
                    help="the target's weight format that computes the training features and labels (and runs EAGLE-3's and "
                         "Medusa's held-out check): int8, the served CPU target's own; bfloat16, faster; each its own feature cache")
     p.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="bfloat16: the drafter's forward and backward under bfloat16 autocast (fp32 master weights "
+                   help="bfloat16: the drafter's forward and loss under bfloat16 autocast (fp32 weights, gradients "
                         "and optimizer; ~2x the steps a minute on CPUs with AMX)")
     p.add_argument("--checkpoint-every-min", type=float, default=5.0, help="save the run's state this often (a killed run, "
                    "re-run with the same command, continues from the last save)")
@@ -230,7 +230,8 @@ def add_data_arguments(p: argparse.ArgumentParser, conversations: int, max_len: 
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=eval_prompts)
     p.add_argument("--eval-tokens", type=int, default=eval_tokens)
-    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/head-features/<settings>)")
+    p.add_argument("--features-dir", default=None, help="feature cache (default: <cache>/head-features/<settings>; "
+                   "with --feature-format int8 or bfloat16, the format is appended to its name)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 24 conversations, 1 epoch")
 
 
@@ -244,13 +245,13 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
     n_held = max(1, int(len(seqs) * args.holdout))
     # keyed by the target too: two targets' features must never share a cache
     target_key = "" if args.model_dir is None else f"{Path(args.model_dir).resolve().name}-"
-    formatted = feature_cache_suffix(args)
-    base = args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}"
-    feature_dir = Path(f"{base}{formatted}")
+    suffix = feature_cache_suffix(args.feature_format)
+    base = Path(args.features_dir or cache_root() / "head-features" / f"{target_key}n{args.conversations}-len{args.max_len}-seed{args.seed}")
+    feature_dir = base.with_name(base.name + suffix)
     features = build_features(target, seqs, feature_dir)
     train_set, held = features[:-n_held], features[-n_held:]
     if args.self_distill:
-        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}{formatted}"
+        distill_dir = feature_dir.parent / f"{target_key}selfdistill-rec-n{args.self_distill}-t{args.self_distill_tokens}-seed{args.seed}{suffix}"
         held_openings = {tuple(ids) for ids in user_openings(seqs[-n_held:], tokenizer)}
         train_set = train_set + self_distilled_features(target, tokenizer, args.self_distill, args.self_distill_tokens, args.seed,
                                                         held_openings, distill_dir, batch=args.gen_batch, generate=not args.no_generate)
@@ -259,6 +260,6 @@ def training_data(args, target: Transformer, tokenizer) -> tuple[list[list[int]]
         train_set = train_set + captured_features(target, Path(directory), salts)
     for i, directory in enumerate(args.answers):
         answers = Path(directory)
-        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}{formatted}",
+        train_set = train_set + answer_features(target, answers, feature_dir.parent / f"{target_key}answers-{answers.name}{suffix}",
                                                 args.answers_from if i == 0 else 0)
     return seqs, n_held, train_set, held

@@ -195,8 +195,8 @@ def answers_new_tokens(answers: str) -> int | None:
 
 
 def target_and_tokenizer(args) -> tuple[Transformer, object]:
-    """The fp32 target the training tools initialise drafters from (its weights), and its
-    tokenizer (--model-dir, --threads)."""
+    """The fp32 target the training tools initialise drafters from (its weights; with the default
+    --feature-format float32 it also labels their data), and its tokenizer (--model-dir, --threads)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir or default_model_dir())
@@ -224,6 +224,6 @@ def labelling_target(target: Transformer, args) -> Transformer:
     return quantize(load_transformer(model_dir, dtype="float32"), "int8", model_dir)
 
 
-def feature_cache_suffix(args) -> str:
+def feature_cache_suffix(feature_format: str) -> str:
     """Features of two weight formats never share a cache directory."""
-    return "" if args.feature_format == "float32" else f"-{args.feature_format}"
+    return "" if feature_format == "float32" else f"-{feature_format}"

@@ -83,12 +83,16 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
     ckpt = checkpoint_path(args.out) if getattr(args, "out", None) else None
     fingerprint = {"train_sequences": len(train_set), "train_tokens": sum(len(f["tokens"]) for f in train_set),
                    "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "seed": args.seed,
-                   "parameters": sorted(params), "train_dtype": getattr(args, "train_dtype", "float32")}
+                   "parameters": {name: list(w.shape) for name, w in sorted(params.items())},
+                   "train_dtype": getattr(args, "train_dtype", "float32"), "feature_format": getattr(args, "feature_format", "float32")}
     autocast = fingerprint["train_dtype"] == "bfloat16"
     if ckpt is not None and ckpt.is_file() and not getattr(args, "restart", False):
         state = torch.load(ckpt, weights_only=True)
-        if state["fingerprint"] != fingerprint:
-            changed = sorted(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
+        saved = {"train_dtype": "float32", "feature_format": "float32", **state["fingerprint"]}  # a checkpoint from before these
+        if isinstance(saved["parameters"], list):  # names only, before shapes were recorded
+            saved["parameters"] = {name: fingerprint["parameters"].get(name) for name in saved["parameters"]}
+        if saved != fingerprint:
+            changed = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
             raise SystemExit(f"{ckpt} was saved by a run with other settings ({', '.join(changed)} differ): "
                              "re-run that command, or pass --restart")
         with torch.no_grad():

@@ -59,8 +59,8 @@ def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, s
 def with_vocabulary(head: Eagle3Head, target: Transformer, vocab_ids: torch.Tensor) -> Eagle3Head:
     """A continued head over a new draft vocabulary (--init-from with --new-vocab): every
     weight kept; lm_head rows of the tokens it already drafted kept as trained, the new
-    tokens' rows from the target's lm_head (as a fresh head starts), scaled to the kept rows'
-    mean norm (training moved them ~5% from the target's)."""
+    tokens' rows from the target's lm_head (as a fresh head starts), scaled by the kept rows'
+    trained-to-target mean norm ratio (training shrank them ~5% from the target's)."""
     new = Eagle3Head(dataclasses.replace(head.cfg, draft_vocab_size=len(vocab_ids)), head.embed)
     kept_state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     missing, unexpected = new.load_state_dict(kept_state, strict=False)
@@ -89,6 +89,7 @@ class SoftTargets:
         self.weight = target.lm_head.weight.detach()[vocab_ids].float()  # [Vd, H]
 
     @torch.no_grad()
+    @torch.autocast("cpu", enabled=False)  # the teacher in float32 under --train-dtype bfloat16 (logits ~20: bf16 rounds them by ~0.1)
     def __call__(self, features: list[dict], steps: int) -> list[Tensor]:
         """[steps] of [B, T, Vd]: step k's target at t is the distribution at t + k + 1
         (make_batch's labels, as probabilities)."""
@@ -206,7 +207,7 @@ def write_model_card(out: Path, record: dict) -> None:
     captured_line = (f"- plus {d['captured_sequences']} sequences of served traffic (`specdec serve --capture`: {', '.join(d['captures'])}), "
                      "labelled with the served target's own predictions\n" if d.get("captured_sequences") else "")
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
-    autocast_note = ("; forward and backward under bfloat16 autocast (fp32 weights and optimizer)"
+    autocast_note = ("; forward and loss under bfloat16 autocast (fp32 weights, gradients and optimizer)"
                      if record.get("train_dtype") == "bfloat16" else "")
     fc_norm_note = ("; with EAGLE-3.1's per-tap norms before `fc` (`fc_norm: true`, `fc_norm.{i}.weight`)"
                     if record.get("fc_norm") else "")
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1's per-tap RMSNorm before fc (targets whose taps differ "
                                                           "in scale by orders of magnitude, as Gemma 3's do)")
     args = p.parse_args(argv)
+    if args.new_vocab and not args.init_from:
+        p.error("--new-vocab re-vocabularies a continued head: give --init-from (a fresh head takes --draft-vocab as it is)")
     started = provenance()  # the tree the head was trained from (train_log.json)
     t_start = time.perf_counter()
     target, tokenizer = target_and_tokenizer(args)

@@ -84,9 +84,10 @@ def test_int8_features_label_with_the_served_targets_own_greedy_tokens(tmp_path,
 
 
 def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
-    """--train-dtype bfloat16 (autocast; fp32 master weights): a paused run's checkpoint records
-    the dtype, the same command continues it to a head with finite weights, and a float32 run
-    is refused that checkpoint, naming train_dtype."""
+    """--train-dtype bfloat16 (autocast; fp32 master weights): its first step's loss is not
+    float32's (the autocast is on), a paused run's checkpoint records the dtype, the same
+    command continues it to a head with finite weights, and a float32 run is refused that
+    checkpoint, naming train_dtype."""
     import pytest
 
     from specdec.training.fit import checkpoint_path
@@ -95,7 +96,11 @@ def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
     common = ["--head", "eagle3", "--quick", "--features-dir", str(tmp_path / "features"), "--batch-size", "4", "--log-every", "1"]
     out = tmp_path / "bf16"
     assert main([*common, "--out", str(out), "--train-dtype", "bfloat16", "--max-steps", "1"]) == 0
-    assert torch.load(checkpoint_path(out), weights_only=True)["fingerprint"]["train_dtype"] == "bfloat16"
+    state = torch.load(checkpoint_path(out), weights_only=True)
+    assert state["fingerprint"]["train_dtype"] == "bfloat16"
+    assert main([*common, "--out", str(tmp_path / "fp32"), "--max-steps", "1"]) == 0
+    float32_state = torch.load(checkpoint_path(tmp_path / "fp32"), weights_only=True)
+    assert state["log"][0]["loss"] != float32_state["log"][0]["loss"]
     with pytest.raises(SystemExit, match="train_dtype"):
         main([*common, "--out", str(out), "--max-steps", "2"])
     assert main([*common, "--out", str(out), "--train-dtype", "bfloat16"]) == 0
@@ -110,10 +115,16 @@ def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
     the vocabulary starts from the target's own lm_head row, scaled to the trained rows."""
     from pathlib import Path
 
+    import pytest
+
     from specdec.engine.models.eagle3_head import load_eagle3
     from specdec.training.train_eagle3 import frozen_embedding, with_vocabulary
+    from specdec.training.train_head import main
 
-    head = load_eagle3(Path("models/eagle3-smollm2-135m"), frozen_embedding(smol_model), smol_model.cfg).float()
+    with pytest.raises(SystemExit):  # a fresh head has no vocabulary to change
+        main(["--head", "eagle3", "--quick", "--new-vocab"])
+    shipped = Path(__file__).resolve().parents[2] / "models" / "eagle3-smollm2-135m"
+    head = load_eagle3(shipped, frozen_embedding(smol_model), smol_model.cfg).float()
     old = head.draft_to_target
     added = torch.tensor(sorted(set(range(smol_model.cfg.vocab_size)) - set(old.tolist()))[:1000])
     vocab = torch.cat([old[::2], added]).sort().values  # half the old tokens kept, 1,000 new ones
@@ -131,3 +142,5 @@ def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
     fresh = new.lm_head.weight[~kept]
     target_rows = smol_model.lm_head.weight.detach().float()[vocab[~kept]]
     assert torch.allclose(torch.nn.functional.cosine_similarity(fresh, target_rows, dim=1), torch.ones(len(fresh)), atol=1e-5)
+    assert torch.allclose(fresh.norm(dim=1), target_rows.norm(dim=1) * new.lm_head.weight[kept].norm(dim=1).mean()
+                          / smol_model.lm_head.weight.detach().float()[vocab[kept]].norm(dim=1).mean(), rtol=1e-4)
