@@ -2,7 +2,6 @@
 metrics (requests are parsed by specdec.serving.request.parse_request). Imported only inside Triton (it needs pb_utils)."""
 from __future__ import annotations
 
-import ctypes
 import hmac
 import json
 import logging
@@ -18,6 +17,7 @@ import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.config import ServingConfig, team_size
 from specdec.errors import ConfigError, InvalidRequestError
+from specdec.serving.heap import HeapTrimmer  # noqa: F401 (the models take it from here)
 
 SETTINGS_FILE = "specdec.json"
 
@@ -197,24 +197,3 @@ class Metrics:
             self._metric(name, labels).set(value)
 
 
-class HeapTrimmer:
-    """Gives the models' freed heap back to the OS now and then. Every step allocates
-    transient tensors whose sizes vary with the batch (logits of [sequences, tree rows,
-    vocabulary]); glibc keeps the freed pages in its heaps, so a stub's RSS creeps up over a
-    long soak without any live object growing. malloc_trim(0) (glibc >= 2.8: also the free
-    pages inside the heap) costs milliseconds, so it runs at most every `every_s`."""
-
-    def __init__(self, every_s: float = 30.0):
-        try:
-            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
-            self._trim = None
-        self.every_s = every_s
-        self._last = time.monotonic()
-
-    def maybe_trim(self) -> bool:
-        if self._trim is None or time.monotonic() - self._last < self.every_s:
-            return False
-        self._trim(0)
-        self._last = time.monotonic()
-        return True
