@@ -175,7 +175,8 @@ def test_the_speculators_package_reads_our_export(exported):
 
     ours = json.loads((exported / "config.json").read_text())
     theirs = Eagle3SpeculatorConfig.from_pretrained(str(exported))
-    assert theirs.speculators_model_type == "eagle3" and theirs.draft_vocab_size == ours["draft_vocab_size"] == 8192
+    shipped_vocab = json.loads((DEFAULT_HEAD / "config.json").read_text())["draft_vocab_size"]
+    assert theirs.speculators_model_type == "eagle3" and theirs.draft_vocab_size == ours["draft_vocab_size"] == shipped_vocab
     assert theirs.eagle_aux_hidden_state_layer_ids == [1, 14, 26] and theirs.norm_before_residual is False
     assert theirs.transformer_layer_config.hidden_size == 576 and theirs.transformer_layer_config.vocab_size == 49152
     assert theirs.speculators_config.proposal_methods[0].speculative_tokens == ours["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
