@@ -282,9 +282,11 @@ bench-head-acceptance: prepare $(PREVIOUS_HEAD)/model.safetensors
 	$(BIN)/specdec bench-head-acceptance --head v5=$(PREVIOUS_HEAD) --head shipped=models/eagle3-smollm2-135m \
 		$(if $(wildcard tmp/capture-cycle/head/model.safetensors),--head captured-code=tmp/capture-cycle/head) --out results/heads
 
+# each file through a temporary name, so a failed `git show` (a shallow clone) leaves nothing make takes as done
 $(PREVIOUS_HEAD)/model.safetensors:
 	mkdir -p $(PREVIOUS_HEAD)
-	for f in config.json model.safetensors; do git show 1ec4291:models/eagle3-smollm2-135m/$$f > $(PREVIOUS_HEAD)/$$f; done
+	set -e; for f in config.json model.safetensors; do \
+		git show 1ec4291:models/eagle3-smollm2-135m/$$f > $(PREVIOUS_HEAD)/$$f.part; mv $(PREVIOUS_HEAD)/$$f.part $(PREVIOUS_HEAD)/$$f; done
 
 # The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
 bench-tree-shapes: prepare

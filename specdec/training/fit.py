@@ -5,6 +5,7 @@ order, AdamW with warm-up and cosine decay, top-1 by draft position, the draft v
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -63,6 +64,19 @@ def _trainable(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
+def _saved_buffers_sha256(module: torch.nn.Module) -> str:
+    """A digest of the module's saved buffers (an EAGLE-3 head's d2t/t2d: its draft vocabulary).
+    They are not trained, so the checkpoint does not hold them; a resumed run whose vocabulary
+    differs (--new-vocab added or dropped) would load trained lm_head rows onto other tokens."""
+    params = {name for name, _ in module.named_parameters()}
+    digest = hashlib.sha256()
+    for name, value in sorted(module.state_dict().items()):
+        if name not in params:
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip: float = 0.5) -> list[dict]:
     """The training loop the head, Medusa and draft-model trainers share: AdamW on the
     module's trainable parameters, 20 warm-up steps then cosine decay, length-bucketed
@@ -86,11 +100,14 @@ def optimize(module: torch.nn.Module, train_set: list[dict], args, loss_of, clip
     fingerprint = {"train_sequences": len(train_set), "train_tokens": sum(len(f["tokens"]) for f in train_set),
                    "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "seed": args.seed,
                    "parameters": {name: list(w.shape) for name, w in sorted(params.items())},
-                   "train_dtype": getattr(args, "train_dtype", "float32"), "feature_format": getattr(args, "feature_format", "float32")}
+                   "train_dtype": getattr(args, "train_dtype", "float32"), "feature_format": getattr(args, "feature_format", "float32"),
+                   "saved_buffers_sha256": _saved_buffers_sha256(module)}
     autocast = fingerprint["train_dtype"] == "bfloat16"
     if ckpt is not None and ckpt.is_file() and not getattr(args, "restart", False):
         state = torch.load(ckpt, weights_only=True)
-        saved = {"train_dtype": "float32", "feature_format": "float32", **state["fingerprint"]}  # a checkpoint from before these
+        # a checkpoint from before these fields (the buffers' digest: 2026-12-06) is compared without them
+        saved = {"train_dtype": "float32", "feature_format": "float32", "saved_buffers_sha256": fingerprint["saved_buffers_sha256"],
+                 **state["fingerprint"]}
         if isinstance(saved["parameters"], list):  # names only, before shapes were recorded
             saved["parameters"] = {name: fingerprint["parameters"].get(name) for name in saved["parameters"]}
         if saved != fingerprint:

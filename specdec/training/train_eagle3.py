@@ -82,7 +82,10 @@ class SoftTargets:
     the recorded last layer (its final norm and lm_head rows, one [T, H] x [H, Vd] GEMM):
     the soft labels EAGLE's and SpecForge's trainers use. Argmax labels teach the head only
     the target's top token, so its q is miscalibrated where sampling draws from it (the
-    i.i.d. rule accepts with sum min(p, q))."""
+    i.i.d. rule accepts with sum min(p, q)). The norm and lm_head rows are the float32
+    target's even when int8 made the features (--feature-format int8): the last layer is the
+    served one, the last GEMM is not quantized here (its argmax can differ from the int8
+    lm_head's where two logits nearly tie)."""
 
     def __init__(self, target: Transformer, vocab_ids: torch.Tensor):
         self.norm = target.norm
@@ -189,6 +192,10 @@ def write_model_card(out: Path, record: dict) -> None:
                                           f"held-out mean acceptance length {r['heldout_mean_acceptance_length']:.2f})" if "train_tokens" in r else "") + "\n"
         for i, r in enumerate(lineage))
     earlier = f"\nIt continues earlier runs (each `--init-from` the previous one's output), oldest first:\n\n{earlier}" if lineage else ""
+    # the teacher reads the recorded last layer (of whichever weight format made the features)
+    # through the float32 target's final norm and lm_head rows: see SoftTargets
+    soft_teacher_note = ("; the distribution's final norm and lm_head in float32 over that last layer"
+                         if record.get("soft_labels") and record.get("feature_format", "float32") != "float32" else "")
     labels_how = ("the target's own next-token distribution over the draft vocabulary (soft labels, from its last layer, "
                   "final norm and lm_head)" if record.get("soft_labels") else "the target's own argmax next token at every position")
     init = record.get("init_head_heldout") or {}
@@ -225,8 +232,8 @@ Trained on this repository's CPU by:
   answered by the target itself (greedy, up to {d.get('self_distilled_new_tokens', 0)} new tokens; {answers_how},
   loss on the answers only): drafting happens on the target's own text; {d.get('labelled_tokens', '?')} labelled tokens in all
 {captured_line}- initialised from: {record.get('init_from') or 'scratch (lm_head and norm from the target, MLP from its last layer)'}
-- labels: {labels_how} (features and labels from `specdec.engine.models.llama` with the target's weights in
-  {record.get('feature_format', 'float32')}{' (the served CPU format)' if record.get('feature_format') == 'int8' else ''})
+- labels: {labels_how} (features{' and the distribution' if record.get('soft_labels') else ' and labels'} from `specdec.engine.models.llama` with the target's weights in
+  {record.get('feature_format', 'float32')}{' (the served CPU format)' if record.get('feature_format') == 'int8' else ''}{soft_teacher_note})
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
   {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}{autocast_note}

@@ -56,7 +56,7 @@ def test_a_killed_run_continues_where_it_stopped_and_ends_as_an_uninterrupted_on
         main(["--head", "eagle3", *common, "--out", str(tmp_path / "other"), "--lr", "1e-4"])
 
 
-def test_int8_features_label_with_the_served_targets_own_greedy_tokens(tmp_path, smol_dir, smol_int8_model, smol_tokenizer):
+def test_int8_features_label_with_the_served_targets_own_greedy_tokens(tmp_path, smol_dir, smol_model, smol_int8_model, smol_tokenizer):
     """--feature-format int8: the features and labels come from the served CPU target itself. Its
     teacher-forced prefill labels every answer position with the token the served engine
     emitted there (the int8 forward is row-invariant), and its features live in their own
@@ -77,13 +77,17 @@ def test_int8_features_label_with_the_served_targets_own_greedy_tokens(tmp_path,
     with torch.inference_mode():
         (features,) = target_features(labeller, [prompt + served])
     assert len(served) == 64 and features["labels"][len(prompt) - 1 : len(prompt) - 1 + len(served)].tolist() == served
+    with torch.inference_mode():
+        (float32_features,) = target_features(smol_model, [prompt + served])
+    # the prompt tells the formats apart: float32 labels some of these positions otherwise
+    assert float32_features["labels"][len(prompt) - 1 : len(prompt) - 1 + len(served)].tolist() != served
 
     features_dir = tmp_path / "features"
     assert main(["--head", "eagle3", "--quick", "--features-only", "--features-dir", str(features_dir), "--feature-format", "int8"]) == 0
     assert any((tmp_path / "features-int8").glob("shard_*.pt")) and not features_dir.exists()
 
 
-def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
+def test_bfloat16_training_resumes_and_a_float32_run_refuses_its_checkpoint(tmp_path):
     """--train-dtype bfloat16 (autocast; fp32 master weights): its first step's loss is not
     float32's (the autocast is on), a paused run's checkpoint records the dtype, the same
     command continues it to a head with finite weights, and a float32 run is refused that
@@ -109,7 +113,7 @@ def test_bfloat16_training_resumes_and_refuses_a_float32_checkpoint(tmp_path):
     assert all(torch.isfinite(w.float()).all() for w in weights.values()) and record["curve"][-1]["step"] > 1
 
 
-def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
+def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model, tmp_path, capsys):
     """--new-vocab on a continued head: every token it drafted before and keeps scores exactly
     as before (its trained lm_head rows and the rest of its weights unchanged); a token new to
     the vocabulary starts from the target's own lm_head row, scaled to the trained rows."""
@@ -121,8 +125,9 @@ def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
     from specdec.training.train_eagle3 import frozen_embedding, with_vocabulary
     from specdec.training.train_head import main
 
-    with pytest.raises(SystemExit):  # a fresh head has no vocabulary to change
-        main(["--head", "eagle3", "--quick", "--new-vocab"])
+    with pytest.raises(SystemExit):  # a fresh head has no vocabulary to change: refused before anything is written
+        main(["--head", "eagle3", "--quick", "--new-vocab", "--out", str(tmp_path / "refused")])
+    assert "--init-from" in capsys.readouterr().err and not (tmp_path / "refused").exists()
     shipped = Path(__file__).resolve().parents[2] / "models" / "eagle3-smollm2-135m"
     head = load_eagle3(shipped, frozen_embedding(smol_model), smol_model.cfg).float()
     old = head.draft_to_target
@@ -144,3 +149,38 @@ def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model):
     assert torch.allclose(torch.nn.functional.cosine_similarity(fresh, target_rows, dim=1), torch.ones(len(fresh)), atol=1e-5)
     assert torch.allclose(fresh.norm(dim=1), target_rows.norm(dim=1) * new.lm_head.weight[kept].norm(dim=1).mean()
                           / smol_model.lm_head.weight.detach().float()[vocab[kept]].norm(dim=1).mean(), rtol=1e-4)
+
+
+def test_a_resumed_run_with_another_draft_vocabulary_is_refused(tmp_path):
+    """The draft vocabulary (an EAGLE-3 head's d2t/t2d buffers) is not trained and not in the
+    checkpoint: a run re-started over another vocabulary (--new-vocab added or dropped) would
+    put the trained lm_head rows on other tokens, so the checkpoint's digest of the saved
+    buffers must match; the same vocabulary resumes."""
+    import argparse
+
+    import pytest
+
+    from specdec.training.fit import TrainingPaused, checkpoint_path, optimize
+
+    class Toy(torch.nn.Module):
+        def __init__(self, vocab: list[int]):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, len(vocab))
+            self.register_buffer("d2t", torch.tensor(vocab) - torch.arange(len(vocab)))
+
+    def loss_of(batch):
+        return sum(toy.lm_head(f["x"]).square().mean() for f in batch), lambda: {"train_top1": 0.0}
+
+    train_set = [{"tokens": [0, 1], "x": torch.randn(2, 4)} for _ in range(4)]
+    args = argparse.Namespace(out=str(tmp_path), lr=1e-3, batch_size=2, epochs=1, seed=0, log_every=1, max_steps=1)
+    toy = Toy([3, 5, 7])
+    with pytest.raises(TrainingPaused):
+        optimize(toy, train_set, args, loss_of)
+    assert checkpoint_path(tmp_path).is_file()
+    toy = Toy([3, 5, 8])  # same shapes, another token in the last row
+    with pytest.raises(SystemExit, match="saved_buffers_sha256"):
+        optimize(toy, train_set, args, loss_of)
+    toy = Toy([3, 5, 7])
+    args.max_steps = None
+    optimize(toy, train_set, args, loss_of)
+    assert not checkpoint_path(tmp_path).exists()  # resumed and finished
