@@ -7,7 +7,7 @@ XGRAMMAR_VERSION := 0.2.9
 SPECULATORS_VERSION := 0.3.0
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup prepare run serve generate test test-serial test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-tree-shapes bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
+.PHONY: setup prepare run serve generate test test-serial test-all test-methods distill-answers bench-engine bench-load bench-capture capture-cycle bench-head-acceptance bench-tree-shapes bench-served-shapes bench-load-sweep bench-llamacpp bench-peers bench-serving bench bench-matrix bench-draft bench-drafters bench-heads bench-openai bench-aiperf bench-conversations bench-suffix soak soak-conversations stress check-stops compose-keys loadtest-c1 loadtest-prod results results-quick readme-tables greedy-margin bench-formats format-quality bench-structured bench-tools bench-siblings bench-v5 mutants fuzz bench-hostile prepare-gemma serve-gemma test-gemma bench-gemma clean
 
 # setup.py compiles the engine's kernels (specdec/engine/kernels) during the install: a change to them reinstalls.
 $(STAMP): pyproject.toml setup.py $(wildcard specdec/engine/kernels/*.c specdec/engine/kernels/*.h)
@@ -291,6 +291,10 @@ $(PREVIOUS_HEAD)/model.safetensors:
 # The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
 bench-tree-shapes: prepare
 	$(BIN)/specdec bench-tree-shapes --draft-dtype int8 --draft-dtype bfloat16 --out results/tree_shapes
+
+# The same shapes through Triton at c=1 and c=4, the served defaults' evidence (~15 min on 2 cores, quiet machine)
+bench-served-shapes: prepare
+	specdec/bench/experiments/served_shapes/run.sh
 
 loadtest-c1: prepare
 	$(BIN)/python -m loadtest.run --scenario concurrency_1 --duration 60s --start-server --out results/loadtest
