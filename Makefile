@@ -274,19 +274,12 @@ capture-cycle: prepare
 	$(BIN)/specdec capture-cycle --out results/capture_cycle
 
 # Each head version per workload (ShareGPT, code, multi-turn, captured traffic replayed): chain and tree MAL and
-# c=1 speed against plain decoding, in process on int8 (issue 62); the capture cycle's head when it exists (~15 min)
-# The head version shipped before the current one (v5, at 1ec4291), for the per-version rows: read from git, so the
-# tree holds one copy of a head
-PREVIOUS_HEAD := tmp/heads/v5
-bench-head-acceptance: prepare $(PREVIOUS_HEAD)/model.safetensors
-	$(BIN)/specdec bench-head-acceptance --head v5=$(PREVIOUS_HEAD) --head shipped=models/eagle3-smollm2-135m \
+# c=1 speed against plain decoding, in process on int8 (issue 62): the shipped head (v5), the last candidate when
+# tmp/head-v6 holds it (its command: results/heads/v6/README.md), the capture cycle's head when it exists (~15 min)
+bench-head-acceptance: prepare
+	$(BIN)/specdec bench-head-acceptance --head v5=models/eagle3-smollm2-135m \
+		$(if $(wildcard tmp/head-v6/model.safetensors),--head v6=tmp/head-v6) \
 		$(if $(wildcard tmp/capture-cycle/head/model.safetensors),--head captured-code=tmp/capture-cycle/head) --out results/heads
-
-# each file through a temporary name, so a failed `git show` (a shallow clone) leaves nothing make takes as done
-$(PREVIOUS_HEAD)/model.safetensors:
-	mkdir -p $(PREVIOUS_HEAD)
-	set -e; for f in config.json model.safetensors; do \
-		git show 1ec4291:models/eagle3-smollm2-135m/$$f > $(PREVIOUS_HEAD)/$$f.part; mv $(PREVIOUS_HEAD)/$$f.part $(PREVIOUS_HEAD)/$$f; done
 
 # The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
 bench-tree-shapes: prepare

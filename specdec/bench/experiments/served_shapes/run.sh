@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 OUT=results/tree_shapes/served
 mkdir -p "$OUT"
-.venv/bin/python specdec/bench/experiments/served_shapes/settings.py "$OUT/specdec.json"
+.venv/bin/python specdec/bench/experiments/served_shapes/candidate_shapes.py "$OUT/specdec.json"
 .venv/bin/specdec-client bench --start-server --server-settings "$OUT/specdec.json" --out "$OUT" \
   --num-prompts 16 --max-tokens 96 --concurrency 1,4 \
   --methods eagle3-k2,eagle3-k3,eagle3-k4,eagle3-k5,eagle3-tree-d3k2n6,eagle3-tree-d4k2n8,eagle3-tree-d4k4n12,eagle3-hybrid
