@@ -17,7 +17,6 @@ import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.config import ServingConfig, team_size
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.serving.heap import HeapTrimmer  # noqa: F401 (the models take it from here)
 
 SETTINGS_FILE = "specdec.json"
 

@@ -18,9 +18,10 @@ from specdec.errors import InvalidRequestError, SpecDecError
 from specdec.triton_models.contract import decode_sampling
 from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
+from specdec.serving.heap import HeapTrimmer
 from specdec.serving.runtime import build_drafters, colocated_methods, handed_tap_layers
 from specdec.triton_models.common import (
-    HeapTrimmer, Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings,
+    Metrics, array, batched, check_max_batch_size, control, error_response, from_the_loop, internal_key, load_settings,
     refused, scalar, strings,
 )
 

@@ -30,12 +30,13 @@ from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir, team_s
 from specdec.engine.models.loading import read_model_config
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
+from specdec.serving.heap import HeapTrimmer
 from specdec.serving.runtime import build_colocated_speculator, build_drafters, colocated_methods, load_tokenizer, tap_layers_of
 from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
 from specdec.triton_models.common import (
-    HeapTrimmer, Metrics, array, batched, error_response, from_an_admin, from_the_loop, internal_key, refused, scalar, strings,
+    Metrics, array, batched, error_response, from_an_admin, from_the_loop, internal_key, refused, scalar, strings,
     text_tensor,
 )
 from specdec.triton_models.drafter_calls import DrafterCalls
