@@ -56,6 +56,26 @@ def init_head(target: Transformer, cfg: Eagle3Config, vocab_ids: torch.Tensor, s
 
 
 @torch.no_grad()
+def with_layers(head: Eagle3Head, target: Transformer, layers: int) -> Eagle3Head:
+    """A continued head with more decoder layers (--init-from with --layers): every trained
+    weight kept; each new layer starts as the target's last layer with its output projections
+    (o_proj, down_proj) zero, so the head drafts exactly as before until training moves them."""
+    assert layers >= head.cfg.num_hidden_layers, "layers are added, never dropped"
+    new = Eagle3Head(dataclasses.replace(head.cfg, num_hidden_layers=layers), head.embed)
+    missing, unexpected = new.load_state_dict(head.state_dict(), strict=False)
+    assert all(k.startswith("layers.") for k in missing) and not unexpected, (missing, unexpected)
+    last = target.layers[-1]
+    for block in list(new.layers)[head.cfg.num_hidden_layers - 1 :]:
+        block.attn_norm.weight.copy_(last.attn_norm.weight.detach().float())
+        block.mlp_norm.weight.copy_(last.mlp_norm.weight.detach().float())
+        block.attn.wqkv.weight.copy_(last.attn.wqkv.weight.detach().float())
+        block.mlp.w13.weight.copy_(last.mlp.w13.weight.detach().float())
+        block.attn.wo.weight.zero_()
+        block.mlp.w2.weight.zero_()
+    return new
+
+
+@torch.no_grad()
 def with_vocabulary(head: Eagle3Head, target: Transformer, vocab_ids: torch.Tensor) -> Eagle3Head:
     """A continued head over a new draft vocabulary (--init-from with --new-vocab): every
     weight kept; lm_head rows of the tokens it already drafted kept as trained, the new
@@ -216,6 +236,9 @@ def write_model_card(out: Path, record: dict) -> None:
     rows = "\n".join(f"| {c['step']} | {c['loss']:.3f} | {', '.join(f'{a:.3f}' for a in c['train_top1_by_position'])} |" for c in curve)
     autocast_note = ("; forward and loss under bfloat16 autocast (fp32 weights, gradients and optimizer)"
                      if record.get("train_dtype") == "bfloat16" else "")
+    layers = record.get("layers", 1)
+    layers_note = (f"; {layers} decoder layers: `midlayer.*` then plain Llama layers `layers.1.*`.. over its output"
+                   if layers > 1 else "")
     fc_norm_note = ("; with EAGLE-3.1's per-tap norms before `fc` (`fc_norm: true`, `fc_norm.{i}.weight`)"
                     if record.get("fc_norm") else "")
     (out / "README.md").write_text(f"""# EAGLE-3 head for {record.get('target', 'SmolLM2-135M-Instruct')} (trained here)
@@ -237,7 +260,7 @@ Trained on this repository's CPU by:
 - draft vocabulary: the {record['draft_vocab']} most frequent target predictions; target tap layers {record['tap_layers']}
 - budget: features {b['features_s'] / 60:.1f} min, training {b['train_s'] / 60:.1f} min on {b['threads']} threads;
   {b['epochs']} epochs, batch {b['batch_size']}, {b['optimizer_steps']} optimizer steps, training-time test {b['ttt_steps']} steps, lr {record['lr']}{autocast_note}
-- layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16){fc_norm_note}
+- layout: the published EAGLE-3 layout (`config.json`, `model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; fp16){layers_note}{fc_norm_note}
 
 ## Held-out results
 
@@ -262,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-from", default=None, help="continue from this head (published layout) instead of a fresh one")
     p.add_argument("--new-vocab", action="store_true", help="with --init-from: draft over the --draft-vocab most frequent "
                    "target predictions of this run's data (the head's trained rows kept, new tokens' rows from the target)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the --init-from head's, or 1); more than "
+                   "the --init-from head has adds layers that start as the identity (the head drafts as before at step 0)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--ttt-steps", type=int, default=3)
@@ -270,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1's per-tap RMSNorm before fc (targets whose taps differ "
                                                           "in scale by orders of magnitude, as Gemma 3's do)")
     args = p.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers: a head has at least one decoder layer")
     if args.new_vocab and not args.init_from:
         p.error("--new-vocab re-vocabularies a continued head: give --init-from (a fresh head takes --draft-vocab as it is)")
     started = provenance()  # the tree the head was trained from (train_log.json)
@@ -300,12 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         if head.cfg.tap_layers != tuple(taps):
             raise SystemExit(f"--init-from head taps {head.cfg.tap_layers} differ from the target's {taps}")
         before = heldout_checks(head, *vocabulary_maps(head.draft_to_target.clone()))  # the head as it was
+        if args.layers is not None and args.layers < head.cfg.num_hidden_layers:
+            raise SystemExit(f"--layers {args.layers}: the --init-from head has {head.cfg.num_hidden_layers}; layers are added, never dropped")
+        if args.layers is not None and args.layers > head.cfg.num_hidden_layers:
+            head = with_layers(head, target, args.layers)
         if args.new_vocab:
             head = with_vocabulary(head, target, draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos))
         vocab_ids = head.draft_to_target.clone()
     else:
         vocab_ids = draft_vocabulary(train_set, args.draft_vocab, target.cfg.vocab_size, eos)
-        cfg = dataclasses.replace(Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), fc_norm=args.fc_norm)
+        cfg = dataclasses.replace(Eagle3Config.for_target(target.cfg, args.draft_vocab, taps), fc_norm=args.fc_norm,
+                                  num_hidden_layers=args.layers or 1)
         head = init_head(target, cfg, vocab_ids, args.seed)
     target_to_draft, soft = vocabulary_maps(vocab_ids)
     try:
@@ -336,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                    "batch_size": args.batch_size, "optimizer_steps": log[-1]["step"] if log else 0, "ttt_steps": args.ttt_steps},
         "draft_vocab": len(vocab_ids), "init_from": args.init_from, "tap_layers": list(taps), "lr": args.lr,
         "heldout_top1_by_position": top1, "heldout_sampled_overlap": sampled_overlap, "heldout_acceptance": acceptance,
-        "soft_labels": args.soft_labels, "feature_format": args.feature_format, "train_dtype": args.train_dtype, "fc_norm": head.cfg.fc_norm, "init_head_heldout": before, "curve": log,
+        "soft_labels": args.soft_labels, "feature_format": args.feature_format, "train_dtype": args.train_dtype, "fc_norm": head.cfg.fc_norm,
+        "layers": head.cfg.num_hidden_layers, "init_head_heldout": before, "curve": log,
         "lineage": head_lineage(Path(args.init_from)) if args.init_from else [],
     }
     write_result(out / "train_log.json", record, started)

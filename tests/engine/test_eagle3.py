@@ -76,6 +76,26 @@ def tiny(tmp_path_factory):
     return save_tiny_target_and_head(tmp_path_factory.mktemp("eagle"))
 
 
+@pytest.fixture(scope="module")
+def two_layer_head(tiny, tmp_path_factory):
+    """The tiny head with a second decoder layer (random weights, none zero), saved by
+    save_eagle3 and loaded back: its directory."""
+    import dataclasses
+
+    target, head_dir, _ = tiny
+    one = load_eagle3(head_dir, target.embed, target.cfg)
+    two = Eagle3Head(dataclasses.replace(one.cfg, num_hidden_layers=2), target.embed)
+    missing, _ = two.load_state_dict(one.state_dict(), strict=False)
+    assert missing and all(k.startswith("layers.0.") for k in missing)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, w in two.layers.named_parameters():
+            w.copy_(1 + 0.05 * torch.randn(w.shape, generator=g) if "norm" in name else 0.05 * torch.randn(w.shape, generator=g))
+    out = tmp_path_factory.mktemp("two_layers") / "head"
+    save_eagle3(two, out, dtype=torch.float32)
+    return out
+
+
 def test_published_layout_loads_and_round_trips(tiny, tmp_path):
     target, head_dir, sd = tiny
     head = load_eagle3(head_dir, target.embed, target.cfg)
@@ -131,6 +151,66 @@ def test_absorb_equals_the_last_position_of_a_padded_pass(tiny):
         assert torch.allclose(caches[0].k[0][b, :, :n], caches[1].k[0][b, :, :n], atol=1e-5)
 
 
+def test_a_two_layer_head_round_trips_in_both_layouts(tiny, two_layer_head, tmp_path):
+    """num_hidden_layers 2: the second layer as `layers.1.*` (Llama names) in our layout and
+    in speculators' (where the first is `layers.0.*`), the same tensors back from each; a
+    config that counts fewer layers than the weights hold is refused, naming the key."""
+    from safetensors.torch import load_file
+
+    from specdec.engine.models.eagle3_head import export_speculators
+
+    target = tiny[0]
+    head = load_eagle3(two_layer_head, target.embed, target.cfg)
+    assert head.cfg.num_hidden_layers == 2 and len(head.layers) == 1 and head.new_cache(1, 8, 4).k.shape[0] == 2
+    saved = load_file(str(two_layer_head / "model.safetensors"))
+    assert "layers.1.self_attn.q_proj.weight" in saved and "layers.1.mlp.down_proj.weight" in saved
+    for name, value in head.published_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    exported = export_speculators(two_layer_head, tmp_path / "speculators")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert {"layers.0.hidden_norm.weight", "layers.1.input_layernorm.weight"} <= set(load_file(str(exported / "model.safetensors")))
+    again = load_eagle3(exported, target.embed, target.cfg)
+    for name, value in again.published_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    raw = json.loads((two_layer_head / "config.json").read_text())
+    (tmp_path / "fewer").mkdir()
+    (tmp_path / "fewer" / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1}))
+    save_file(saved, str(tmp_path / "fewer" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        load_eagle3(tmp_path / "fewer", target.embed, target.cfg)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_drafting_passes_equal_the_training_unroll(tiny, two_layer_head, layers):
+    """What drafting computes is what training-time test trains: the catch-up pass over a
+    committed prefix and two chained draft passes from the head's cache give, at the prefix's
+    last position, the logits and carried hidden of TTT steps 0, 1 and 2 (with one decoder
+    layer and with two, whose second layer keeps its own cache layer)."""
+    from specdec.engine.drafters.tree_search import draft_pass_batch
+    from specdec.engine.models.llama import build_batch
+
+    target, head_dir, _ = tiny
+    head = load_eagle3(head_dir if layers == 1 else two_layer_head, target.embed, target.cfg)
+    g = torch.Generator().manual_seed(3)
+    T, steps = 7, 3
+    taps = torch.randn(T, 3 * head.cfg.hidden_size, generator=g)
+    next_tokens = torch.randint(0, 96, (T + steps,), generator=g)
+    with torch.no_grad():
+        unrolled = head.ttt_forward(taps[None], next_tokens[None], steps)
+    cache = head.new_cache(1, 32, 8)
+    slot = cache.allocate()
+    hidden, logits = head.absorb([taps], build_batch([slot], [0], [next_tokens[:T].tolist()]), cache)
+    cache.commit(slot, range(T))
+    assert torch.allclose(logits[0], unrolled[0][0, T - 1], atol=1e-5)
+    for depth in range(1, steps):
+        batch = draft_pass_batch([T], [slot], [[int(next_tokens[T + depth - 1])]], [depth - 1], [[depth - 1]],
+                                 [torch.ones(1, depth, dtype=torch.bool)], "cpu")
+        hidden, logits = head(hidden[:, None], batch, cache)
+        hidden, logits = hidden[:, 0], logits[:, 0]
+        assert torch.allclose(logits[0], unrolled[depth][0, T - 1], atol=1e-5), depth
+
+
 def eagle_engine(target, head_dir, max_batch=8):
     cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=128, max_num_draft_tokens=8)
     head = load_eagle3(head_dir, target.embed, target.cfg)
@@ -147,8 +227,10 @@ def eagle_engine(target, head_dir, max_batch=8):
     return SpecEngine(target, cfg, drafters=drafters)
 
 
-def test_greedy_eagle3_equals_plain_tiny(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_greedy_eagle3_equals_plain_tiny(tiny, two_layer_head, layers):
     target, head_dir, _ = tiny
+    head_dir = head_dir if layers == 1 else two_layer_head
     ps = prompts(12, seed=5)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     engine = eagle_engine(target, head_dir)

@@ -151,7 +151,7 @@ def test_eagle31_norms_before_fc_per_tap_and_on_the_carried_hidden(exported, smo
     assert not torch.allclose(plain.fuse(taps), expected, atol=1e-3)  # control: the norms change the pass
     output = load_eagle3(_with_flags(exported, tmp_path, {"norm_output": True}, {}), smol_model.embed, smol_model.cfg)
     hidden, attn_out = plain.fuse(taps), torch.randn(1, 4, 576)
-    (h_plain, logits_plain), (h_out, logits_out) = plain._finish(hidden, attn_out), output._finish(hidden, attn_out)
+    (h_plain, logits_plain), (h_out, logits_out) = (head._carry(head._residual(hidden, attn_out)) for head in (plain, output))
     assert torch.equal(logits_out, logits_plain) and torch.allclose(h_out, _rms(h_plain, plain.norm.weight, eps), atol=1e-5)
     assert not torch.allclose(h_out, h_plain, atol=1e-3)
 

@@ -151,6 +151,37 @@ def test_a_new_draft_vocabulary_keeps_what_the_head_learned(smol_model, tmp_path
                           / smol_model.lm_head.weight.detach().float()[vocab[kept]].norm(dim=1).mean(), rtol=1e-4)
 
 
+def test_added_layers_start_as_the_identity_and_then_train(smol_model):
+    """--layers on a continued head: the grown head drafts exactly as the old one (its new
+    layer's output projections are zero) and every weight of the new layer gets a gradient
+    within two optimizer steps (the zeros do not stay a fixed point)."""
+    from pathlib import Path
+
+    from specdec.engine.models.eagle3_head import load_eagle3
+    from specdec.training.train_eagle3 import frozen_embedding, with_layers
+
+    shipped = Path(__file__).resolve().parents[2] / "models" / "eagle3-smollm2-135m"
+    head = load_eagle3(shipped, frozen_embedding(smol_model), smol_model.cfg).float()
+    grown = with_layers(head, smol_model, 2).float()
+    assert grown.cfg.num_hidden_layers == 2 and len(grown.layers) == 1
+    torch.manual_seed(0)
+    taps, next_tokens = torch.randn(2, 12, 3 * smol_model.cfg.hidden_size), torch.randint(0, 1000, (2, 15))
+    with torch.no_grad():
+        for before, after in zip(head.ttt_forward(taps, next_tokens, 3), grown.ttt_forward(taps, next_tokens, 3)):
+            assert torch.equal(before, after)
+    new_layer = dict(grown.layers.named_parameters())
+    opt = torch.optim.SGD([p for p in grown.parameters() if p.requires_grad], lr=1e-2)
+    moved = set()
+    for _ in range(2):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.cross_entropy(o.flatten(0, 1), next_tokens[:, :12].flatten() % 2048)
+                   for o in grown.ttt_forward(taps, next_tokens, 3))
+        loss.backward()
+        moved |= {n for n, p in new_layer.items() if p.grad is not None and p.grad.abs().sum() > 0}
+        opt.step()
+    assert moved == set(new_layer), set(new_layer) - moved
+
+
 def test_a_resumed_run_with_another_draft_vocabulary_is_refused(tmp_path):
     """The draft vocabulary (an EAGLE-3 head's d2t/t2d buffers) is not trained and not in the
     checkpoint: a run re-started over another vocabulary (--new-vocab added or dropped) would

@@ -19,6 +19,10 @@ flags (speculators'): norm_before_fc, one RMSNorm over the concatenated taps bef
 before the concatenation (`fc_norm.{i}.weight`; exclusive with norm_before_fc); norm_output,
 the hidden carried to the next draft step is norm(h), not h (the logits are lm_head(norm(h))
 either way).
+More than one decoder layer (speculators' `num_hidden_layers` > 1; research layout
+`layers.{i}.*` for i >= 1 beside `midlayer.*`): the first reads [embedding; hidden] as above,
+the others are plain Llama decoder layers over its output, each with its own KV cache layer;
+the hidden carried to the next draft step and the logits come from the last one.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from specdec.config import ModelConfig
 from specdec.errors import ConfigError, ModelLoadError
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.models.llama import (
-    MLP, Attention, ForwardBatch, Linear, RMSNorm, apply_rope, last_tokens, onednn_supports, prepare_step, rope_inv_freq, rope_tables,
+    MLP, Attention, Block, ForwardBatch, Linear, RMSNorm, apply_rope, last_tokens, onednn_supports, prepare_step, rope_inv_freq, rope_tables,
 )
 
 
@@ -67,6 +71,7 @@ class Eagle3Config:
     norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the concatenated taps before fc
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm per tap before the concatenation
     norm_output: bool = False  # EAGLE-3.1: the next step reads norm(h)
+    num_hidden_layers: int = 1  # decoder layers: the EAGLE-3 layer, then plain ones over its output
 
     @staticmethod
     def for_target(target: ModelConfig, draft_vocab_size: int, tap_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
@@ -86,14 +91,14 @@ class Eagle3Config:
         for flag in ("norm_before_residual", *EAGLE31_FLAGS):  # the research layout's meaning without the key
             if not d[flag]:
                 d.pop(flag)
-        d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+        d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps)})
         return d
 
     def to_speculators_dict(self, verifier: str | None = None) -> dict[str, Any]:
         """vLLM speculators' config.json (Eagle3SpeculatorConfig) for this head."""
         layer = {
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": self.num_hidden_layers,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
@@ -126,8 +131,6 @@ class Eagle3Config:
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise ConfigError("transformer_layer_config", "is required (the draft decoder layer's config)")
-        if layer.get("num_hidden_layers", 1) != 1:
-            raise ConfigError("transformer_layer_config.num_hidden_layers", f"this head has one layer, got {layer.get('num_hidden_layers')}")
         target_hidden = raw.get("target_hidden_size")
         if target_hidden is not None and target_hidden != layer.get("hidden_size"):
             raise ConfigError("target_hidden_size", f"a head wider or narrower than its target ({target_hidden} vs "
@@ -144,6 +147,10 @@ class Eagle3Config:
                 raise ConfigError("eagle_aux_hidden_state_layer_ids", "is required without a target")
             taps = target.eagle3_tap_layers()
         heads = layer["num_attention_heads"]
+        layers = layer.get("num_hidden_layers", 1)
+        if not isinstance(layers, int) or layers < 1:
+            key = "transformer_layer_config.num_hidden_layers" if layer is not raw else "num_hidden_layers"
+            raise ConfigError(key, f"must be a positive integer, got {layers!r}")
         return Eagle3Config(
             hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
             num_key_value_heads=layer.get("num_key_value_heads") or heads,
@@ -151,7 +158,7 @@ class Eagle3Config:
             draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"], rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
             rope_theta=layer.get("rope_theta", 10000.0), rope_scaling=layer.get("rope_scaling"),
             max_position_embeddings=layer.get("max_position_embeddings", 2048), tap_layers=tuple(taps),
-            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)), num_hidden_layers=layers,
             **{flag: bool(raw.get(flag, False)) for flag in EAGLE31_FLAGS},
         )
 
@@ -181,7 +188,7 @@ class Eagle3Config:
         """The shapes Attention / MLP / RMSNorm take."""
         return ModelConfig(
             model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_attention_heads,
+            intermediate_size=self.intermediate_size, num_layers=self.num_hidden_layers, num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=False, qkv_bias=False, rope_scaling=self.rope_scaling,
@@ -225,6 +232,8 @@ class Eagle3Head(DraftVocabulary):
         self.attn = Attention(mcfg, 0, in_features=2 * H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(mcfg)
+        # Decoder layers 1.. (num_hidden_layers > 1): plain Llama layers, cache layers 1..
+        self.layers = nn.ModuleList(Block(mcfg, i) for i in range(1, cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
         self._register_vocabulary(cfg.draft_vocab_size, cfg.vocab_size)
@@ -232,7 +241,7 @@ class Eagle3Head(DraftVocabulary):
 
     def new_cache(self, max_slots: int, max_seq_len: int, max_new_per_step: int) -> KVCache:
         c = self.cfg
-        return KVCache(1, max_slots, c.num_key_value_heads, max_seq_len, c.head_dim, max_new_per_step,
+        return KVCache(c.num_hidden_layers, max_slots, c.num_key_value_heads, max_seq_len, c.head_dim, max_new_per_step,
                        dtype=torch.float32, device=self.d2t.device)
 
     def fuse(self, hidden: Tensor) -> Tensor:
@@ -254,9 +263,6 @@ class Eagle3Head(DraftVocabulary):
         h = (self.hidden_norm(hidden) if self.cfg.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h)).float()
 
-    def _finish(self, hidden: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
-        return self._carry(self._residual(hidden, attn_out))
-
     def _carry(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """(the hidden the next draft step reads, draft logits) of the layer's output h."""
         normed = self.norm(h)
@@ -268,8 +274,13 @@ class Eagle3Head(DraftVocabulary):
         output hidden [B, N, H] (input of the next draft step) and draft logits [B, N, Vd]."""
         hidden = self.fuse(hidden.float())
         step = prepare_step(batch, self.inv_freq, torch.float32)
-        attn_out = self.attn(self._mix(hidden, batch.tokens), step, cache).float()
-        return self._finish(hidden, attn_out)
+        h = self._residual(hidden, self.attn(self._mix(hidden, batch.tokens), step, cache).float())
+        return self._carry(self._upper_layers(h, step, cache))
+
+    def _upper_layers(self, h: Tensor, step, cache: KVCache) -> Tensor:
+        for block in self.layers:
+            h = block(h, step, cache).float()
+        return h
 
     @torch.inference_mode()
     def absorb(self, rows: Sequence[Tensor], batch: ForwardBatch, cache: KVCache) -> tuple[Tensor, Tensor]:
@@ -286,7 +297,7 @@ class Eagle3Head(DraftVocabulary):
             hidden = torch.stack(list(rows)).float()  # equal lengths
         hidden = self.fuse(hidden)
         h = self._residual(hidden, self.attn(self._mix(hidden, tokens), step, cache).float())
-        return self._carry(last_tokens(h, batch, packing))
+        return self._carry(last_tokens(self._upper_layers(h, step, cache), batch, packing))
 
     # ---- training: training-time test (TTT) -------------------------------------------
     def ttt_forward(self, taps: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
@@ -297,53 +308,72 @@ class Eagle3Head(DraftVocabulary):
         <= t (the committed prefix) plus its own keys of steps 1..k at t (its draft path).
         Returns the draft logits [B, T, Vd] of each step (step k predicts x_{t+k+2})."""
         B, T, _ = taps.shape
-        a = self.attn
-        h_heads, kvh, hd = a.n_heads, a.n_kv, a.hd
-        group = h_heads // kvh
         hidden = self.fuse(taps)
         positions = torch.arange(T, device=taps.device)[None].expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=taps.device).tril()
-        keys, values, outputs = [], [], []
+        # per decoder layer: the keys and values of each step so far
+        keys: list[list[Tensor]] = [[] for _ in range(self.cfg.num_hidden_layers)]
+        values: list[list[Tensor]] = [[] for _ in range(self.cfg.num_hidden_layers)]
+        outputs = []
         for k in range(steps):
             x = self._mix(hidden, next_tokens[:, k : k + T])
-            qkv = a.wqkv(x).view(B, T, h_heads + 2 * kvh, hd)
-            cos, sin = rope_tables(positions + k, self.inv_freq, qkv.dtype)
-            qk = apply_rope(qkv[:, :, : h_heads + kvh], cos, sin)
-            q = qk[:, :, :h_heads].transpose(1, 2)  # [B, h, T, hd]
-            key = qk[:, :, h_heads:].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, h, T, hd]
-            val = qkv[:, :, h_heads + kvh :].transpose(1, 2).repeat_interleave(group, dim=1)
-            keys.append(key)
-            values.append(val)
-            scale = 1.0 / math.sqrt(hd)
-            prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
-            prefix = prefix.masked_fill(~causal, float("-inf"))
-            diag = [((q * kk).sum(-1) * scale)[..., None] for kk in keys[1:]]  # [B, h, T, 1] each
-            probs = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1)
-            out = probs[..., :T] @ values[0]
-            for j, vv in enumerate(values[1:]):
-                out = out + probs[..., T + j : T + j + 1] * vv
-            attn_out = a.wo(out.transpose(1, 2).reshape(B, T, h_heads * hd))
-            hidden, logits = self._finish(hidden, attn_out)
+            rope = (positions + k, self.inv_freq)
+            h = self._residual(hidden, self._ttt_attention(self.attn, x, rope, causal, keys[0], values[0]))
+            for i, block in enumerate(self.layers, start=1):
+                h = h + self._ttt_attention(block.attn, block.attn_norm(h), rope, causal, keys[i], values[i])
+                h = h + block.mlp(block.mlp_norm(h))
+            hidden, logits = self._carry(h)
             outputs.append(logits)
         return outputs
 
+    @staticmethod
+    def _ttt_attention(a: Attention, x: Tensor, rope: tuple[Tensor, Tensor], causal: Tensor, keys: list[Tensor],
+                       values: list[Tensor]) -> Tensor:
+        """One layer's attention at one TTT step: the step-0 keys of positions <= t (appended
+        at step 0) plus this layer's keys of steps 1..k at t (appended here). rope: (RoPE
+        positions, inv_freq); the tables take the projection's dtype (bfloat16 under autocast)."""
+        B, T, _ = x.shape
+        h_heads, kvh, hd = a.n_heads, a.n_kv, a.hd
+        group = h_heads // kvh
+        qkv = a.wqkv(x).view(B, T, h_heads + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, :, : h_heads + kvh], *rope_tables(*rope, qkv.dtype))
+        q = qk[:, :, :h_heads].transpose(1, 2)  # [B, h, T, hd]
+        keys.append(qk[:, :, h_heads:].transpose(1, 2).repeat_interleave(group, dim=1))  # [B, h, T, hd]
+        values.append(qkv[:, :, h_heads + kvh :].transpose(1, 2).repeat_interleave(group, dim=1))
+        scale = 1.0 / math.sqrt(hd)
+        prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
+        prefix = prefix.masked_fill(~causal, float("-inf"))
+        diag = [((q * kk).sum(-1) * scale)[..., None] for kk in keys[1:]]  # [B, h, T, 1] each
+        probs = torch.softmax(torch.cat([prefix, *diag], dim=-1), dim=-1)
+        out = probs[..., :T] @ values[0]
+        for j, vv in enumerate(values[1:]):
+            out = out + probs[..., T + j : T + j + 1] * vv
+        return a.wo(out.transpose(1, 2).reshape(B, T, h_heads * hd))
+
     # ---- checkpoints in the published layout ---------------------------------------------
     def published_state_dict(self) -> dict[str, Tensor]:
-        H = self.cfg
-        q, k, v = self.attn.wqkv.weight.split(
-            [H.num_attention_heads * H.head_dim, H.num_key_value_heads * H.head_dim, H.num_key_value_heads * H.head_dim]
-        )
-        gate, up = self.mlp.w13.weight.chunk(2)
+        m = RESEARCH_LAYER
+        upper = {}
+        for i, block in enumerate(self.layers, start=1):
+            upper.update(self._decoder_weights(f"layers.{i}.", block.attn_norm, block.attn, block.mlp_norm, block.mlp))
         return {
             "fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
-            "d2t": self.d2t, "t2d": self.t2d, **self._eagle31_norms(),
-            "midlayer.hidden_norm.weight": self.hidden_norm.weight,
-            "midlayer.input_layernorm.weight": self.input_layernorm.weight,
-            "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm.weight,
-            "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
-            "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": self.attn.wo.weight,
-            "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
-            "midlayer.mlp.down_proj.weight": self.mlp.w2.weight,
+            "d2t": self.d2t, "t2d": self.t2d, **self._eagle31_norms(), m + "hidden_norm.weight": self.hidden_norm.weight,
+            **self._decoder_weights(m, self.input_layernorm, self.attn, self.post_attention_layernorm, self.mlp), **upper,
+        }
+
+    def _decoder_weights(self, prefix: str, input_norm: RMSNorm, attn: Attention, post_norm: RMSNorm, mlp: MLP) -> dict[str, Tensor]:
+        """One decoder layer's weights under Llama's names (q/k/v and gate/up split)."""
+        c = self.cfg
+        q, k, v = attn.wqkv.weight.split(
+            [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+        )
+        gate, up = mlp.w13.weight.chunk(2)
+        return {
+            prefix + "input_layernorm.weight": input_norm.weight, prefix + "post_attention_layernorm.weight": post_norm.weight,
+            prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k, prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.o_proj.weight": attn.wo.weight, prefix + "mlp.gate_proj.weight": gate,
+            prefix + "mlp.up_proj.weight": up, prefix + "mlp.down_proj.weight": mlp.w2.weight,
         }
 
     def _eagle31_norms(self) -> dict[str, Tensor]:
@@ -358,20 +388,32 @@ class Eagle3Head(DraftVocabulary):
                 raise ModelLoadError(f"EAGLE-3 checkpoint lacks {name!r}")
             return sd[name]
 
-        m = "midlayer."
+        def decoder(prefix: str, own_prefix: str, input_norm: str, post_norm: str) -> dict[str, Tensor]:
+            """One decoder layer's Llama-named weights -> ours (q|k|v and gate|up fused)."""
+            return {
+                own_prefix + input_norm: take(prefix + "input_layernorm.weight"),
+                own_prefix + post_norm: take(prefix + "post_attention_layernorm.weight"),
+                own_prefix + "attn.wqkv.weight": torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                own_prefix + "attn.wo.weight": take(prefix + "self_attn.o_proj.weight"),
+                own_prefix + "mlp.w13.weight": torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]),
+                own_prefix + "mlp.w2.weight": take(prefix + "mlp.down_proj.weight"),
+            }
+
+        m = RESEARCH_LAYER
         own = {
             "fc.weight": take("fc.weight"), "norm.weight": take("norm.weight"), "lm_head.weight": take("lm_head.weight"),
-            "hidden_norm.weight": take(m + "hidden_norm.weight"), "input_layernorm.weight": take(m + "input_layernorm.weight"),
-            "post_attention_layernorm.weight": take(m + "post_attention_layernorm.weight"),
-            "attn.wqkv.weight": torch.cat([take(m + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            "attn.wo.weight": take(m + "self_attn.o_proj.weight"),
-            "mlp.w13.weight": torch.cat([take(m + "mlp.gate_proj.weight"), take(m + "mlp.up_proj.weight")]),
-            "mlp.w2.weight": take(m + "mlp.down_proj.weight"),
-            "d2t": take("d2t").long(), "t2d": take("t2d").bool(),
+            "hidden_norm.weight": take(m + "hidden_norm.weight"), "d2t": take("d2t").long(), "t2d": take("t2d").bool(),
+            **decoder(m, "", "input_layernorm.weight", "post_attention_layernorm.weight"),
         }
+        for i in range(1, self.cfg.num_hidden_layers):
+            own.update(decoder(f"layers.{i}.", f"layers.{i - 1}.", "attn_norm.weight", "mlp_norm.weight"))
         if self.input_norm is not None:  # speculators leaves it out when it was never trained (ones)
             own["input_norm.weight"] = sd.get("input_norm.weight", torch.ones_like(self.input_norm.weight))
         own.update({f"fc_norm.{i}.weight": take(f"fc_norm.{i}.weight") for i in range(len(self.fc_norm or ()))})
+        beyond = sorted(k for k in sd if k.startswith("layers.") and int(k.split(".")[1]) >= self.cfg.num_hidden_layers)
+        if beyond:  # weights of layers the config does not count would be dropped without a word
+            raise ConfigError("num_hidden_layers", f"the config counts {self.cfg.num_hidden_layers} decoder layers, the weights "
+                                                   f"have more ({beyond[0]})")
         missing, unexpected = self.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in own.items()}, strict=False)
         missing = [k for k in missing if not k.startswith("embed.")]
         if missing or unexpected:
