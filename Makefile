@@ -274,11 +274,13 @@ capture-cycle: prepare
 	$(BIN)/specdec capture-cycle --out results/capture_cycle
 
 # Each head version per workload (ShareGPT, code, multi-turn, captured traffic replayed): chain and tree MAL and
-# c=1 speed against plain decoding, in process on int8 (issue 62): the shipped head (v5), the last candidate when
-# tmp/head-v6 holds it (its command: results/heads/v6/README.md), the capture cycle's head when it exists (~15 min)
+# c=1 speed against plain decoding, in process on int8 (issue 62): the shipped head (v5), the candidates
+# tmp/head-v6 and tmp/head-v7 when they are there (their commands: results/heads/v6|v7/README.md), the capture
+# cycle's head when it exists (~5 min a head)
 bench-head-acceptance: prepare
 	$(BIN)/specdec bench-head-acceptance --head v5=models/eagle3-smollm2-135m \
 		$(if $(wildcard tmp/head-v6/model.safetensors),--head v6=tmp/head-v6) \
+		$(if $(wildcard tmp/head-v7/model.safetensors),--head v7=tmp/head-v7) \
 		$(if $(wildcard tmp/capture-cycle/head/model.safetensors),--head captured-code=tmp/capture-cycle/head) --out results/heads
 
 # The EAGLE-3 draft's shape against the measured verify cost (issue 62 item 4): ~10 min on 2 cores, quiet machine
