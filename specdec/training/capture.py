@@ -159,7 +159,7 @@ def answer_features(target: Transformer, answers_dir: Path, feature_dir: Path, f
         if cached.is_file():
             part = torch.load(cached, weights_only=True)
         else:
-            rows = sorted(load_shard(path), key=lambda r: len(r[1]) + len(r[2]))
+            rows = sorted(load_shard(path, target.cfg.vocab_size), key=lambda r: len(r[1]) + len(r[2]))
             if all(index < first_prompt for index, _, _ in rows):
                 continue  # a shard the run skips whole: no prefill (cached shards are whole shards)
             part = []

@@ -153,26 +153,47 @@ def code_prompts(tokenizer, n: int, seed: int, exclude: set[tuple[int, ...]] = f
     return out
 
 
-def answers_dir(new_tokens: int, seed: int, turn: int = 1) -> Path:
-    return ANSWERS_DIR / (f"smollm2-135m-greedy-t{new_tokens}-seed{seed}" + (f"-turn{turn}" if turn != 1 else ""))
+# The default target's answers keep the directory name they were first stored under.
+DEFAULT_ANSWERS_TARGET = "smollm2-135m"
 
 
-def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers: list[list[int]]) -> None:
+def answers_dir(new_tokens: int, seed: int, turn: int = 1, target: str = DEFAULT_ANSWERS_TARGET) -> Path:
+    """data/answers/<target>-greedy-t<new tokens>-seed<seed>[-turn2]: one directory per target,
+    so another target's answers never land among the default's."""
+    return ANSWERS_DIR / (f"{target}-greedy-t{new_tokens}-seed{seed}" + (f"-turn{turn}" if turn != 1 else ""))
+
+
+def save_shard(path: Path, indices: list[int], prompts: list[list[int]], answers: list[list[int]], vocab_size: int | None = None) -> None:
+    """vocab_size: the target's, recorded so that a shard is never read as another target's
+    ids (older shards, all SmolLM2's, have none)."""
+    dtype = np.uint16 if (vocab_size or 0) <= 2**16 else np.uint32  # SmolLM2's 49,152 ids fit 16 bits, Gemma 3's 262,144 do not
+
     def flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
-        return np.array([t for r in rows for t in r], dtype=np.uint16), offsets  # vocabulary 49,152 < 2**16
+        ids = np.array([t for r in rows for t in r], dtype=np.int64)
+        if ids.size and ids.max() > np.iinfo(dtype).max:
+            raise ValueError(f"token id {int(ids.max())} does not fit {dtype.__name__}: pass the target's vocab_size")
+        return ids.astype(dtype), offsets
 
     prompt_ids, prompt_offsets = flat(prompts)
     answer_ids, answer_offsets = flat(answers)
+    recorded = {} if vocab_size is None else {"vocab_size": np.array(vocab_size, dtype=np.int64)}
     tmp = path.parent / f".{path.name}"  # not matched by shard_*.npz until renamed
     np.savez_compressed(tmp, index=np.array(indices, dtype=np.int64), prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
-                        answer_ids=answer_ids, answer_offsets=answer_offsets)
+                        answer_ids=answer_ids, answer_offsets=answer_offsets, **recorded)
     tmp.rename(path)  # a shard is there whole or not at all
 
 
-def load_shard(path: Path) -> list[tuple[int, list[int], list[int]]]:
-    """[(prompt index, prompt ids, answer ids)]"""
+def load_shard(path: Path, vocab_size: int | None = None) -> list[tuple[int, list[int], list[int]]]:
+    """[(prompt index, prompt ids, answer ids)]; with vocab_size (the reading target's), a
+    shard another target made is refused: its recorded vocabulary differs, or an id is past it."""
     z = np.load(path)
+    if vocab_size is not None:
+        recorded = int(z["vocab_size"]) if "vocab_size" in z else None
+        too_big = max((int(z[k].max()) for k in ("prompt_ids", "answer_ids") if z[k].size), default=-1) >= vocab_size
+        if (recorded is not None and recorded != vocab_size) or too_big:
+            raise ValueError(f"{path}: answers of another target (vocabulary {recorded or 'larger'}, this target's {vocab_size}): "
+                             "--answers names the reading target's own directory")
     po, ao = z["prompt_offsets"], z["answer_offsets"]
     return [(int(i), z["prompt_ids"][po[k] : po[k + 1]].astype(np.int64).tolist(), z["answer_ids"][ao[k] : ao[k + 1]].astype(np.int64).tolist())
             for k, i in enumerate(z["index"])]

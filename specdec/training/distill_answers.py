@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from specdec.training.data import (
-    ANSWERS_DIR, answers_dir, distill_prompts, heldout_openings, save_shard, second_turn_prompts, target_and_tokenizer,
+    ANSWERS_DIR, DEFAULT_ANSWERS_TARGET, answers_dir, distill_prompts, heldout_openings, save_shard, second_turn_prompts, target_and_tokenizer,
 )
 
 
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=256, help="train-eagle3's --max-len (for the held-out part)")
     p.add_argument("--turn", type=int, choices=(1, 2), default=1,
                    help="1: first-turn prompts; 2: second turns (turn one, its dataset answer, turn two), their own order and directory")
-    p.add_argument("--out", default=None, help=f"default: {ANSWERS_DIR}/smollm2-135m-greedy-t<new-tokens>-seed<seed>[-turn2]")
+    p.add_argument("--out", default=None, help=f"default: {ANSWERS_DIR}/<target>-greedy-t<new-tokens>-seed<seed>[-turn2] "
+                                                f"(<target>: {DEFAULT_ANSWERS_TARGET}, or --model-dir's name)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--minutes", type=float, default=None, help="stop after the shard that passes this much time")
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = target_and_tokenizer(args)
     held = heldout_openings(tokenizer, args.conversations, args.max_len, args.seed)
     prompts = (distill_prompts if args.turn == 1 else second_turn_prompts)(tokenizer, args.prompts, args.seed, held)
-    out = Path(args.out) if args.out else answers_dir(args.new_tokens, args.seed, args.turn)
+    name = DEFAULT_ANSWERS_TARGET if args.model_dir is None else Path(args.model_dir).resolve().name.lower()
+    out = Path(args.out) if args.out else answers_dir(args.new_tokens, args.seed, args.turn, name)
     out.mkdir(parents=True, exist_ok=True)
     t0, made = time.perf_counter(), 0
     first = args.start // args.shard
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         part = [prompts[i] for i in indices]
         with torch.inference_mode():
             answers = greedy_answers(target, tokenizer, part, args.new_tokens, args.batch)
-        save_shard(path, indices, part, answers)
+        save_shard(path, indices, part, answers, target.cfg.vocab_size)
         made += sum(len(a) for a in answers)
         elapsed = time.perf_counter() - t0
         print(f"{path.name}: prompts {indices[0]}-{indices[-1]}, {made} answer tokens, {made / elapsed:.0f} tok/s", flush=True)

@@ -503,6 +503,29 @@ def test_stored_answers_give_the_recorded_features(tmp_path, smol_model, smol_to
     assert len(answer_features(smol_model, tmp_path / "ans", tmp_path / "feat", first_prompt=2)) == 1
 
 
+def test_stored_answers_keep_their_targets_ids_apart(tmp_path):
+    """A target with more than 2**16 ids (Gemma 3's 262,144) stores them whole; its shards
+    record its vocabulary and another target refuses them; the default target keeps its
+    directory name and another target's answers get their own."""
+    import numpy as np
+
+    from specdec.training.data import answers_dir, load_shard, save_shard
+
+    big = [[5, 70_000, 262_143]]
+    save_shard(tmp_path / "shard_00000.npz", [0], big, [[262_000, 1]], vocab_size=262_144)
+    assert np.load(tmp_path / "shard_00000.npz")["prompt_ids"].dtype == np.uint32
+    assert load_shard(tmp_path / "shard_00000.npz", 262_144) == [(0, big[0], [262_000, 1])]
+    with pytest.raises(ValueError, match="another target"):
+        load_shard(tmp_path / "shard_00000.npz", 49_152)
+    save_shard(tmp_path / "shard_00001.npz", [0], [[5, 6]], [[7]])  # recorded without a vocabulary (the older shards)
+    with pytest.raises(ValueError, match="another target"):
+        load_shard(tmp_path / "shard_00001.npz", 6)  # an id past the reader's vocabulary
+    with pytest.raises(ValueError, match="vocab_size"):
+        save_shard(tmp_path / "shard_00002.npz", [0], big, [[1]])
+    assert answers_dir(192, 0).name == "smollm2-135m-greedy-t192-seed0"
+    assert answers_dir(128, 0, 2, "gemma3-270m").name == "gemma3-270m-greedy-t128-seed0-turn2"
+
+
 def test_second_turn_prompts_are_a_stable_order_apart_from_what_is_measured(smol_tokenizer):
     """distill-answers --turn 2 (the first-turn prompts ran out): turn one, its dataset answer and
     turn two, in an order that does not depend on n, never a conversation whose first prompt the
