@@ -3,6 +3,7 @@ server version and the server's settings (model_repository/specdec.json)."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -89,28 +90,85 @@ def server_settings(path: str | Path | None) -> dict[str, Any]:
     }
 
 
+def _git(args: list[str], cwd: str | Path | None, timeout: int = 30) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
+# What a result's tree state compares: tracked code, not the results being written.
+_TREE_PATHS = ["--", ".", ":!results"]
+
+
+def tree_state(cwd: str | Path | None = None) -> str | None:
+    """"clean", or "diff:<sha256 of `git diff HEAD`, 16 hex>" (the local changes a run measured,
+    so two runs on the same uncommitted tree can be told to match); None outside a git checkout."""
+    try:
+        diff = _git(["diff", "HEAD", "--no-ext-diff", "--binary", *_TREE_PATHS], cwd)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "clean" if not diff else "diff:" + hashlib.sha256(diff.encode()).hexdigest()[:16]
+
+
+def _commit_and_state(cwd: str | Path | None = None) -> tuple[str | None, str | None]:
+    try:
+        head = _git(["rev-parse", "HEAD"], cwd, timeout=10).strip()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    state = tree_state(cwd)
+    return head + ("" if state == "clean" else "+dirty"), state
+
+
 def git_commit(cwd: str | Path | None = None) -> str | None:
     """The checked-out commit the result measured, "+dirty" when tracked code outside
     results/ differs from it; None outside a git checkout."""
+    return _commit_and_state(cwd)[0]
+
+
+# The engine's int8 kernel paths, best first, with the CPU flags each needs (specdec/engine/kernels/
+# int8_linear.c picks the same way; this package may not import the engine, and a client-only
+# install has none).
+KERNEL_PATHS = (("amx", {"amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+                ("avx512_vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+                ("avx2", {"avx2", "fma"}))
+
+
+def kernel_path() -> str:
+    """The int8 kernel path a process started here runs: SPECDEC_INT8_PATH when set, else the best
+    path this CPU's flags allow (reference where none)."""
+    forced = os.environ.get("SPECDEC_INT8_PATH")
+    if forced:
+        return forced
+    flags: set[str] = set()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
-                               cwd=cwd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return next((name for name, needs in KERNEL_PATHS if needs <= flags), "reference")
+
+
+def thread_settings() -> dict[str, Any]:
+    """The thread settings a measurement ran under: the environment's and, with torch loaded, its team."""
+    out: dict[str, Any] = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "SPECDEC_THREADS")}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = torch.get_num_threads()
+    return out
 
 
 def provenance() -> dict[str, Any]:
-    """Commit, whether the tree was clean, date and machine: what every file under results/
-    records about its run (at its top level: `stamped`)."""
-    commit = git_commit()
+    """Commit, whether the tree was clean (and the diff's hash when not), date and machine (its CPU,
+    the kernel path and the threads): what every file under results/ records about its run (at its
+    top level: `stamped`)."""
+    commit, state = _commit_and_state()
     return {"commit": commit, "clean": None if commit is None else not commit.endswith("+dirty"),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "host": host_info()}
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": {**host_info(), "kernel_path": kernel_path(), "threads": thread_settings()},
+            "tree": state or "unknown"}
 
 
-PROVENANCE_KEYS = ("commit", "clean", "date", "host")
+PROVENANCE_KEYS = ("commit", "clean", "date", "host", "tree")
 
 
 def _head(commit: str | None) -> str | None:
@@ -136,8 +194,11 @@ def stamped(record: dict[str, Any], started: dict[str, Any] | None = None) -> di
     clean = None if not known else (all(not c.endswith("+dirty") for c in known) and len({_head(c) for c in known}) == 1
                                     and start.get("clean") is not False and env.get("clean") is not False)
     host = start.get("host") if isinstance(start.get("host"), dict) else now["host"]
+    tree = start.get("tree") or env.get("tree") or "unknown"
+    if clean is False and tree == "clean":  # clean at the start, changed under the run: that diff
+        tree = now.get("tree") or "unknown"
     out: dict[str, Any] = {"commit": commit if commit is not None else now["commit"], "clean": clean,
-                           "date": start.get("date") or now["date"], "host": host}
+                           "date": start.get("date") or now["date"], "host": host, "tree": tree}
     if commit is not None and now["commit"] is not None and _head(commit) != _head(now["commit"]):
         out["commit_at_write"] = now["commit"]
     return {**out, **{k: v for k, v in record.items() if k not in (*PROVENANCE_KEYS, "commit_at_write")}}

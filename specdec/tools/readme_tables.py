@@ -36,7 +36,9 @@ def read(path: str) -> dict:
 
 def provenance(path: str) -> tuple[str, str, str]:
     """(commit, date, machine) as the file records them: a benchmark summary under `env`,
-    other tools at the top level or under `env`."""
+    other tools at the top level or under `env`. The commit says "with local changes" when the
+    tree was not clean, and "(tree state unknown)" when the file does not say (measured before the
+    writer recorded it): never clean by default."""
     data = read(path)
     env = data.get("env") or {}
     commit = env.get("commit") or data.get("commit")
@@ -46,6 +48,8 @@ def provenance(path: str) -> tuple[str, str, str]:
         machine = f"{host['cpu_model']} x {host.get('cpus_usable') or host['cpu_count']}"
         if host.get("gpu_models"):
             machine += ", " + ", ".join(host["gpu_models"])
+        if host.get("kernel_path"):
+            machine += f", {host['kernel_path']} kernels"
     elif isinstance(data.get("machine"), str):
         machine = data["machine"]
     else:
@@ -53,7 +57,8 @@ def provenance(path: str) -> tuple[str, str, str]:
     if not commit or not date:
         raise ValueError(f"{path} records no commit or date: rerun its benchmark (every result writes both)")
     dirty = commit.endswith("+dirty") or data.get("clean") is False or env.get("clean") is False or bool(data.get("uncommitted"))
-    short = commit[:7] + (" with local changes" if dirty else "")
+    clean = data.get("clean") is True or env.get("clean") is True
+    short = commit[:7] + (" with local changes" if dirty else "" if clean else " (tree state unknown)")
     return short, date[:10], machine
 
 

@@ -119,12 +119,35 @@ def test_manifest_entries_name_existing_paths_and_the_commits_that_added_them(tr
 def test_the_writer_stamps_commit_clean_date_and_machine_at_the_top(tmp_path):
     path = envinfo.write_result(tmp_path / "sub" / "r.json", {"env": {"dtype": "int8"}, "tok_s": 1.0})
     record = json.loads(path.read_text())
-    assert list(record)[:4] == ["commit", "clean", "date", "host"]
+    assert list(record)[:5] == ["commit", "clean", "date", "host", "tree"]
     assert record["env"] == {"dtype": "int8"} and record["tok_s"] == 1.0
     assert record["host"]["cpu_model"] and record["date"]
+    assert "kernel_path" in record["host"] and "threads" in record["host"]
     if record["commit"] is not None:  # a git checkout
         assert isinstance(record["clean"], bool) and record["clean"] == (not record["commit"].endswith("+dirty"))
+        assert record["tree"] == "clean" if record["clean"] else record["tree"].startswith("diff:")
         assert records_provenance(record)
+
+
+def test_the_tree_state_names_the_diff_it_measured(tmp_path):
+    """Two different local changes give two different tree states; undoing them gives clean."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    (repo / "code.py").write_text("a = 1\n")
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "x"], cwd=repo, check=True)
+    assert envinfo.tree_state(repo) == "clean"
+    (repo / "code.py").write_text("a = 2\n")
+    first = envinfo.tree_state(repo)
+    (repo / "code.py").write_text("a = 3\n")
+    second = envinfo.tree_state(repo)
+    assert first.startswith("diff:") and second.startswith("diff:") and first != second
+    (repo / "results").mkdir()
+    (repo / "code.py").write_text("a = 1\n")
+    assert envinfo.tree_state(repo) == "clean"
+    assert envinfo.git_commit(repo).endswith("+dirty") is False
 
 
 def test_a_tree_dirty_at_the_start_or_moved_during_the_run_is_not_clean(monkeypatch):
@@ -146,21 +169,24 @@ HOST = {"cpu_model": "AMD EPYC", "cpus_usable": 2, "cpu_count": 2}
 WHEN = "2026-12-05T10:00:00+00:00"
 
 
-@pytest.mark.parametrize("record, dirty", [
-    ({"commit": "0123456789abcdef+dirty", "date": WHEN, "host": HOST}, True),
-    ({"commit": "0123456789abcdef", "clean": False, "date": WHEN, "host": HOST}, True),
-    ({"commit": "0123456789abcdef", "uncommitted": ["specdec/engine/step.py"], "date": WHEN, "host": HOST}, True),
-    ({"env": {"commit": "0123456789abcdef", "clean": False, "date": WHEN, "host": HOST}}, True),
-    ({"commit": "0123456789abcdef", "clean": True, "date": WHEN, "host": HOST}, False),
-    ({"env": {"commit": "0123456789abcdef", "date": WHEN, "host": HOST}}, False),
+@pytest.mark.parametrize("record, state", [
+    ({"commit": "0123456789abcdef+dirty", "date": WHEN, "host": HOST}, " with local changes"),
+    ({"commit": "0123456789abcdef", "clean": False, "date": WHEN, "host": HOST}, " with local changes"),
+    ({"commit": "0123456789abcdef", "uncommitted": ["specdec/engine/step.py"], "date": WHEN, "host": HOST}, " with local changes"),
+    ({"env": {"commit": "0123456789abcdef", "clean": False, "date": WHEN, "host": HOST}}, " with local changes"),
+    ({"commit": "0123456789abcdef", "clean": True, "date": WHEN, "host": HOST}, ""),
+    ({"env": {"commit": "0123456789abcdef", "clean": True, "date": WHEN, "host": HOST}}, ""),
+    # not recorded (written before the writer said): unknown, never shown as clean
+    ({"env": {"commit": "0123456789abcdef", "date": WHEN, "host": HOST}}, " (tree state unknown)"),
+    ({"commit": "0123456789abcdef", "date": WHEN, "host": HOST}, " (tree state unknown)"),
 ])
-def test_readme_source_lines_say_when_a_source_was_measured_with_local_changes(tmp_path, record, dirty):
+def test_readme_source_lines_say_when_a_source_was_measured_with_local_changes(tmp_path, record, state):
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(record))
     commit, date, machine = readme_tables.provenance(str(path))
-    assert commit == "0123456" + (" with local changes" if dirty else "")
+    assert commit == "0123456" + state
     assert date == "2026-12-05" and machine == "AMD EPYC x 2"
-    if "commit" in record and not dirty:  # the writer's record of a run that began on a dirty tree reads the same way
+    if "commit" in record and state == "":  # the writer's record of a run that began on a dirty tree reads the same way
         started = {"commit": record["commit"] + "+dirty", "date": WHEN, "host": HOST}
         path.write_text(json.dumps(envinfo.stamped(record, started)))
         assert readme_tables.provenance(str(path))[0] == "0123456 with local changes"
