@@ -15,8 +15,10 @@ setup(ext_modules=[Extension(
     sources=[KERNELS + name for name in (
         "int8_linear.c", "int8_linear_avx2.c", "int8_linear_avx512.c", "int8_linear_amx.c",  # weight-only int8 matmuls
         "invariant_attention.c", "rms_norm.c", "rope_cache.c", "silu_mul.c",  # the rest of the invariant forward
+        "forward_plan.c",  # the native forward: every layer in one call, on the kernels above
     )],
-    depends=[KERNELS + name for name in ("int8_linear.h", "fixed_math.h", "vector_paths.h")],
+    depends=[KERNELS + name for name in ("int8_linear.h", "fixed_math.h", "vector_paths.h", "invariant_attention.h",
+                                         "row_kernels.h")],
     extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],
     libraries=["m"],

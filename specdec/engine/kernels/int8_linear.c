@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "int8_linear.h"
+#include "vector_paths.h"
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 static int cpu_has(int isa) {
@@ -77,7 +78,8 @@ static inline float round_even(float v) {
     return (v + magic) - magic;
 }
 
-static void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+static inline __attribute__((always_inline)) void quantize_row_body(const float *x, long k, int8_t *codes, float *scale,
+                                                                    int32_t *sum, float *offset_scale) {
     for (long b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.0f;
@@ -97,6 +99,33 @@ static void quantize_row(const float *x, long k, int8_t *codes, float *scale, in
         sum[b] = total;
         offset_scale[b] = scale[b] * (float)total;
     }
+}
+
+/* The quantization of a row compiled for each vector width (vector_paths.h): a maximum, a product,
+ * a rounding by adding and subtracting 1.5 * 2^23, a clamp and an integer sum, each exact or
+ * correctly rounded on its own, so every width gives the reference's codes and scales. It ran
+ * scalar before (this file is built for baseline x86-64), a sixth of a 16-row step. */
+typedef void (*quantize_kernel)(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale);
+VECTOR_PATHS(quantize_row_body, quantize_kernel,
+             (const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale),
+             (x, k, codes, scale, sum, offset_scale))
+
+static quantize_kernel quantize_picked;
+
+static quantize_kernel quantize_pick(void) {
+    /* AVX-512 VNNI's CPU flags include everything quantize_row_avx512 uses (F, BW, VL) */
+    return cpu_has(ISA_AVX512_VNNI) ? quantize_row_avx512 : quantize_row_body_pick();
+}
+
+void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    quantize_kernel kernel = quantize_picked;
+    if (kernel == NULL) quantize_picked = kernel = quantize_pick(); /* the same pick from every thread */
+    kernel(x, k, codes, scale, sum, offset_scale);
+}
+
+/* The reference's own quantization (tests compare the vector paths' codes with it). */
+void quantize_row_reference(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    quantize_row_body_baseline(x, k, codes, scale, sum, offset_scale);
 }
 
 /* ---- the reference path: the numerics written out (int8_linear.h) --------------------------- */
@@ -135,6 +164,43 @@ void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, 
  * batch (each weight read once), while a long prefill keeps its activation codes in L2. */
 #define ROW_CHUNK 128
 
+tile_kernel int8_kernel_for(int isa) { return kernel_for(isa); }
+
+/* Work-sharing pieces: called inside an enclosing parallel region (the forward plan's one team,
+ * or int8_linear's own), each an orphaned `omp for` ending at its barrier; outside any region
+ * they run on the calling thread alone. */
+
+/* rows.codes etc. of x [rows.rows][k] (stride x_stride). */
+void int8_quantize_rows_shared(const float *x, long x_stride, const quantized_rows *rows) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < rows->rows; r++)
+        quantize_row(x + r * x_stride, rows->k, rows->codes + r * rows->k, rows->scale + r * rows->blocks,
+                     rows->sum + r * rows->blocks, rows->offset_scale + r * rows->blocks);
+}
+
+/* y [rows][n] (stride y_stride) = the quantized rows times w; bias [n] (or NULL) added per column,
+ * as `y + bias` adds it. The caller's thread holds AMX tile state when isa is ISA_AMX. */
+void int8_tiles_shared(tile_kernel kernel, const quantized_rows *rows, const packed_weight *w, const float *bias,
+                       float *y, long y_stride) {
+    for (long r0 = 0; r0 < rows->rows; r0 += ROW_CHUNK) {
+        const long chunk = rows->rows - r0 < ROW_CHUNK ? rows->rows - r0 : ROW_CHUNK;
+        const quantized_rows part = {chunk, rows->k, rows->blocks, rows->codes + r0 * rows->k, rows->scale + r0 * rows->blocks,
+                                     rows->sum + r0 * rows->blocks, rows->offset_scale + r0 * rows->blocks};
+        /* dynamic: a thread the OS preempts (a stub's response, the server's gRPC on the same
+         * cores) leaves its tiles to the others instead of stalling the region at its barrier.
+         * Which thread computes a tile changes nothing in its bits. */
+#pragma omp for schedule(guided)
+        for (long t = 0; t < w->tiles; t++) {
+            const long columns = w->n - t * TILE_N < TILE_N ? w->n - t * TILE_N : TILE_N;
+            float *out = y + r0 * y_stride + t * TILE_N;
+            kernel(&part, w, t, out, y_stride, columns);
+            if (bias != NULL)
+                for (long m = 0; m < chunk; m++)
+                    for (long c = 0; c < columns; c++) out[m * y_stride + c] += bias[t * TILE_N + c];
+        }
+    }
+}
+
 /* y [m][n] (stride y_stride) = x [m][k] (stride x_stride) times the packed weight.
  * scales as in packed_weight; threads split the column tiles. Returns 0, or an error code. */
 int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, const float *column_scale,
@@ -157,23 +223,8 @@ int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, cons
 #pragma omp parallel num_threads(threads) if (m * n * k >= 1L << 18)
     {
         if (isa == ISA_AMX) amx_begin(); /* tile state is per thread */
-#pragma omp for schedule(static)
-        for (long r = 0; r < m; r++)
-            quantize_row(x + r * x_stride, k, rows.codes + r * k, rows.scale + r * blocks, rows.sum + r * blocks,
-                         rows.offset_scale + r * blocks);
-        for (long r0 = 0; r0 < m; r0 += ROW_CHUNK) {
-            const long chunk = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
-            const quantized_rows part = {chunk, k, blocks, rows.codes + r0 * k, rows.scale + r0 * blocks,
-                                         rows.sum + r0 * blocks, rows.offset_scale + r0 * blocks};
-        /* dynamic: a thread the OS preempts (a stub's response, the server's gRPC on the same
-         * cores) leaves its tiles to the others instead of stalling the region at its barrier.
-         * Which thread computes a tile changes nothing in its bits. */
-#pragma omp for schedule(guided)
-            for (long t = 0; t < w.tiles; t++) {
-                const long columns = n - t * TILE_N < TILE_N ? n - t * TILE_N : TILE_N;
-                kernel(&part, &w, t, y + r0 * y_stride + t * TILE_N, y_stride, columns);
-            }
-        }
+        int8_quantize_rows_shared(x, x_stride, &rows);
+        int8_tiles_shared(kernel, &rows, &w, NULL, y, y_stride);
         if (isa == ISA_AMX) amx_end();
     }
     free(rows.codes), free(rows.scale), free(rows.sum), free(rows.offset_scale);

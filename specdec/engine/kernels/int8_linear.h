@@ -78,6 +78,17 @@ void tile_avx2(const quantized_rows *x, const packed_weight *w, long tile, float
 void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
 void tile_amx(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns);
 
+/* The path's tile kernel, and the work-sharing pieces of a call (int8_linear.c): inside an enclosing
+ * parallel region each is an orphaned `omp for` with its barrier. */
+tile_kernel int8_kernel_for(int isa);
+int int8_isa_supported(int isa);
+void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale);
+void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale);
+void quantize_row_reference(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale);
+void int8_quantize_rows_shared(const float *x, long x_stride, const quantized_rows *rows);
+void int8_tiles_shared(tile_kernel kernel, const quantized_rows *rows, const packed_weight *w, const float *bias,
+                       float *y, long y_stride);
+
 /* AMX: permission from the kernel (once per process), and each thread's tile state around a call. */
 int amx_request(void);
 void amx_begin(void);

@@ -100,7 +100,34 @@ void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile
         }
     }
 }
+
+/* quantize_row (int8_linear.c) in 512-bit registers, a block of 32 inputs in two: the maximum, the
+ * product by 127 / amax, the rounding (+ and - 1.5 * 2^23), the clamp and the integer sum are each
+ * exact or correctly rounded, so the codes and scales equal the scalar reference's. */
+void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    const __m512 magic = _mm512_set1_ps(12582912.0f), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+    for (long b = 0; b < k / QBLOCK; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QBLOCK), hi = _mm512_loadu_ps(x + b * QBLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 factor = _mm512_set1_ps(inv);
+        __m512 q_lo = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(lo, factor), magic), magic);
+        __m512 q_hi = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(hi, factor), magic), magic);
+        q_lo = _mm512_max_ps(_mm512_min_ps(q_lo, top), bottom);
+        q_hi = _mm512_max_ps(_mm512_min_ps(q_hi, top), bottom);
+        const __m512i i_lo = _mm512_cvtps_epi32(q_lo), i_hi = _mm512_cvtps_epi32(q_hi); /* integral: exact */
+        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK), _mm512_cvtsepi32_epi8(i_lo));
+        _mm_storeu_si128((__m128i *)(codes + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(i_hi));
+        const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(i_lo, i_hi));
+        scale[b] = amax / 127.0f;
+        sum[b] = total;
+        offset_scale[b] = scale[b] * (float)total;
+    }
+}
 #else /* not x86-64: the library still links; int8_isa_supported never offers this path */
+void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    (void)x, (void)k, (void)codes, (void)scale, (void)sum, (void)offset_scale;
+}
 void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
     tile_reference(x, w, tile, out, out_stride, columns);
 }

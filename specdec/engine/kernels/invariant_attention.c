@@ -30,21 +30,29 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "fixed_math.h"
+#include "invariant_attention.h"
 #include "vector_paths.h"
 
-#define COLUMNS 16 /* keys per transposed block: one per lane */
-#define CHUNK 64    /* query positions per work item, at most */
 #define ROWS 8      /* query rows scored together against one block of keys */
 
-typedef struct {
-    const float *q, *k, *v;
-    long q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, group;
-    const unsigned char *allowed;
-    const int64_t *slots;
-    float *out, scale;
-} attention_call;
+/* Where query row (b, h, n) is read and its output written: the strided [B, H, N, D] and
+ * [B, N, H, D] layouts, or, with token_of, packed tokens [T][H][D] for both (the forward plan). */
+static inline __attribute__((always_inline)) const float *query_row(const attention_call *a, long b, long h, long n) {
+    return a->token_of ? a->q + (long)a->token_of[b * a->N + n] * a->q_n + h * a->q_h
+                       : a->q + b * a->q_b + h * a->q_h + n * a->q_n;
+}
+
+static inline __attribute__((always_inline)) float *output_row(const attention_call *a, long b, long h, long n) {
+    const long row = a->token_of ? (long)a->token_of[b * a->N + n] : b * a->N + n;
+    return a->out + (row * a->H + h) * a->D;
+}
+
 
 /* Scores of every query row of kv head g of sequence b at positions n0..n1-1 (its `group` query
  * heads; row r is head g * group + r / positions, position n0 + r % positions) against columns
@@ -64,7 +72,7 @@ static inline __attribute__((always_inline)) void score_columns(const attention_
             const float *qr[ROWS];
             for (long i = 0; i < ROWS; i++) {
                 const long r = r0 + (i < count ? i : 0), h = g * a->group + r / positions, n = n0 + r % positions;
-                qr[i] = a->q + b * a->q_b + h * a->q_h + n * a->q_n;
+                qr[i] = query_row(a, b, h, n);
             }
             float lane[ROWS][COLUMNS] = {{0}};
             for (long d = 0; d < D; d++)
@@ -87,7 +95,7 @@ static inline __attribute__((always_inline)) void finish_rows(const attention_ca
     for (long r = r_begin; r < r_end; r++) {
         const long h = g * a->group + r / positions, n = n0 + r % positions;
         const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
-        float *sr = score + r * C, *o = a->out + ((b * a->N + n) * a->H + h) * D;
+        float *sr = score + r * C, *o = output_row(a, b, h, n);
         for (long c = 0; c < C; c++) allowed[c] = (float)mask[c]; /* float, so the selects below vectorize */
         float best = -INFINITY;
         for (long c = 0; c < C; c++) best = allowed[c] != 0.0f && sr[c] > best ? sr[c] : best;
@@ -145,46 +153,76 @@ static long columns_in_use(const attention_call *a, long b, long n0, long n1) {
     return used;
 }
 
+/* The real query positions of sequence b (rows past them are padding, never computed). */
+static inline long positions_of(const attention_call *a, long b) { return a->num_new ? (long)a->num_new[b] : a->N; }
+
 /* Two phases when the (sequence, kv head) groups are too few to keep every thread busy (decode
  * at one sequence: 3 groups on 2 threads): first the scores, split by column blocks, then the
  * rows, split by row. A row's scores and its reductions are the same operations either way. */
 #define TWO_PHASE_BYTES (8L << 20) /* the score buffer of every row at once, at most */
 
-static int attend_in_two_phases(const attention_call *a, long B, long KVH, score_kernel score_fn, finish_kernel finish_fn,
-                                int threads) {
-    const long C = a->C, N = a->N, rows = a->group * N, groups = B * KVH;
-    const long blocks = (C + COLUMNS - 1) / COLUMNS, per_item = (blocks + 3) / 4; /* up to 4 column ranges a group */
-    const long ranges = (blocks + per_item - 1) / per_item;
-    float *score = malloc(sizeof(float) * groups * rows * (C > 0 ? C : 1));
-    if (score == NULL) return 2;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *keys = malloc(sizeof(float) * (a->D > 0 ? a->D : 1) * COLUMNS);
-        float *acc = malloc(sizeof(float) * (a->D > 0 ? a->D : 1));
-        float *allowed_f = malloc(sizeof(float) * (C > 0 ? C : 1));
-        const int ok = keys != NULL && acc != NULL && allowed_f != NULL;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
+int attention_two_phases_fit(const attention_call *a, long B, long KVH, int threads) {
+    for (long b = 0; b < B; b++)
+        if (positions_of(a, b) != a->N) return 0; /* padding rows: the chunked items skip them */
+    return B * KVH < 2L * threads && (long)sizeof(float) * B * a->H * a->N * a->C <= TWO_PHASE_BYTES;
+}
+
+size_t attention_shared_score_floats(const attention_call *a, long B) {
+    return (size_t)(B * a->H * a->N * (a->C > 0 ? a->C : 1));
+}
+
+size_t attention_thread_floats(long D, long C, long group) {
+    return (size_t)(D * COLUMNS + C * group * CHUNK + D + C + 64);
+}
+
+/* The attention inside an enclosing parallel region (orphaned `omp for`s with their barriers).
+ * scratch: this thread's attention_thread_floats(D, C, group) floats; shared_score: every
+ * thread's same buffer of attention_shared_score_floats() when attention_two_phases_fit. */
+void attention_shared(const attention_call *a, long B, long KVH, int two_phases, float *scratch, float *shared_score) {
+    const score_kernel score_fn = scores_pick();
+    const finish_kernel finish_fn = finish_pick();
+    const long C = a->C, N = a->N, D = a->D;
+    float *keys = scratch, *acc = keys + D * COLUMNS, *allowed_f = acc + D, *score = allowed_f + (C > 0 ? C : 1);
+    if (two_phases) {
+        const long rows = a->group * N, groups = B * KVH;
+        const long blocks = (C + COLUMNS - 1) / COLUMNS, per_item = (blocks + 3) / 4; /* up to 4 column ranges a group */
+        const long ranges = per_item > 0 ? (blocks + per_item - 1) / per_item : 0;
 #pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
         for (long item = 0; item < groups * ranges; item++) {
             const long group = item / ranges, c_begin = (item % ranges) * per_item * COLUMNS;
             const long c_end = c_begin + per_item * COLUMNS < C ? c_begin + per_item * COLUMNS : C;
-            if (ok) score_fn(a, group / KVH, group % KVH, 0, N, c_begin, c_end, keys, score + group * rows * C);
+            score_fn(a, group / KVH, group % KVH, 0, N, c_begin, c_end, keys, shared_score + group * rows * C);
         }
 #pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
         for (long item = 0; item < groups * rows; item++) {
             const long group = item / rows, r = item % rows;
-            if (ok) finish_fn(a, group / KVH, group % KVH, 0, N, r, r + 1, score + group * rows * C, acc, allowed_f);
+            finish_fn(a, group / KVH, group % KVH, 0, N, r, r + 1, shared_score + group * rows * C, acc, allowed_f);
         }
-        free(keys);
-        free(acc);
-        free(allowed_f);
+        return;
     }
-    free(score);
-    return failed ? 2 : 0;
+    /* positions per item: at most CHUNK, and small enough that every thread gets work */
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_num_threads();
+#endif
+    long chunk = N < CHUNK ? N : CHUNK;
+    while (chunk > 1 && B * KVH * ((N + chunk - 1) / chunk) < 2L * threads) chunk = (chunk + 1) / 2;
+    const long chunks = (N + chunk - 1) / chunk, items = B * KVH * chunks;
+#pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
+    for (long item = 0; item < items; item++) {
+        const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
+        const long real = positions_of(a, b);
+        if (n0 >= real) continue;
+        const long n1 = n0 + chunk < real ? n0 + chunk : real;
+        /* Only the columns up to the item's last allowed one: a causal prompt chunk's
+         * rows skip the columns after them, a short sequence beside long ones the
+         * columns past its end. The columns cut are masked for every row of the item:
+         * their weights were exact zeros that changed no sum, so the bits are the same. */
+        attention_call item_call = *a;
+        item_call.C = columns_in_use(a, b, n0, n1);
+        score_fn(&item_call, b, g, n0, n1, 0, item_call.C, keys, score);
+        finish_fn(&item_call, b, g, n0, n1, 0, a->group * (n1 - n0), score, acc, allowed_f);
+    }
 }
 
 int invariant_attention(const float *q, long q_b, long q_h, long q_n,
@@ -194,45 +232,25 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         float scale, int threads) {
     if (H % KVH != 0) return 1;
     const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, slots, out,
-                              scale};
-    const score_kernel score_fn = scores_pick();
-    const finish_kernel finish_fn = finish_pick();
-    if (B * KVH < 2L * threads && (long)sizeof(float) * B * H * N * C <= TWO_PHASE_BYTES)
-        return attend_in_two_phases(&a, B, KVH, score_fn, finish_fn, threads);
-    /* positions per item: at most CHUNK, and small enough that every thread gets work */
-    long chunk = N < CHUNK ? N : CHUNK;
-    while (chunk > 1 && B * KVH * ((N + chunk - 1) / chunk) < 2L * threads) chunk = (chunk + 1) / 2;
-    const long chunks = (N + chunk - 1) / chunk, items = B * KVH * chunks;
-    int failed = 0;
+                              scale, NULL, NULL};
+    if (threads < 1) threads = 1;
+    const int two_phases = attention_two_phases_fit(&a, B, KVH, threads);
+    const size_t per_thread = attention_thread_floats(D, C, a.group);
+    float *scratch = malloc(sizeof(float) * per_thread * threads);
+    float *shared_score = two_phases ? malloc(sizeof(float) * attention_shared_score_floats(&a, B)) : NULL;
+    if (scratch == NULL || (two_phases && shared_score == NULL)) {
+        free(scratch), free(shared_score);
+        return 2;
+    }
+    const long items = two_phases ? 2 : B * KVH * N; /* one item: no team */
 #pragma omp parallel num_threads(threads) if (items > 1)
     {
-        float *keys = malloc(sizeof(float) * (D > 0 ? D : 1) * COLUMNS);
-        float *score = malloc(sizeof(float) * (C > 0 ? C : 1) * a.group * chunk);
-        float *acc = malloc(sizeof(float) * (D > 0 ? D : 1));
-        float *allowed_f = malloc(sizeof(float) * (C > 0 ? C : 1));
-        if (keys == NULL || score == NULL || acc == NULL || allowed_f == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
-        for (long item = 0; item < items; item++) {
-            const long b = item / (KVH * chunks), g = (item / chunks) % KVH, n0 = (item % chunks) * chunk;
-            if (keys != NULL && score != NULL && acc != NULL && allowed_f != NULL) {
-                const long n1 = n0 + chunk < N ? n0 + chunk : N;
-                /* Only the columns up to the item's last allowed one: a causal prompt chunk's
-                 * rows skip the columns after them, a short sequence beside long ones the
-                 * columns past its end. The columns cut are masked for every row of the item:
-                 * their weights were exact zeros that changed no sum, so the bits are the same. */
-                attention_call item_call = a;
-                item_call.C = columns_in_use(&a, b, n0, n1);
-                score_fn(&item_call, b, g, n0, n1, 0, item_call.C, keys, score);
-                finish_fn(&item_call, b, g, n0, n1, 0, a.group * (n1 - n0), score, acc, allowed_f);
-            }
-        }
-        free(keys);
-        free(score);
-        free(acc);
-        free(allowed_f);
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        attention_shared(&a, B, KVH, two_phases, scratch + per_thread * me, shared_score);
     }
-    return failed ? 2 : 0;
+    free(scratch), free(shared_score);
+    return 0;
 }

@@ -11,6 +11,7 @@
  */
 #include <math.h>
 
+#include "row_kernels.h"
 #include "vector_paths.h"
 
 #define LANES 16
@@ -30,9 +31,10 @@ static inline __attribute__((always_inline)) void norm_row(float *x, const float
     for (long k = 0; k < n; k++) out[k] = x[k] * inverse * weight[k];
 }
 
-typedef void (*norm_kernel)(float *x, const float *residual, const float *weight, float *out, long n, float eps);
 VECTOR_PATHS(norm_row, norm_kernel, (float *x, const float *residual, const float *weight, float *out, long n, float eps),
              (x, residual, weight, out, n, eps))
+
+norm_kernel rms_norm_row_kernel(void) { return norm_row_pick(); }
 
 /* x, residual, out: [rows][n] contiguous; weight [n]. Rows split over threads when there are many. */
 int rms_norm_rows(float *x, const float *residual, const float *weight, float *out, long rows, long n, float eps,

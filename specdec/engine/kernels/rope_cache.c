@@ -12,6 +12,7 @@
  */
 #include <stdint.h>
 
+#include "row_kernels.h"
 #include "vector_paths.h"
 
 static inline __attribute__((always_inline)) void rotate(const float *x, const float *cos, const float *sin, float *out,
@@ -21,27 +22,24 @@ static inline __attribute__((always_inline)) void rotate(const float *x, const f
     for (long i = half; i < D; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-static inline __attribute__((always_inline)) void rope_row(const float *qkv, long t, long H, long KVH, long D,
-                                                           const float *cos, const float *sin, float *q_out, float *k,
-                                                           float *v, long s_slot, long s_head, long s_col,
-                                                           const int64_t *slot, const int64_t *column) {
-    const float *row = qkv + t * (H + 2 * KVH) * D, *c = cos + t * D, *s = sin + t * D;
-    for (long h = 0; h < H; h++) rotate(row + h * D, c, s, q_out + (t * H + h) * D, D);
-    const long at = slot[t] * s_slot + column[t] * s_col;
+static inline __attribute__((always_inline)) void rope_row(const float *row, long H, long KVH, long D, const float *cos,
+                                                           const float *sin, float *q_out, float *k, float *v,
+                                                           long head_stride) {
+    for (long h = 0; h < H; h++) rotate(row + h * D, cos, sin, q_out + h * D, D);
     for (long h = 0; h < KVH; h++) {
-        rotate(row + (H + h) * D, c, s, k + at + h * s_head, D);
+        rotate(row + (H + h) * D, cos, sin, k + h * head_stride, D);
         const float *value = row + (H + KVH + h) * D;
-        float *dst = v + at + h * s_head;
+        float *dst = v + h * head_stride;
         for (long i = 0; i < D; i++) dst[i] = value[i];
     }
 }
 
-typedef void (*rope_kernel)(const float *, long, long, long, long, const float *, const float *, float *, float *,
-                            float *, long, long, long, const int64_t *, const int64_t *);
 VECTOR_PATHS(rope_row, rope_kernel,
-             (const float *qkv, long t, long H, long KVH, long D, const float *cos, const float *sin, float *q_out,
-              float *k, float *v, long s_slot, long s_head, long s_col, const int64_t *slot, const int64_t *column),
-             (qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column))
+             (const float *row, long H, long KVH, long D, const float *cos, const float *sin, float *q_out, float *k,
+              float *v, long head_stride),
+             (row, H, KVH, D, cos, sin, q_out, k, v, head_stride))
+
+rope_kernel rope_row_kernel(void) { return rope_row_pick(); }
 
 int rope_and_cache(const float *qkv, long T, long H, long KVH, long D, const float *cos, const float *sin, float *q_out,
                    float *k, float *v, long s_slot, long s_head, long s_col, const int64_t *slot,
@@ -49,6 +47,9 @@ int rope_and_cache(const float *qkv, long T, long H, long KVH, long D, const flo
     if (D % 2 != 0) return 1;
     const rope_kernel kernel = rope_row_pick();
 #pragma omp parallel for schedule(static) num_threads(threads) if (T >= 64)
-    for (long t = 0; t < T; t++) kernel(qkv, t, H, KVH, D, cos, sin, q_out, k, v, s_slot, s_head, s_col, slot, column);
+    for (long t = 0; t < T; t++) {
+        const long at = slot[t] * s_slot + column[t] * s_col;
+        kernel(qkv + t * (H + 2 * KVH) * D, H, KVH, D, cos + t * D, sin + t * D, q_out + t * H * D, k + at, v + at, s_head);
+    }
     return 0;
 }

@@ -4,14 +4,16 @@
  *
  * gate_up [T][2 I] (gate then up, as w13 stores them) -> out [T][I] */
 #include "fixed_math.h"
+#include "row_kernels.h"
 #include "vector_paths.h"
 
 static inline __attribute__((always_inline)) void silu_mul_row(const float *gate_up, float *out, long I) {
     for (long i = 0; i < I; i++) out[i] = silu_fixed(gate_up[i]) * gate_up[I + i];
 }
 
-typedef void (*silu_kernel)(const float *gate_up, float *out, long I);
 VECTOR_PATHS(silu_mul_row, silu_kernel, (const float *gate_up, float *out, long I), (gate_up, out, I))
+
+silu_kernel silu_mul_row_kernel(void) { return silu_mul_row_pick(); }
 
 int silu_mul(const float *gate_up, float *out, long T, long I, int threads) {
     const silu_kernel kernel = silu_mul_row_pick();

@@ -23,6 +23,8 @@ from specdec.config import GEMMA3, SLIDING_ATTENTION, ModelConfig
 from specdec.engine import kernels
 from specdec.engine.kernels import invariant_attention
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.models import native_forward
+from specdec.engine.models.native_forward import RopeTable
 
 
 @dataclass
@@ -446,10 +448,12 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tupl
 
 
 def prepare_step(batch: ForwardBatch, inv_freq: Tensor, dtype: torch.dtype, pack: bool = False,
-                 invariant: bool = False) -> Step:
+                 invariant: bool = False, rope: RopeTable | None = None) -> Step:
     """pack: run the residual stream on the real tokens only (see Packing) when rows differ in length.
-    invariant: every attention through the batch-invariant kernel (Transformer.batch_invariant)."""
-    cos, sin = rope_tables(batch.positions, inv_freq, dtype)
+    invariant: every attention through the batch-invariant kernel (Transformer.batch_invariant).
+    rope: the model's table of every position's cos and sin (the invariant forward reads it, as
+    the native forward does: a position's values never depend on the batch)."""
+    cos, sin = rope.lookup(batch.positions) if rope is not None else rope_tables(batch.positions, inv_freq, dtype)
     p0 = int(batch.write_index[0, 0]) if batch.tokens.shape[0] == 1 else 0
     packing = Packing(batch, cos, sin, split=not invariant) if pack and Packing.worth_it(batch.num_new) else None
     if invariant:
@@ -504,14 +508,36 @@ class Transformer(nn.Module):
         # Attention by kernels.invariant_attention: set with row-invariant weight kernels (the
         # quantized formats, quantized.py), whose forward is then batch-invariant as a whole.
         self.batch_invariant = False
+        # The invariant forward in one native call (native_forward.py) where the plan runs this
+        # model's layers; False keeps the per-op path (the oracle the native forward must equal).
+        self.native_forward = True
+        self._native_plan: native_forward.ForwardPlan | None = None
+        self._native_checked = False
 
     def reset_rope_tables(self, device: torch.device | str | None = None) -> None:
         """The RoPE frequencies (not in the checkpoint): again after a model built on the meta device."""
         device = device or self.embed.weight.device
         self.register_buffer("inv_freq", rope_inv_freq(self.cfg).to(device), persistent=False)
+        self.rope_table = RopeTable(self.inv_freq)
+        self.local_rope_table = None
         if self.local_layers:
             local = dataclasses.replace(self.cfg, rope_theta=self.cfg.local_rope_theta, rope_scaling=None)
             self.register_buffer("local_inv_freq", rope_inv_freq(local).to(device), persistent=False)
+            self.local_rope_table = RopeTable(self.local_inv_freq)
+
+    def native_plan(self) -> "native_forward.ForwardPlan | None":
+        """The native forward's plan for this model, built at its first forward (None: the per-op path
+        serves: not a quantized format, a family it does not run, or SPECDEC_NATIVE_FORWARD=0)."""
+        if not (self.native_forward and self.batch_invariant and native_forward.enabled()):
+            return None
+        if not self._native_checked:
+            self._native_plan = native_forward.ForwardPlan.of(self, self.rope_table)
+            self._native_checked = True
+        return self._native_plan
+
+    def forget_native_plan(self) -> None:
+        """After the weights were replaced: the next forward builds the plan again."""
+        self._native_plan, self._native_checked = None, False
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -545,11 +571,18 @@ class Transformer(nn.Module):
         that does not end its prompt needs none); last_only is 1 for every row, and None is
         every token. The logits are then [B, max(logits_rows), V], row b's in [:logits_rows[b]].
         pack=False keeps every row padded (the path before Packing: benchmarks and tests compare)."""
-        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack, invariant=self.batch_invariant)
+        plan = self.native_plan()
+        if plan is not None:
+            rows = [1] * len(batch.num_new) if last_only else list(batch.num_new) if logits_rows is None else list(logits_rows)
+            logits, hidden = plan.forward(batch, cache, tap_layers, rows)
+            return ForwardOutput(logits=logits, hidden_taps=hidden)
+        invariant = self.batch_invariant
+        step = prepare_step(batch, self.inv_freq, self.act_dtype, pack=pack, invariant=invariant,
+                            rope=self.rope_table if invariant else None)
         local = None
         if self.local_layers:  # the same tokens packed the same way, a windowed mask, the local RoPE
             local = prepare_step(windowed(batch, self.cfg.local_window), self.local_inv_freq, self.act_dtype, pack=pack,
-                                 invariant=self.batch_invariant)
+                                 invariant=invariant, rope=self.local_rope_table if invariant else None)
         packing = step.packing
         tokens = batch.tokens if packing is None else packing.pack(batch.tokens)
         x = self.embed(tokens).to(self.act_dtype)  # [B, N, H], or [T, H] packed
@@ -565,10 +598,17 @@ class Transformer(nn.Module):
             x = last_tokens(x, batch, packing)[:, None]
         elif logits_rows is not None:
             return ForwardOutput(self._row_logits(x, batch, packing, logits_rows), self._taps(taps, tap_layers, packing, B, N))
-        logits = self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.final_norm(x)).float()
         if packing is not None and not last_only:
             logits = packing.unpack(logits).view(B, N, -1)
         return ForwardOutput(logits=logits, hidden_taps=self._taps(taps, tap_layers, packing, B, N))
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The last norm: on the invariant forward the row-wise kernel (PyTorch's rms_norm is invariant
+        only by observation), as the native forward runs it."""
+        if self.batch_invariant and x.device.type == "cpu" and x.dtype == self.norm.weight.dtype == torch.float32:
+            return kernels.rms_norm(x.contiguous(), self.norm.weight, self.norm.eps)
+        return self.norm(x)
 
     @staticmethod
     def _taps(taps: dict[int, Tensor], tap_layers: Sequence[int], packing: Packing | None, B: int, N: int) -> Tensor | None:
@@ -587,7 +627,7 @@ class Transformer(nn.Module):
             index.extend(range(end - k, end))
             out_index.extend(range(b * width, b * width + k))
         picked = flat.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device))
-        logits = self.lm_head(self.norm(picked)).float()
+        logits = self.lm_head(self.final_norm(picked)).float()
         if len(out_index) == B * width:  # every row needs `width` logits: already in place
             return logits.view(B, width, logits.shape[-1])
         # Zeros only where no logits go (a [B * width, 49k] memset cost ~1 ms a step).

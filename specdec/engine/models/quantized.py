@@ -238,4 +238,5 @@ def quantize(model: nn.Module, weight_format: str | None, model_dir: Path) -> nn
             raise ConfigError("weight_format", f"gguf needs the GGUF file {model_dir} was prepared from; none is recorded there")
         model = quantize_gguf(model, source)
     model.batch_invariant = True
+    model.forget_native_plan()  # the linears were replaced
     return model
