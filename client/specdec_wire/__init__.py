@@ -242,6 +242,9 @@ SLOT_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20
 # The budget planner's current beliefs (adaptive methods; specdec.engine.planner), from the verifier.
 ACCEPTANCE_ESTIMATE = "specdec_acceptance_estimate"
 PLANNED_TOKENS_PER_SECOND = "specdec_planned_tokens_per_second"
+# 1, labelled with how the target's forward runs: weight_format, forward (native or per-op) and
+# kernel_path (reference, avx2, avx512_vnni, amx; none for float weights)
+ENGINE_INFO = "specdec_engine_info"
 # In-flight batching (the verifier's scheduler): how many live sequences share each target
 # forward; a median near the live streams means streams are not split into groups.
 BATCH_SEQUENCES = "specdec_batch_sequences"
@@ -263,6 +266,7 @@ VERIFIER_METRICS = {
     PREFIX_CACHE_HIT_REQUESTS_TOTAL: ("counter", "Requests that reused at least one cached prompt token"),
     ACCEPTANCE_ESTIMATE: ("gauge", "Estimated chance that draft position `position` is accepted given the one before, per `method`"),
     PLANNED_TOKENS_PER_SECOND: ("gauge", "Tokens per second the planner expects of its last planned step"),
+    ENGINE_INFO: ("gauge", "1, labelled with the target's weight_format, forward (native or per-op) and kernel_path"),
 }
 
 # name -> (kind, help[, buckets]) of what the speculative loop exports.

@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils
 import specdec_wire as P
 from specdec.config import METHOD_NONE, ServingConfig, resolve_model_dir, team_size
 from specdec.engine.models.loading import read_model_config
+from specdec.engine.models.native_forward import engine_info
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
 from specdec.serving.heap import HeapTrimmer
@@ -153,6 +154,8 @@ class Verifier:
         self._planner_published = 0.0
         self._prefix_published = (0, 0, 0)  # prefix-cache counters already published
         self.metrics.set(P.ACTIVE_SEQUENCES, 0, model="verifier")
+        target = self.engine.speculator.target_pass.target
+        self.metrics.set(P.ENGINE_INFO, 1, **engine_info(target, settings.engine.weight_format))
 
     @property
     def batch_sequences(self) -> int:

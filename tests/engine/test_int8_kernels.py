@@ -175,3 +175,35 @@ def test_the_path_can_be_capped_to_emulate_a_smaller_cpu_and_a_wrong_name_is_ref
     with pytest.raises(ConfigError) as err:
         best_isa()
     assert err.value.field == PATH_ENV
+
+
+def _quantized(picked: bool, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    k = x.shape[-1]
+    codes = torch.empty(k, dtype=torch.int8)
+    scale, offset = torch.empty(k // QBLOCK), torch.empty(k // QBLOCK)
+    total = torch.empty(k // QBLOCK, dtype=torch.int32)
+    assert kernels.native().int8_quantize_row(int(picked), x.data_ptr(), k, codes.data_ptr(), scale.data_ptr(),
+                                              total.data_ptr(), offset.data_ptr()) == 0
+    return codes, scale, total, offset
+
+
+def test_the_vectorized_activation_quantizer_gives_the_references_codes_and_scales():
+    """The quantizer every call uses (hand-written AVX-512 where the CPU has it, else the widest
+    compiled width) against the plain C reference: rows of every magnitude, ties at .5 after the
+    scaling, zeros, a block of one value, a block of -0.0 and denormals."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1536, generator=g) * scale for scale in (1e-30, 1e-3, 1.0, 7.5, 1e4)]
+    ties = torch.arange(-64, 64, dtype=torch.float32) / 2.0  # amax 31.75: x * (127 / amax) lands near halves
+    special = torch.cat([torch.zeros(32), torch.full((32,), 3.25), -torch.zeros(32), torch.full((32,), 1e-40)])
+    for x in rows + [ties, special, torch.rand(64, generator=g) - 0.5]:
+        x = x.contiguous()
+        for want, got in zip(_quantized(False, x), _quantized(True, x)):
+            assert torch.equal(want, got)
+
+
+def test_the_quantizer_comparison_sees_a_different_code():
+    """Negative control: one input moved by one scaled step changes the codes compared above."""
+    x = torch.linspace(-1, 1, 64)
+    moved = x.clone()
+    moved[5] += 2.0 / 127
+    assert not torch.equal(_quantized(True, x)[0], _quantized(False, moved)[0])

@@ -137,6 +137,16 @@ def test_eight_drafting_streams_at_once_equal_the_baseline_token_ids(triton_serv
             assert metric(triton_server, "specdec_draft_tokens_total", method=method) > drafted, method
 
 
+def test_the_verifier_says_how_its_forward_runs(triton_server):
+    """The served target's weight format, forward and kernel path, on the metrics port: the shipped
+    int8 target on the native forward, on the path this CPU runs."""
+    from specdec.engine.kernels.int8 import ISA, best_isa
+
+    samples = server_metrics.scrape(triton_server.endpoints.metrics_url)
+    assert server_metrics.total(samples, P.ENGINE_INFO, weight_format="int8", forward="native",
+                                kernel_path=ISA.NAMES[best_isa()]) == 1
+
+
 def test_metrics_count_drafts(triton_server, grpc_client):
     before = metric(triton_server, "specdec_draft_tokens_total", method="ngram")
     steps = metric(triton_server, P.ACCEPTANCE_LENGTH + "_count", method="ngram")

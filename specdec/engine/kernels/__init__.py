@@ -54,6 +54,7 @@ _SIGNATURES = {
     "int8_isa_supported": (_int, [_int]),
     "int8_best_isa": (_int, []),
     "rms_norm_rows": (_int, [_ptr, _ptr, _ptr, _ptr, _long, _long, _float, _int]),
+    "int8_quantize_row": (_int, [_int, _ptr, _long, _ptr, _ptr, _ptr, _ptr]),
     "forward_plan_run": (_int, [_ptr, _ptr, _int]),  # engine/models/native_forward.py
     "forward_plan_free": (None, [_ptr]),
 }

@@ -128,6 +128,13 @@ void quantize_row_reference(const float *x, long k, int8_t *codes, float *scale,
     quantize_row_body_baseline(x, k, codes, scale, sum, offset_scale);
 }
 
+/* One row quantized by the path every call takes (picked) or by the plain C reference (tests). */
+int int8_quantize_row(int picked, const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+    if (k % QBLOCK != 0) return 2;
+    (picked ? quantize_row : quantize_row_reference)(x, k, codes, scale, sum, offset_scale);
+    return 0;
+}
+
 /* ---- the reference path: the numerics written out (int8_linear.h) --------------------------- */
 void tile_reference(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
     const long quads = w->k / 4, blocks = x->blocks;

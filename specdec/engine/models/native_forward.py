@@ -215,3 +215,15 @@ class ForwardPlan:
         if index is None:
             return hidden.view(B, N, -1)
         return hidden.new_zeros(B * N, hidden.shape[-1]).index_copy_(0, index, hidden).view(B, N, -1)
+
+
+def engine_info(model, weight_format: str) -> dict[str, str]:
+    """How this target's forward runs, for the server's metrics and results: its weight format, the
+    forward (native: one call a step; per-op) and the int8 kernel path ("none" without quantized weights)."""
+    plan = model.native_plan()
+    path = "none"
+    if model.batch_invariant:
+        from specdec.engine.kernels.int8 import ISA
+
+        path = ISA.NAMES[model.lm_head.weight.isa]
+    return {"weight_format": str(weight_format), "forward": "native" if plan is not None else "per-op", "kernel_path": path}
