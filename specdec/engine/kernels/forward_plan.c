@@ -99,7 +99,7 @@ static size_t carve(const forward_plan *p, const forward_step *s, int threads, c
     TAKE(row, float, threads * widest * 2);
     TAKE(quant.codes, int8_t, padded * k_max);
     TAKE(quant.scale, float, rows * blocks);
-    TAKE(quant.sum, int32_t, rows * blocks);
+    TAKE(quant.unbias, int32_t, rows * blocks);
     TAKE(quant.offset_scale, float, rows * blocks);
     TAKE(attention, float, threads * per_thread);
     TAKE(shared_score, float, shared);
@@ -118,13 +118,13 @@ static int thread_index(void) {
 
 /* The activations of `rows` rows of width k in the shared quantized buffer. */
 static quantized_rows quantized_view(const step_buffers *buf, long rows, long k) {
-    const quantized_rows q = {rows, k, k / QBLOCK, buf->quant.codes, buf->quant.scale, buf->quant.sum,
+    const quantized_rows q = {rows, k, k / QBLOCK, buf->quant.codes, buf->quant.scale, buf->quant.unbias,
                               buf->quant.offset_scale};
     return q;
 }
 
 static void quantize_one(const float *row, const quantized_rows *q, long r) {
-    quantize_row(row, q->k, q->codes + r * q->k, q->scale + r * q->blocks, q->sum + r * q->blocks,
+    quantize_row(row, q->k, q->codes + r * q->k, q->scale + r * q->blocks, q->unbias + r * q->blocks,
                  q->offset_scale + r * q->blocks);
 }
 
@@ -245,7 +245,7 @@ int forward_plan_run(forward_plan *p, const forward_step *s, int threads) {
     if (threads < 1) threads = 1;
     const attention_call call = {NULL, NULL, NULL, 0, p->head_dim, p->heads * p->head_dim, s->s_slot, s->s_head, s->s_col,
                                  s->N * s->C, s->C, p->heads, s->N, s->C, p->head_dim, p->heads / p->kv_heads, s->mask,
-                                 s->seq_slot, NULL, 0.0f, s->token_of, s->num_new};
+                                 s->seq_slot, NULL, 0.0f, s->token_of, s->num_new, attention_transpose_pick(p->head_dim)};
     const int two_phases = attention_two_phases_fit(&call, s->B, p->kv_heads, threads);
     step_buffers buf;
     const size_t bytes = carve(p, s, threads, &call, two_phases, NULL, &buf);

@@ -79,7 +79,7 @@ static inline float round_even(float v) {
 }
 
 static inline __attribute__((always_inline)) void quantize_row_body(const float *x, long k, int8_t *codes, float *scale,
-                                                                    int32_t *sum, float *offset_scale) {
+                                                                    int32_t *unbias, float *offset_scale) {
     for (long b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.0f;
@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) void quantize_row_body(const float 
             total += (int32_t)q;
         }
         scale[b] = amax / 127.0f;
-        sum[b] = total;
+        unbias[b] = -128 * total;
         offset_scale[b] = scale[b] * (float)total;
     }
 }
@@ -105,10 +105,10 @@ static inline __attribute__((always_inline)) void quantize_row_body(const float 
  * a rounding by adding and subtracting 1.5 * 2^23, a clamp and an integer sum, each exact or
  * correctly rounded on its own, so every width gives the reference's codes and scales. It ran
  * scalar before (this file is built for baseline x86-64), a sixth of a 16-row step. */
-typedef void (*quantize_kernel)(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale);
+typedef void (*quantize_kernel)(const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale);
 VECTOR_PATHS(quantize_row_body, quantize_kernel,
-             (const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale),
-             (x, k, codes, scale, sum, offset_scale))
+             (const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale),
+             (x, k, codes, scale, unbias, offset_scale))
 
 static quantize_kernel quantize_picked;
 
@@ -117,21 +117,21 @@ static quantize_kernel quantize_pick(void) {
     return cpu_has(ISA_AVX512_VNNI) ? quantize_row_avx512 : quantize_row_body_pick();
 }
 
-void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+void quantize_row(const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale) {
     quantize_kernel kernel = quantize_picked;
     if (kernel == NULL) quantize_picked = kernel = quantize_pick(); /* the same pick from every thread */
-    kernel(x, k, codes, scale, sum, offset_scale);
+    kernel(x, k, codes, scale, unbias, offset_scale);
 }
 
 /* The reference's own quantization (tests compare the vector paths' codes with it). */
-void quantize_row_reference(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
-    quantize_row_body_baseline(x, k, codes, scale, sum, offset_scale);
+void quantize_row_reference(const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale) {
+    quantize_row_body_baseline(x, k, codes, scale, unbias, offset_scale);
 }
 
 /* One row quantized by the path every call takes (picked) or by the plain C reference (tests). */
-int int8_quantize_row(int picked, const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+int int8_quantize_row(int picked, const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale) {
     if (k % QBLOCK != 0) return 2;
-    (picked ? quantize_row : quantize_row_reference)(x, k, codes, scale, sum, offset_scale);
+    (picked ? quantize_row : quantize_row_reference)(x, k, codes, scale, unbias, offset_scale);
     return 0;
 }
 
@@ -182,7 +182,7 @@ void int8_quantize_rows_shared(const float *x, long x_stride, const quantized_ro
 #pragma omp for schedule(static)
     for (long r = 0; r < rows->rows; r++)
         quantize_row(x + r * x_stride, rows->k, rows->codes + r * rows->k, rows->scale + r * rows->blocks,
-                     rows->sum + r * rows->blocks, rows->offset_scale + r * rows->blocks);
+                     rows->unbias + r * rows->blocks, rows->offset_scale + r * rows->blocks);
 }
 
 /* y [rows][n] (stride y_stride) = the quantized rows times w; bias [n] (or NULL) added per column,
@@ -192,7 +192,7 @@ void int8_tiles_shared(tile_kernel kernel, const quantized_rows *rows, const pac
     for (long r0 = 0; r0 < rows->rows; r0 += ROW_CHUNK) {
         const long chunk = rows->rows - r0 < ROW_CHUNK ? rows->rows - r0 : ROW_CHUNK;
         const quantized_rows part = {chunk, rows->k, rows->blocks, rows->codes + r0 * rows->k, rows->scale + r0 * rows->blocks,
-                                     rows->sum + r0 * rows->blocks, rows->offset_scale + r0 * rows->blocks};
+                                     rows->unbias + r0 * rows->blocks, rows->offset_scale + r0 * rows->blocks};
         /* dynamic: a thread the OS preempts (a stub's response, the server's gRPC on the same
          * cores) leaves its tiles to the others instead of stalling the region at its barrier.
          * Which thread computes a tile changes nothing in its bits. */
@@ -220,8 +220,8 @@ int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, cons
     const long padded = (m + PAD_ROWS - 1) / PAD_ROWS * PAD_ROWS;
     quantized_rows rows = {m, k, blocks, calloc((size_t)(padded * k), 1), malloc(sizeof(float) * m * blocks),
                            malloc(sizeof(int32_t) * m * blocks), malloc(sizeof(float) * m * blocks)};
-    if (!rows.codes || !rows.scale || !rows.sum || !rows.offset_scale) {
-        free(rows.codes), free(rows.scale), free(rows.sum), free(rows.offset_scale);
+    if (!rows.codes || !rows.scale || !rows.unbias || !rows.offset_scale) {
+        free(rows.codes), free(rows.scale), free(rows.unbias), free(rows.offset_scale);
         return 3;
     }
     packed_weight w = {format, n, k, (n + TILE_N - 1) / TILE_N, packed, column_scale, block_scale, block_offset};
@@ -234,6 +234,6 @@ int int8_linear(int isa, int format, const uint8_t *packed, long n, long k, cons
         int8_tiles_shared(kernel, &rows, &w, NULL, y, y_stride);
         if (isa == ISA_AMX) amx_end();
     }
-    free(rows.codes), free(rows.scale), free(rows.sum), free(rows.offset_scale);
+    free(rows.codes), free(rows.scale), free(rows.unbias), free(rows.offset_scale);
     return 0;
 }

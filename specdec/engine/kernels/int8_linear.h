@@ -55,7 +55,9 @@ typedef struct {
     long rows, k, blocks;  /* blocks = k / QBLOCK */
     int8_t *codes;         /* [rows][k] */
     float *scale;          /* [rows][blocks] a_s */
-    int32_t *sum;          /* [rows][blocks] sum of the block's codes */
+    int32_t *unbias;       /* [rows][blocks] -128 * the sum of the block's codes: the + 128 the AVX-512 and AMX
+                            * paths' packed signed weights carry, taken back out of their exact int32 dots
+                            * (the AVX-512 path starts each block's dot from it) */
     float *offset_scale;   /* [rows][blocks] a_s * (float)sum (Q4_1's offset term) */
 } quantized_rows;
 

@@ -101,10 +101,10 @@ static inline __attribute__((always_inline)) void rows16(const quantized_rows *x
             const __m512i dot = _mm512_load_si512(sums[b][r]);
             const __m512 a_s = _mm512_set1_ps(x->scale[xb]);
             if (format == FORMAT_ROW) {
-                const __m512i exact = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->sum[xb]));
+                const __m512i exact = _mm512_add_epi32(dot, _mm512_set1_epi32(x->unbias[xb]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a_s, acc[r]);
             } else if (format == FORMAT_Q8_0) {
-                const __m512i exact = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x->sum[xb]));
+                const __m512i exact = _mm512_add_epi32(dot, _mm512_set1_epi32(x->unbias[xb]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(a_s, block_scale), acc[r]);
             } else {
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a_s, block_scale), acc[r]);

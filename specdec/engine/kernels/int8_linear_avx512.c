@@ -4,7 +4,7 @@
  * + 128) by 4 signed activation codes broadcast to every lane, and adds each lane's 4 products
  * to an int32: 64 multiply-adds per instruction. One weight vector feeds ROWS_PER_STEP rows while
  * it is in a register, so verifying 8 rows reads the weight as decoding 1 row does. The + 128
- * comes back out exactly, in int32: dot = raw - 128 * sum(activation codes of the block). */
+ * comes back out exactly: each block's int32 dot starts from -128 * sum(its activation codes). */
 #include "int8_linear.h"
 
 #if defined(__x86_64__)
@@ -29,8 +29,9 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
     __m512 acc[ROWS_PER_STEP];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
-        __m512i dot[ROWS_PER_STEP];
-        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        __m512i dot[ROWS_PER_STEP]; /* signed codes: from -128 * sum (the weights' + 128 out, exactly) */
+        for (int r = 0; r < rows; r++)
+            dot[r] = format == FORMAT_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x->unbias[(m0 + r) * blocks + b]);
         if (format == FORMAT_Q4_1) { /* a 64-byte load is two quads: low nibbles, then high */
             for (int pair = 0; pair < QBLOCK / 8; pair++) {
                 const __m512i both = _mm512_loadu_si512(weight + (b * (QBLOCK / 8) + pair) * 64);
@@ -54,12 +55,10 @@ static inline __attribute__((always_inline)) void rows_step(const quantized_rows
             const long xb = (m0 + r) * blocks + b;
             const __m512 a_s = _mm512_set1_ps(x->scale[xb]);
             if (format == FORMAT_ROW) {
-                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * x->sum[xb]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), a_s, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), a_s, acc[r]);
             } else if (format == FORMAT_Q8_0) {
-                const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * x->sum[xb]));
                 const __m512 scale = _mm512_mul_ps(a_s, _mm512_loadu_ps(w->block_scale + wb));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
             } else {
                 const __m512 scale = _mm512_mul_ps(a_s, _mm512_loadu_ps(w->block_scale + wb));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
@@ -104,7 +103,7 @@ void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile
 /* quantize_row (int8_linear.c) in 512-bit registers, a block of 32 inputs in two: the maximum, the
  * product by 127 / amax, the rounding (+ and - 1.5 * 2^23), the clamp and the integer sum are each
  * exact or correctly rounded, so the codes and scales equal the scalar reference's. */
-void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
+void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale) {
     const __m512 magic = _mm512_set1_ps(12582912.0f), top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
     for (long b = 0; b < k / QBLOCK; b++) {
         const __m512 lo = _mm512_loadu_ps(x + b * QBLOCK), hi = _mm512_loadu_ps(x + b * QBLOCK + 16);
@@ -120,13 +119,13 @@ void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, in
         _mm_storeu_si128((__m128i *)(codes + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(i_hi));
         const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(i_lo, i_hi));
         scale[b] = amax / 127.0f;
-        sum[b] = total;
+        unbias[b] = -128 * total;
         offset_scale[b] = scale[b] * (float)total;
     }
 }
 #else /* not x86-64: the library still links; int8_isa_supported never offers this path */
-void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *sum, float *offset_scale) {
-    (void)x, (void)k, (void)codes, (void)scale, (void)sum, (void)offset_scale;
+void quantize_row_avx512(const float *x, long k, int8_t *codes, float *scale, int32_t *unbias, float *offset_scale) {
+    (void)x, (void)k, (void)codes, (void)scale, (void)unbias, (void)offset_scale;
 }
 void tile_avx512_vnni(const quantized_rows *x, const packed_weight *w, long tile, float *out, long out_stride, long columns) {
     tile_reference(x, w, tile, out, out_stride, columns);

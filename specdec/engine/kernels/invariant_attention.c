@@ -39,6 +39,10 @@
 #include "invariant_attention.h"
 #include "vector_paths.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #define ROWS 8      /* query rows scored together against one block of keys */
 
 /* Where query row (b, h, n) is read and its output written: the strided [B, H, N, D] and
@@ -54,6 +58,47 @@ static inline __attribute__((always_inline)) float *output_row(const attention_c
 }
 
 
+/* 16 keys (rows of D floats, stride kv_c) to keys[d][16], a 16 x 16 block at a time in registers:
+ * the scores' transposition was most of a one-row step's attention time done one float at a time.
+ * A move of data only: the scores' operations and their order are unchanged. */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void transpose_keys_avx512(const float *k, long kv_c, long D, float *keys) {
+    for (long d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16], t[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(k + j * kv_c + d0);
+        for (int j = 0; j < 16; j += 2) {
+            t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+            t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 16; j += 4) {
+            r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
+            r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
+            r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+            r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+        }
+        for (int h = 0; h < 16; h += 8)
+            for (int j = 0; j < 4; j++) {
+                t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+                t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xDD);
+            }
+        for (int j = 0; j < 8; j++) {
+            r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+            r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+        }
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(keys + (d0 + i) * COLUMNS, r[i]);
+    }
+}
+#endif
+
+transpose_kernel attention_transpose_pick(long D) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (D % 16 == 0 && __builtin_cpu_supports("avx512f")) return transpose_keys_avx512;
+#endif
+    (void)D;
+    return NULL; /* the loop in score_columns */
+}
+
 /* Scores of every query row of kv head g of sequence b at positions n0..n1-1 (its `group` query
  * heads; row r is head g * group + r / positions, position n0 + r % positions) against columns
  * c_begin..c_end-1 (c_begin a multiple of COLUMNS): score[r * C + c]. keys: scratch [D][COLUMNS]. */
@@ -65,8 +110,11 @@ static inline __attribute__((always_inline)) void score_columns(const attention_
     const float *kr = a->k + slot * a->kv_b + g * a->kv_h;
     for (long c0 = c_begin; c0 < c_end; c0 += COLUMNS) {
         const long width = c_end - c0 < COLUMNS ? c_end - c0 : COLUMNS;
-        for (long d = 0; d < D; d++)
-            for (long j = 0; j < COLUMNS; j++) keys[d * COLUMNS + j] = j < width ? kr[(c0 + j) * a->kv_c + d] : 0.0f;
+        if (width == COLUMNS && a->transpose != NULL)
+            a->transpose(kr + c0 * a->kv_c, a->kv_c, D, keys);
+        else
+            for (long d = 0; d < D; d++)
+                for (long j = 0; j < COLUMNS; j++) keys[d * COLUMNS + j] = j < width ? kr[(c0 + j) * a->kv_c + d] : 0.0f;
         for (long r0 = 0; r0 < rows; r0 += ROWS) { /* ROWS independent chains hide the add latency */
             const long count = rows - r0 < ROWS ? rows - r0 : ROWS;
             const float *qr[ROWS];
@@ -84,33 +132,67 @@ static inline __attribute__((always_inline)) void score_columns(const attention_
     }
 }
 
+/* The weighted sum of values of R rows at once (R independent chains: one row's sums ran at the
+ * latency of its adds). Each row's own operations in its own order, as one row alone: its exponent
+ * total column after column, and for an allowed column its value row times its weight added to its
+ * accumulators; a masked column adds nothing and its values are never used. */
+#define FINISH_ROWS 4
+
+static inline __attribute__((always_inline)) void accumulate_rows(const attention_call *a, const float *vr, long C,
+                                                                  const int R, float *const *sr,
+                                                                  const unsigned char *const *mask, float *const *o,
+                                                                  const long D) {
+    float acc[FINISH_ROWS][D];
+    float total[FINISH_ROWS];
+    for (int i = 0; i < R; i++) {
+        total[i] = 0.0f;
+        for (long d = 0; d < D; d++) acc[i][d] = 0.0f;
+    }
+    for (long c = 0; c < C; c++) {
+        const float *vc = vr + c * a->kv_c;
+        for (int i = 0; i < R; i++) {
+            total[i] += sr[i][c];
+            if (!mask[i][c]) continue;
+            const float weight = sr[i][c];
+            for (long d = 0; d < D; d++) acc[i][d] += weight * vc[d];
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        const float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f; /* a row with no column gets zeros */
+        for (long d = 0; d < D; d++) o[i][d] = acc[i][d] * inv;
+    }
+}
+
 /* Softmax over the allowed columns and the weighted sum of values, rows r_begin..r_end-1 of the
- * same (b, g, n0..n1) group, from their scores. Scratch: acc [D], allowed [C]. */
+ * same (b, g, n0..n1) group, from their scores. Scratch: allowed [C] (acc: unused, kept for the
+ * callers' layout). */
 static inline __attribute__((always_inline)) void finish_rows(const attention_call *a, long b, long g, long n0, long n1,
                                                               long r_begin, long r_end, float *score, float *acc,
                                                               float *allowed, const long D) {
+    (void)acc;
     const long C = a->C, positions = n1 - n0;
     const long slot = a->slots ? (long)a->slots[b] : b;
     const float *vr = a->v + slot * a->kv_b + g * a->kv_h;
-    for (long r = r_begin; r < r_end; r++) {
-        const long h = g * a->group + r / positions, n = n0 + r % positions;
-        const unsigned char *mask = a->allowed + b * a->m_b + n * a->m_n;
-        float *sr = score + r * C, *o = output_row(a, b, h, n);
-        for (long c = 0; c < C; c++) allowed[c] = (float)mask[c]; /* float, so the selects below vectorize */
-        float best = -INFINITY;
-        for (long c = 0; c < C; c++) best = allowed[c] != 0.0f && sr[c] > best ? sr[c] : best;
-        for (long c = 0; c < C; c++) sr[c] = allowed[c] != 0.0f ? exp_fixed(sr[c] - best) : 0.0f;
-        for (long d = 0; d < D; d++) acc[d] = 0.0f;
-        float total = 0.0f;
-        for (long c = 0; c < C; c++) {
-            total += sr[c];
-            if (!mask[c]) continue;
-            const float weight = sr[c];
-            const float *vc = vr + c * a->kv_c;
-            for (long d = 0; d < D; d++) acc[d] += weight * vc[d];
+    for (long r0 = r_begin; r0 < r_end; r0 += FINISH_ROWS) {
+        const int R = (int)(r_end - r0 < FINISH_ROWS ? r_end - r0 : FINISH_ROWS);
+        float *sr[FINISH_ROWS], *o[FINISH_ROWS];
+        const unsigned char *mask[FINISH_ROWS];
+        for (int i = 0; i < R; i++) {
+            const long r = r0 + i, h = g * a->group + r / positions, n = n0 + r % positions;
+            mask[i] = a->allowed + b * a->m_b + n * a->m_n;
+            sr[i] = score + r * C;
+            o[i] = output_row(a, b, h, n);
+            for (long c = 0; c < C; c++) allowed[c] = (float)mask[i][c]; /* float, so the selects below vectorize */
+            float best = -INFINITY;
+            for (long c = 0; c < C; c++) best = allowed[c] != 0.0f && sr[i][c] > best ? sr[i][c] : best;
+            for (long c = 0; c < C; c++) sr[i][c] = allowed[c] != 0.0f ? exp_fixed(sr[i][c] - best) : 0.0f;
         }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f; /* a row with no column gets zeros */
-        for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
+        switch (R) {
+        case 4: accumulate_rows(a, vr, C, 4, sr, mask, o, D); break;
+        case 3: accumulate_rows(a, vr, C, 3, sr, mask, o, D); break;
+        case 2: accumulate_rows(a, vr, C, 2, sr, mask, o, D); break;
+        default: accumulate_rows(a, vr, C, 1, sr, mask, o, D); break;
+        }
     }
 }
 
@@ -193,10 +275,12 @@ void attention_shared(const attention_call *a, long B, long KVH, int two_phases,
             const long c_end = c_begin + per_item * COLUMNS < C ? c_begin + per_item * COLUMNS : C;
             score_fn(a, group / KVH, group % KVH, 0, N, c_begin, c_end, keys, shared_score + group * rows * C);
         }
+        const long row_items = (rows + FINISH_ROWS - 1) / FINISH_ROWS;
 #pragma omp for schedule(dynamic) /* see int8_linear.c: preempted threads */
-        for (long item = 0; item < groups * rows; item++) {
-            const long group = item / rows, r = item % rows;
-            finish_fn(a, group / KVH, group % KVH, 0, N, r, r + 1, shared_score + group * rows * C, acc, allowed_f);
+        for (long item = 0; item < groups * row_items; item++) {
+            const long group = item / row_items, r = (item % row_items) * FINISH_ROWS;
+            const long r_end = r + FINISH_ROWS < rows ? r + FINISH_ROWS : rows;
+            finish_fn(a, group / KVH, group % KVH, 0, N, r, r_end, shared_score + group * rows * C, acc, allowed_f);
         }
         return;
     }
@@ -232,7 +316,7 @@ int invariant_attention(const float *q, long q_b, long q_h, long q_n,
                         float scale, int threads) {
     if (H % KVH != 0) return 1;
     const attention_call a = {q, k, v, q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, H / KVH, allowed, slots, out,
-                              scale, NULL, NULL};
+                              scale, NULL, NULL, attention_transpose_pick(D)};
     if (threads < 1) threads = 1;
     const int two_phases = attention_two_phases_fit(&a, B, KVH, threads);
     const size_t per_thread = attention_thread_floats(D, C, a.group);

@@ -9,6 +9,10 @@
 #define COLUMNS 16 /* keys per transposed block: one per lane */
 #define CHUNK 64   /* query positions per work item, at most */
 
+/* keys [16 rows, stride kv_c][D] -> out [D][16] (attention_transpose_pick: NULL for the plain loop) */
+typedef void (*transpose_kernel)(const float *k, long kv_c, long D, float *out);
+transpose_kernel attention_transpose_pick(long D);
+
 typedef struct {
     const float *q, *k, *v;
     long q_b, q_h, q_n, kv_b, kv_h, kv_c, m_b, m_n, H, N, C, D, group;
@@ -20,6 +24,7 @@ typedef struct {
      * are real. NULL, NULL: the strided layouts above, every position real. */
     const int32_t *token_of;
     const int64_t *num_new;
+    transpose_kernel transpose;
 } attention_call;
 
 int attention_two_phases_fit(const attention_call *a, long B, long KVH, int threads);
