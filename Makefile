@@ -91,7 +91,10 @@ bench-engine: prepare
 LLAMA_CPP_VERSION := 11434.0.0
 tmp/llamacpp/build/bin/llama-bench:
 	$(BIN)/python -m specdec.bench.llama_cpp --version $(LLAMA_CPP_VERSION) --out tmp/llamacpp
+# Our int8 and gguf targets (the native forward) beside llama-bench's tg128 and pp512 on the same file and threads,
+# with the forward's cost against the weight-streaming floor (issue 73), then float32 and bfloat16 as before.
 bench-llamacpp: prepare tmp/llamacpp/build/bin/llama-bench
+	$(BIN)/python -m specdec.bench.quantized_peer --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/llamacpp/quantized.json
 	$(BIN)/specdec bench-engine --llama-bench tmp/llamacpp/build/bin/llama-bench --out results/engine_bench.json
 
 # llama.cpp beside our server on the same GGUF (issue 44), one A/B run per load point through specdec-client bench:

@@ -17,7 +17,7 @@ from specdec.config import EngineConfig
 from specdec.engine.models import native_forward
 from specdec.engine.models.llama import build_batch
 
-TAPS = (0, 2)
+TAPS = (0, 2)  # the toy models' last layer among them: a forward with taps and one without end differently
 
 
 def _tiny(tmp_path_factory, arch: str, **overrides):
@@ -65,11 +65,15 @@ def _steps(model, native: bool) -> list[torch.Tensor]:
     tok = lambda i: (7 * i + 3) % (vocab - 10) + 5  # noqa: E731
     out: list[torch.Tensor] = []
 
+    calls = [0]
+
     def run(cache, slots, prefix, rows, **kw):
         logits_rows = kw.pop("logits_rows", None)
-        o = model(build_batch(slots, prefix, rows, sliding_window=window, **kw), cache, tap_layers=TAPS,
+        taps = TAPS if calls[0] % 2 == 0 else ()  # every other forward without taps (drafters that read none)
+        calls[0] += 1
+        o = model(build_batch(slots, prefix, rows, sliding_window=window, **kw), cache, tap_layers=taps,
                   logits_rows=logits_rows)
-        out.extend([o.logits, o.hidden_taps])
+        out.extend([o.logits] + ([o.hidden_taps] if taps else []))
         return o
 
     # 16 prompts of different lengths in one wave (a packed prefill), then each commits
