@@ -1,9 +1,10 @@
 """The native forward (kernels/forward_plan.c, engine/models/native_forward.py) equals the per-op
 forward, its oracle, bit for bit: logits, hidden taps and the KV cache it writes, for every batch
 shape the engine makes (decode, a chain, a tree beside other sequences, 16 sequences of 17 rows
-beside a prompt chunk, a chunked prefill, a prefix-cache hit), on both quantized formats and the
-Llama families the plan runs (Llama, Qwen2's biases, Mistral's sliding window). The families whose
-layers it does not run (Qwen3, Gemma 3) say so and keep the per-op path."""
+beside a prompt chunk, a chunked prefill, a prefix-cache hit), on both quantized formats and every
+family they serve: Llama, Qwen2's biases, Mistral's sliding window, Qwen3's query/key norms, and
+Gemma 3's sandwich norms, GELU gate, scaled embedding and local layers (an 8-token window the
+prompts outgrow). Weights that are not quantized keep the per-op path."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ def _tiny(tmp_path_factory, arch: str, **overrides):
     return quantize(load_transformer(path), "int8", path)
 
 
-@pytest.fixture(scope="module", params=["smollm2-int8", "smollm2-gguf", "llama-toy", "qwen2-toy-bias", "mistral-toy-window"])
+@pytest.fixture(scope="module", params=["smollm2-int8", "smollm2-gguf", "llama-toy", "qwen2-toy-bias", "mistral-toy-window",
+                                        "qwen3-toy-qk-norm", "gemma3-toy-local"])
 def model(request, tmp_path_factory):
     from specdec.serving.runtime import load_target
 
@@ -41,6 +43,12 @@ def model(request, tmp_path_factory):
     elif request.param == "mistral-toy-window":
         target = _tiny(tmp_path_factory, "mistral", sliding_window=12)
         assert target.cfg.sliding_window == 12
+    elif request.param == "qwen3-toy-qk-norm":
+        target = _tiny(tmp_path_factory, "qwen3")
+        assert target.cfg.qk_norm
+    elif request.param == "gemma3-toy-local":
+        target = _tiny(tmp_path_factory, "gemma3", tie_word_embeddings=True)
+        assert target.cfg.local_window == 8 and target.local_layers and target.cfg.sandwich_norms
     else:
         target = _tiny(tmp_path_factory, "llama")
     assert native_forward.unsupported_reason(target) is None and target.native_plan() is not None
@@ -148,11 +156,12 @@ def test_the_comparison_sees_a_forward_that_differs(model):
     assert any(not torch.equal(a, b) for a, b in zip(oracle[:-2], native[:-2]))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_families_the_plan_does_not_run_keep_the_per_op_path(tmp_path_factory, arch):
-    target = _tiny(tmp_path_factory, arch)
-    assert "run per op" in native_forward.unsupported_reason(target)
-    assert target.native_plan() is None
+def test_weights_that_are_not_quantized_keep_the_per_op_path(tmp_path_factory):
+    from conftest import save_tiny_hf
+    from specdec.engine.models.loading import load_transformer
+
+    target = load_transformer(save_tiny_hf(tmp_path_factory.mktemp("float"), vocab_size=1024))
+    assert native_forward.unsupported_reason(target) == "not a quantized weight format" and target.native_plan() is None
     cache = target.new_cache(1, 64, 8)
     slot = cache.allocate()
     logits = target(build_batch([slot], [0], [[5, 6, 7]]), cache, last_only=True).logits

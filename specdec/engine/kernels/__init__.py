@@ -10,8 +10,8 @@ differences grow into greedy flips: 38 of 48 prompts identical before the attent
 - `int8_linear` (int8.py, int8_linear*.c): weight-only int8 linear layers whose cost is flat in
   rows at verification sizes and whose rows are bitwise independent of each other.
 - `rms_norm` (rms_norm.c): RMSNorm, optionally after the residual add, in one pass per row.
-- `rope_and_cache` (rope_cache.c), `silu_mul` (silu_mul.c): RoPE with the KV cache write, and the
-  gated MLP's activation, each one pass (fixed_math.h: an exponential with the same bits on every
+- `rope_and_cache` (rope_cache.c), `silu_mul` (silu_mul.c), `head_norms` (rms_norm.c): RoPE with the KV
+  cache write, the gated MLP's activation (SiLU, or Gemma's GELU), and the per-head query/key norms, each one pass (fixed_math.h: an exponential with the same bits on every
   build).
 
 With both, a quantized target's whole forward is row-invariant and greedy speculation equals the
@@ -48,7 +48,8 @@ _SIGNATURES = {
                             + [_long] * 6 + [_float, _int]),
     "rope_and_cache": (_int, [_ptr, _long, _long, _long, _long, _ptr, _ptr, _ptr, _ptr, _ptr, _long, _long, _long, _ptr,
                               _ptr, _int]),
-    "silu_mul": (_int, [_ptr, _ptr, _long, _long, _int]),
+    "silu_mul": (_int, [_ptr, _ptr, _long, _long, _int, _int]),
+    "head_norms": (_int, [_ptr, _long, _long, _long, _long, _ptr, _ptr, _float, _int]),
     "int8_linear": (_int, [_int, _int, _ptr, _long, _long, _ptr, _ptr, _ptr, _ptr, _long, _long, _ptr, _long, _int]),
     "int8_pack": (_int, [_ptr, _long, _long, _int, _int, _ptr]),
     "int8_isa_supported": (_int, [_int]),
@@ -171,13 +172,26 @@ def rope_and_cache(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: 
     return q
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up [..., 2 I] (gate first, as the fused projection stores them)."""
+def head_norms(qkv: Tensor, heads: int, kv_heads: int, q_norm: Tensor, k_norm: Tensor, eps: float) -> Tensor:
+    """Qwen3's and Gemma 3's per-head RMSNorm of the queries and keys of qkv [T, (heads + 2 kv_heads) D]
+    (contiguous float32), in place, before RoPE. Returns qkv."""
+    if qkv.dtype != torch.float32 or not qkv.is_contiguous() or q_norm.dtype != torch.float32 or k_norm.dtype != torch.float32:
+        raise TypeError("head_norms takes contiguous float32 rows and float32 weights")
+    D = q_norm.shape[0]
+    T = qkv.numel() // ((heads + 2 * kv_heads) * D)
+    native().head_norms(qkv.data_ptr(), T, heads, kv_heads, D, q_norm.data_ptr(), k_norm.data_ptr(), eps,
+                        torch.get_num_threads())
+    return qkv
+
+
+def silu_mul(gate_up: Tensor, gelu: bool = False) -> Tensor:
+    """silu(gate) * up for gate_up [..., 2 I] (gate first, as the fused projection stores them);
+    gelu: Gemma's tanh-GELU gate (fixed_math.h) instead of SiLU."""
     if gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
         raise TypeError("silu_mul takes contiguous float32")
     I = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], I, dtype=torch.float32)
-    native().silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * I), I, torch.get_num_threads())
+    native().silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * I), I, int(gelu), torch.get_num_threads())
     return out
 
 

@@ -37,4 +37,18 @@ static inline __attribute__((always_inline)) float silu_fixed(float x) {
     return x * sigmoid;
 }
 
+/* tanh from exp_fixed of -2|u| (tanh(u) = (1 - e^-2|u|) / (1 + e^-2|u|), sign restored), and GELU's tanh form
+ * (Gemma's gate): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
+static inline __attribute__((always_inline)) float tanh_fixed(float u) {
+    const float a = u < 0.0f ? -u : u;
+    const float e = exp_fixed(-2.0f * a);
+    const float t = (1.0f - e) / (1.0f + e);
+    return u < 0.0f ? -t : t;
+}
+
+static inline __attribute__((always_inline)) float gelu_tanh_fixed(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + tanh_fixed(inner));
+}
+
 #endif

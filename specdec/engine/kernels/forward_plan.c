@@ -32,6 +32,9 @@
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
     const float *qkv_bias, *o_bias;    /* [(H + 2 KVH) D], [hidden], or NULL */
+    const float *q_norm, *k_norm;      /* [head_dim] per-head norms before RoPE (Qwen3, Gemma 3), or NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* Gemma's sandwich: the attention's and MLP's outputs normed, or NULL */
+    long local;                        /* a sliding-window layer: the local mask and RoPE table (Gemma 3) */
     packed_weight wqkv, wo, w13, w2;
 } plan_layer;
 
@@ -39,10 +42,13 @@ typedef struct {
     int isa;
     long layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
     float eps, embed_scale, attention_scale; /* embed_scale 0: none; attention_scale: the per-op path's D ** -0.5 */
+    int gelu;                                /* Gemma's tanh-GELU gate instead of SiLU */
     const float *embed;     /* [vocab][hidden] float32 */
     const float *final_norm;
     const float *rope_cos, *rope_sin; /* [rope_positions][head_dim], sin's first half negated */
     long rope_positions;
+    const float *local_cos, *local_sin; /* the local layers' table (their own RoPE base), or NULL */
+    long local_positions;
     packed_weight lm_head;
     const plan_layer *layer; /* [layers] */
     /* scratch, grown by forward_plan_run, freed by forward_plan_free */
@@ -56,6 +62,7 @@ typedef struct {
     const int32_t *token_of;                           /* [B * N]: packed token of (b, n), -1 for padding */
     const int64_t *num_new, *seq_slot;                 /* [B] */
     const unsigned char *mask;                         /* [B][N][C] may attend */
+    const unsigned char *local_mask;                   /* [B][N][C] the local layers' (windowed), or NULL */
     float *k_cache, *v_cache;                          /* [layers][slots][KVH][capacity][D] */
     long s_layer, s_slot, s_head, s_col;               /* the cache's strides, elements */
     long logits_rows;                                  /* tokens whose logits are wanted */
@@ -152,6 +159,18 @@ static void norm_and_quantize(const forward_plan *p, const step_buffers *buf, no
     }
 }
 
+/* Gemma's sandwich: x [T][H] += the norm of out (an attention's or MLP's output), as x + norm(out). */
+static void sandwich(const forward_plan *p, const step_buffers *buf, norm_kernel norm, float *x, const float *out,
+                     const float *weight, long T) {
+    const long H = p->hidden;
+    float *normed = buf->row + (long)thread_index() * 2 * (H > p->intermediate ? H : p->intermediate);
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+        norm((float *)out + t * H, NULL, weight, normed, H, p->eps);
+        for (long j = 0; j < H; j++) x[t * H + j] += normed[j];
+    }
+}
+
 static void run_layers(const forward_plan *p, const forward_step *s, const step_buffers *buf, const attention_call *call,
                        int two_phases) {
     const long T = s->T, H = p->hidden, D = p->head_dim, I = p->intermediate, HD = p->heads * D;
@@ -159,7 +178,7 @@ static void run_layers(const forward_plan *p, const forward_step *s, const step_
     const tile_kernel kernel = int8_kernel_for(p->isa);
     const norm_kernel norm = rms_norm_row_kernel();
     const rope_kernel rope = rope_row_kernel();
-    const silu_kernel silu = silu_mul_row_kernel();
+    const silu_kernel activation = p->gelu ? gelu_mul_row_kernel() : silu_mul_row_kernel();
     float *const x = buf->x;
     float *scratch = buf->attention + buf->attention_per_thread * (size_t)thread_index();
     if (p->isa == ISA_AMX) amx_begin(); /* tile state is per thread */
@@ -182,30 +201,43 @@ static void run_layers(const forward_plan *p, const forward_step *s, const step_
                              q_i = quantized_view(buf, T, I);
         norm_and_quantize(p, buf, norm, x, pending ? buf->proj : NULL, L->attn_norm, T);
         int8_tiles_shared(kernel, &q_h, &L->wqkv, L->qkv_bias, buf->qkv, qkv_width);
+        const float *cos = L->local ? p->local_cos : p->rope_cos, *sin = L->local ? p->local_sin : p->rope_sin;
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
             const long at = s->slot[t] * s->s_slot + s->column[t] * s->s_col, pos = s->positions[t];
-            rope(buf->qkv + t * qkv_width, p->heads, p->kv_heads, D, p->rope_cos + pos * D, p->rope_sin + pos * D,
-                 buf->q + t * HD, k_layer + at, v_layer + at, s->s_head);
+            float *row = buf->qkv + t * qkv_width;
+            if (L->q_norm != NULL) head_norms_row(norm, row, p->heads, p->kv_heads, D, L->q_norm, L->k_norm, p->eps);
+            rope(row, p->heads, p->kv_heads, D, cos + pos * D, sin + pos * D, buf->q + t * HD, k_layer + at, v_layer + at,
+                 s->s_head);
         }
         attention_call layer_call = *call;
         layer_call.k = k_layer;
         layer_call.v = v_layer;
+        if (L->local) layer_call.allowed = s->local_mask;
         attention_shared(&layer_call, s->B, p->kv_heads, two_phases, scratch, buf->shared_score);
 #pragma omp for schedule(static)
         for (long t = 0; t < padded_rows(&q_hd); t++) quantize_or_clear(buf->attn + t * HD, &q_hd, t);
         int8_tiles_shared(kernel, &q_hd, &L->wo, L->o_bias, buf->proj, H);
         /* MLP: residual add and norm, gate|up, silu * up, down */
-        norm_and_quantize(p, buf, norm, x, buf->proj, L->mlp_norm, T);
+        if (L->attn_out_norm != NULL) { /* Gemma: x += norm(attention); then the MLP's norm */
+            sandwich(p, buf, norm, x, buf->proj, L->attn_out_norm, T);
+            norm_and_quantize(p, buf, norm, x, NULL, L->mlp_norm, T);
+        } else {
+            norm_and_quantize(p, buf, norm, x, buf->proj, L->mlp_norm, T);
+        }
         int8_tiles_shared(kernel, &q_h, &L->w13, NULL, buf->gate_up, 2 * I);
         float *activated = buf->row + (long)thread_index() * 2 * (H > I ? H : I);
 #pragma omp for schedule(static)
         for (long t = 0; t < padded_rows(&q_i); t++) {
-            if (t < T) silu(buf->gate_up + t * 2 * I, activated, I);
+            if (t < T) activation(buf->gate_up + t * 2 * I, activated, I);
             quantize_or_clear(activated, &q_i, t);
         }
         int8_tiles_shared(kernel, &q_i, &L->w2, NULL, buf->proj, H);
         pending = 1;
+        if (L->mlp_out_norm != NULL) { /* Gemma: x += norm(MLP) */
+            sandwich(p, buf, norm, x, buf->proj, L->mlp_out_norm, T);
+            pending = 0;
+        }
         for (long i = 0; i < s->taps; i++) {
             if (s->tap_layer[i] != l) continue;
 #pragma omp for schedule(static)
@@ -240,8 +272,11 @@ int forward_plan_run(forward_plan *p, const forward_step *s, int threads) {
     if (!int8_isa_supported(p->isa)) return 1;
     if (s->T <= 0 || s->B <= 0 || p->heads % p->kv_heads != 0 || p->head_dim % 2 != 0) return 2;
     for (long t = 0; t < s->T; t++)
-        if (s->positions[t] < 0 || s->positions[t] >= p->rope_positions || s->tokens[t] < 0 || s->tokens[t] >= p->vocab)
+        if (s->positions[t] < 0 || s->positions[t] >= p->rope_positions || s->tokens[t] < 0 || s->tokens[t] >= p->vocab ||
+            (p->local_cos != NULL && s->positions[t] >= p->local_positions))
             return 2;
+    for (long l = 0; l < p->layers; l++)
+        if (p->layer[l].local && (s->local_mask == NULL || p->local_cos == NULL)) return 2;
     if (threads < 1) threads = 1;
     const attention_call call = {NULL, NULL, NULL, 0, p->head_dim, p->heads * p->head_dim, s->s_slot, s->s_head, s->s_col,
                                  s->N * s->C, s->C, p->heads, s->N, s->C, p->head_dim, p->heads / p->kv_heads, s->mask,

@@ -45,3 +45,20 @@ int rms_norm_rows(float *x, const float *residual, const float *weight, float *o
         kernel(x + r * n, residual ? residual + r * n : 0, weight, out + r * n, n, eps);
     return 0;
 }
+
+/* Qwen3's and Gemma 3's per-head norms, in place on the fused projection's rows: each of the H query
+ * heads of qkv [T][(H + 2 KVH) D] by q_norm [D], each of the KVH key heads by k_norm (values
+ * untouched), before RoPE. One head is a row of the norm above. */
+void head_norms_row(norm_kernel norm, float *row, long H, long KVH, long D, const float *q_norm, const float *k_norm,
+                    float eps) {
+    for (long h = 0; h < H; h++) norm(row + h * D, 0, q_norm, row + h * D, D, eps);
+    for (long h = 0; h < KVH; h++) norm(row + (H + h) * D, 0, k_norm, row + (H + h) * D, D, eps);
+}
+
+int head_norms(float *qkv, long T, long H, long KVH, long D, const float *q_norm, const float *k_norm, float eps,
+               int threads) {
+    const norm_kernel kernel = norm_row_pick();
+#pragma omp parallel for schedule(static) num_threads(threads) if (T >= 64)
+    for (long t = 0; t < T; t++) head_norms_row(kernel, qkv + t * (H + 2 * KVH) * D, H, KVH, D, q_norm, k_norm, eps);
+    return 0;
+}

@@ -192,7 +192,7 @@ class Attention(nn.Module):
         B, N = batch.tokens.shape
         h, kvh = self.n_heads, self.n_kv
         qkv = self.wqkv(x).to(x.dtype)  # to the cache dtype
-        if step.invariant and not self.qk_norm:
+        if step.invariant:
             return self.wo(self._invariant(qkv, step, cache))
         if step.packing is not None:
             return self.wo(self._packed(qkv, step, cache))
@@ -234,6 +234,8 @@ class Attention(nn.Module):
         else:
             cos, sin, slot, column, columns = step.cos, step.sin, step.row_slot, step.row_column, batch.context_len
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, kvh, cap, hd]
+        if self.qk_norm:  # Qwen3, Gemma 3: each head's query and key normed before RoPE, in place
+            rows = kernels.head_norms(rows.contiguous(), h, kvh, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = kernels.rope_and_cache(rows, cos.reshape(-1, hd), sin.reshape(-1, hd), h, kvh, k_cache, v_cache, slot, column)
         if packing is not None:
             q = packing.unpack(q)
@@ -320,8 +322,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """fused: silu(gate) * up in one kernel pass (the invariant forward)."""
         gate_up = self.w13(x)
-        if fused and not self.gelu:
-            return self.w2(kernels.silu_mul(gate_up))
+        if fused:
+            return self.w2(kernels.silu_mul(gate_up, gelu=self.gelu))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up))
 
@@ -340,6 +342,12 @@ class Block(nn.Module):
             self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, step: "Step", cache: KVCache) -> Tensor:
+        if self.sandwich and step.invariant:  # Gemma on the invariant forward: every norm the row kernel
+            x = x.clone(memory_format=torch.contiguous_format)
+            attn = self.attn(kernels.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps), step, cache)
+            x.add_(kernels.rms_norm(attn.contiguous(), self.attn_out_norm.weight, self.attn_out_norm.eps))
+            mlp = self.mlp(kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps), fused=True)
+            return x.add_(kernels.rms_norm(mlp.contiguous(), self.mlp_out_norm.weight, self.mlp_out_norm.eps))
         if self.sandwich:
             x = x + self.attn_out_norm(self.attn(self.attn_norm(x), step, cache))
             return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
@@ -531,7 +539,7 @@ class Transformer(nn.Module):
         if not (self.native_forward and self.batch_invariant and native_forward.enabled()):
             return None
         if not self._native_checked:
-            self._native_plan = native_forward.ForwardPlan.of(self, self.rope_table)
+            self._native_plan = native_forward.ForwardPlan.of(self, self.rope_table, self.local_rope_table)
             self._native_checked = True
         return self._native_plan
 

@@ -7,9 +7,10 @@ shape the engine makes). What it removes is the overhead around them: one ctypes
 OpenMP parallel region a step instead of hundreds, no PyTorch operator and no allocation inside.
 
 A plan is built once per model (ForwardPlan.of): the pointers of every weight, held with the
-tensors they point into. It serves the Llama families whose every layer it runs (Llama, Mistral,
-Qwen2 and their biases); Qwen3's query/key norms and Gemma 3's sandwich norms, local layers and
-GELU keep the per-op path (`unsupported_reason` says which), as do float32, bfloat16 and CUDA.
+tensors they point into. It runs every family the quantized formats serve: Llama, Mistral (its
+window is in the mask), Qwen2's biases, Qwen3's query/key norms, and Gemma 3's sandwich norms, GELU
+gate, scaled embedding and local layers (their windowed mask and RoPE base). float32, bfloat16 and
+CUDA keep the per-op path (`unsupported_reason` says why).
 SPECDEC_NATIVE_FORWARD=0 turns it off (the per-op path serves, as before it existed).
 """
 from __future__ import annotations
@@ -35,21 +36,23 @@ class _PackedWeight(Structure):  # forward_plan.c's packed_weight (int8_linear.h
 
 class _PlanLayer(Structure):
     _fields_ = [("attn_norm", c_void_p), ("mlp_norm", c_void_p), ("qkv_bias", c_void_p), ("o_bias", c_void_p),
-                ("wqkv", _PackedWeight), ("wo", _PackedWeight), ("w13", _PackedWeight), ("w2", _PackedWeight)]
+                ("q_norm", c_void_p), ("k_norm", c_void_p), ("attn_out_norm", c_void_p), ("mlp_out_norm", c_void_p),
+                ("local", c_long), ("wqkv", _PackedWeight), ("wo", _PackedWeight), ("w13", _PackedWeight), ("w2", _PackedWeight)]
 
 
 class _Plan(Structure):
     _fields_ = [("isa", c_int), ("layers", c_long), ("hidden", c_long), ("heads", c_long), ("kv_heads", c_long),
                 ("head_dim", c_long), ("intermediate", c_long), ("vocab", c_long), ("eps", c_float),
-                ("embed_scale", c_float), ("attention_scale", c_float), ("embed", c_void_p), ("final_norm", c_void_p),
-                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("rope_positions", c_long), ("lm_head", _PackedWeight),
+                ("embed_scale", c_float), ("attention_scale", c_float), ("gelu", c_int), ("embed", c_void_p),
+                ("final_norm", c_void_p), ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("rope_positions", c_long),
+                ("local_cos", c_void_p), ("local_sin", c_void_p), ("local_positions", c_long), ("lm_head", _PackedWeight),
                 ("layer", POINTER(_PlanLayer)), ("scratch", c_void_p), ("scratch_bytes", c_size_t)]
 
 
 class _Step(Structure):
     _fields_ = [("T", c_long), ("B", c_long), ("N", c_long), ("C", c_long), ("tokens", c_void_p), ("positions", c_void_p),
                 ("slot", c_void_p), ("column", c_void_p), ("token_of", c_void_p), ("num_new", c_void_p),
-                ("seq_slot", c_void_p), ("mask", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
+                ("seq_slot", c_void_p), ("mask", c_void_p), ("local_mask", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
                 ("s_layer", c_long), ("s_slot", c_long), ("s_head", c_long), ("s_col", c_long),
                 ("logits_rows", c_long), ("logits_token", c_void_p), ("logits", c_void_p), ("taps", c_long),
                 ("tap_layer", c_void_p), ("hidden", c_void_p)]
@@ -80,8 +83,10 @@ def unsupported_reason(model) -> str | None:
         return kernels.unavailable_reason()
     if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
         return "the embedding is not float32 on the CPU"
-    if cfg.qk_norm or cfg.sandwich_norms or model.local_layers or cfg.hidden_act != "silu" or cfg.kv_lora_rank:
-        return f"{cfg.model_type}'s layers (query/key norms, sandwich norms, local layers or GELU) run per op"
+    if cfg.kv_lora_rank or cfg.hidden_act not in ("silu", "gelu_tanh"):
+        return f"{cfg.model_type}'s layers (latent attention, or a {cfg.hidden_act} gate) run per op"
+    if any(t.dtype != torch.float32 for t in model.parameters()):
+        return "a norm weight is not float32"
     linears = [model.lm_head] + [m for layer in model.layers for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w13, layer.mlp.w2)]
     if not all(isinstance(m, QuantizedLinear) for m in linears):
         return "a linear layer is not quantized"
@@ -126,29 +131,34 @@ class ForwardPlan:
     """The pointers of one model's weights, laid out as forward_plan.c reads them, and the tensors
     they point into (held, so they live as long as the plan)."""
 
-    def __init__(self, model, rope: RopeTable):
+    def __init__(self, model, rope: RopeTable, local_rope: RopeTable | None = None):
         cfg = model.cfg
-        self.model, self.rope = model, rope
+        self.model, self.rope, self.local_rope = model, rope, local_rope
         self._keep: list = []
         layers = (_PlanLayer * cfg.num_layers)()
         for i, block in enumerate(model.layers):
             attn, mlp = block.attn, block.mlp
             weights = [_weight(m) for m in (attn.wqkv, attn.wo, mlp.w13, mlp.w2)]
+            norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [None, None]
+            norms += [block.attn_out_norm.weight, block.mlp_out_norm.weight] if block.sandwich else [None, None]
             self._keep += [w for _, w in weights] + [block.attn_norm.weight, block.mlp_norm.weight, attn.wqkv.bias, attn.wo.bias]
+            self._keep += norms
             layers[i] = _PlanLayer(_ptr(block.attn_norm.weight), _ptr(block.mlp_norm.weight), _ptr(attn.wqkv.bias),
-                                   _ptr(attn.wo.bias), *(c for c, _ in weights))
+                                   _ptr(attn.wo.bias), *(_ptr(t) for t in norms), int(i in model.local_layers),
+                                   *(c for c, _ in weights))
         lm_head, lm_weight = _weight(model.lm_head)
         self._keep += [lm_weight, model.embed.weight, model.norm.weight, layers]
         scale = cfg.embed_scale
         self.plan = _Plan(lm_weight.isa, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size, cfg.vocab_size, cfg.rms_norm_eps, 0.0 if scale is None else scale,
-                          cfg.head_dim ** -0.5, _ptr(model.embed.weight), _ptr(model.norm.weight), None, None, 0, lm_head,
+                          cfg.head_dim ** -0.5, int(cfg.hidden_act == "gelu_tanh"), _ptr(model.embed.weight),
+                          _ptr(model.norm.weight), None, None, 0, None, None, 0, lm_head,
                           ctypes.cast(layers, POINTER(_PlanLayer)), None, 0)
         self._library = kernels.native()
 
     @classmethod
-    def of(cls, model, rope: RopeTable) -> "ForwardPlan | None":
-        return None if unsupported_reason(model) is not None else cls(model, rope)
+    def of(cls, model, rope: RopeTable, local_rope: RopeTable | None = None) -> "ForwardPlan | None":
+        return None if unsupported_reason(model) is not None else cls(model, rope, local_rope)
 
     def __del__(self):
         library = getattr(self, "_library", None)
@@ -181,9 +191,15 @@ class ForwardPlan:
         self.rope.cover(int(positions.max()) + 1)
         self.plan.rope_cos, self.plan.rope_sin = _ptr(self.rope.cos), _ptr(self.rope.sin)
         self.plan.rope_positions = self.rope.cos.shape[0]
-        mask = batch.attn_mask[:, 0]
-        if not mask.is_contiguous():
-            mask = mask.contiguous()
+        mask = batch.attn_mask[:, 0].contiguous()
+        local_mask = None
+        if self.local_rope is not None:  # Gemma 3's sliding-window layers: their own window and RoPE base
+            from specdec.engine.models.llama import windowed
+
+            self.local_rope.cover(int(positions.max()) + 1)
+            self.plan.local_cos, self.plan.local_sin = _ptr(self.local_rope.cos), _ptr(self.local_rope.sin)
+            self.plan.local_positions = self.local_rope.cos.shape[0]
+            local_mask = windowed(batch, cfg.local_window).attn_mask[:, 0].contiguous()
         ends = counts.cumsum(0)
         width = max(logits_rows, default=0)
         wanted = [t for b, k in enumerate(logits_rows) for t in range(int(ends[b]) - k, int(ends[b]))]
@@ -193,7 +209,8 @@ class ForwardPlan:
         hidden = torch.empty(T, len(tap_layers) * cfg.hidden_size, dtype=torch.float32) if len(tap_layers) else None
         k, v = cache.k, cache.v
         step = _Step(T, B, N, mask.shape[-1], _ptr(tokens), _ptr(positions), _ptr(slots), _ptr(columns), _ptr(token_of),
-                     _ptr(counts), _ptr(batch.slots), _ptr(mask), _ptr(k), _ptr(v), k.stride(0), k.stride(1), k.stride(2),
+                     _ptr(counts), _ptr(batch.slots), _ptr(mask), _ptr(local_mask), _ptr(k), _ptr(v), k.stride(0), k.stride(1),
+                     k.stride(2),
                      k.stride(3), len(wanted), _ptr(logits_token), _ptr(logits), len(tap_layers), _ptr(taps), _ptr(hidden))
         status = self._library.forward_plan_run(ctypes.byref(self.plan), ctypes.byref(step), torch.get_num_threads())
         if status != 0:
