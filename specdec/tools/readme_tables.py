@@ -67,7 +67,6 @@ def provenance(path: str) -> tuple[str, str, str]:
 INT8_DEFAULT = "the int8 weight default (float32 weights then)"
 INT8_KERNELS = "the row-invariant int8 kernels (issue 59; PyTorch's int8 kernels then)"
 HISTORY = {
-    "results/bench/matrix-greedy/summary.json": (INT8_KERNELS, "make bench-matrix"),
     "results/identity/int8.json": (INT8_KERNELS, "make greedy-margin"),
     "results/identity/gguf.json": (INT8_KERNELS, "make greedy-margin"),
     "results/gemma/c1/summary.json": (INT8_KERNELS, "make bench-gemma"),
