@@ -7,15 +7,21 @@ grammar masks, the planner, stop handling, seeds, the scheduler's failure path, 
 the weight formats, the OpenAI front end, the Triton models), and names the `make test` tests
 that should catch it. This tool applies them one at a time and runs those tests (`-m "not
 slow"`, so a kill is a kill by `make test`), then writes results/mutants.json: per mutant its
-outcome and seconds, the SHA-256 of its definition and of the file it mutated, the totals and
-the score. tests/project/test_mutants.py checks in `make test` that the record holds a result
+outcome and seconds, the SHA-256 of its definition, of the file it mutated and of what its tests
+load (the test files it names, their conftest.py files, tests/support's Python, and for a C mutant
+the kernels' headers), the totals, the score, and the machine (CPU model, kernel path). A result
+whose file or tests changed since is stale (`record_status`); `--stale` reruns only those. tests/project/test_mutants.py checks in `make test` that the record holds a result
 for every mutant listed today, and the README's score is rendered from it with the number of
 mutated files changed since, so a stale record shows itself.
 
 Outcomes:
-  killed    its tests failed with the mutant in place;
-  timeout   they ran past the limit, where unmutated they passed within a quarter of it: the
-            mutant made them hang, so it counts as killed (recorded apart);
+  killed    a test it names FAILED with the mutant in place (a setup or teardown ERROR, a fixture
+            whose server never came up, is not a kill: it is an error);
+  timeout   they ran past the limit, where unmutated they passed within less than half of it
+            (a quarter, by TIMEOUT_FACTOR): the mutant made them hang, so it counts as killed
+            (recorded apart);
+  not run   the mutated file is one ISA's path (AVX2, AVX-512 VNNI, AMX) and this CPU has not got
+            it: nothing was learnt, and it is not in the score;
   survived  they passed: a bug the suite does not see;
   error     nothing was learnt: the `old` snippet no longer occurs exactly once (the code
             moved on, the list must follow), a C mutant does not compile, the tests select
@@ -58,7 +64,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LIST = REPO_ROOT / "tests" / "support" / "mutants"  # a directory of *.toml, or one file
 DEFAULT_OUT = Path("results") / "mutants.json"
 
-KILLED, TIMEOUT, SURVIVED, ERROR = "killed", "timeout", "survived", "error"
+KILLED, TIMEOUT, SURVIVED, ERROR, NOT_RUN = "killed", "timeout", "survived", "error", "not run"
+# The files that are one ISA's path of the int8 kernels, and the path a CPU must run to execute them.
+ISA_FILES = {"specdec/engine/kernels/int8_linear_avx2.c": "avx2",
+             "specdec/engine/kernels/int8_linear_avx512.c": "avx512_vnni",
+             "specdec/engine/kernels/int8_linear_amx.c": "amx"}
 # A mutant's tests may run this many times as long as they take unmutated (and at least
 # MIN_TIMEOUT_S) before the run counts as a hang the mutant caused.
 TIMEOUT_FACTOR = 4.0
@@ -108,6 +118,32 @@ class Mutant:
 
 def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def loaded_by_tests(mutant: Mutant, repo: Path = REPO_ROOT) -> list[Path]:
+    """What a mutant's verdict rests on besides the mutated file: the test files it names, the
+    conftest.py files above them (up to tests/), tests/support's Python, and for a C mutant the
+    kernels' headers."""
+    tests_root = repo / "tests"
+    files: set[Path] = set()
+    for test in mutant.tests:
+        path = repo / test.split("::", 1)[0]
+        files.add(path)
+        for folder in [path.parent, *path.parent.parents]:
+            if folder == tests_root.parent:
+                break
+            files.add(folder / "conftest.py")
+    files.update((tests_root / "support").rglob("*.py"))
+    if mutant.compiled:
+        files.update((repo / mutant.file).parent.glob("*.h"))
+    return sorted(f for f in files if f.is_file())
+
+
+def tests_digest(mutant: Mutant, repo: Path = REPO_ROOT) -> str:
+    digest = hashlib.sha256()
+    for path in loaded_by_tests(mutant, repo):
+        digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def list_files(path: Path) -> list[Path]:
@@ -182,6 +218,7 @@ class Result:
     detail: str
     digest: str  # Mutant.digest(): which definition this result belongs to
     file_sha256: str  # the unmutated file it was applied to
+    tests_sha256: str = ""  # tests_digest(): what its tests loaded ("" in records made before it was kept)
 
 
 def snapshot(repo: Path, dest: Path) -> None:
@@ -260,14 +297,24 @@ def first_failure(output: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def first_failed(output: str) -> str | None:
+    """pytest -q's first FAILED summary line (a test's assertion or its call raising), if any."""
+    return next((line[:300] for line in output.splitlines() if line.startswith("FAILED ") and _SUMMARY_LINE.match(line)), None)
+
+
 def classify(baseline: PytestRun, run: PytestRun, limit: float) -> tuple[str, str]:
     """(outcome, detail) of a mutant's run, given the same tests' unmutated run."""
     if run.timed_out:
+        if baseline.seconds >= limit / 2:  # too close to the limit unmutated to blame the mutant
+            return ERROR, f"ran past {limit:.0f}s, and unmutated they took {baseline.seconds:.0f}s: not a kill"
         return TIMEOUT, f"ran past {limit:.0f}s; unmutated they pass in {baseline.seconds:.0f}s"
     if run.returncode == 0:
         return SURVIVED, "its tests passed"
     if run.returncode == PYTEST_FAILED:
-        return KILLED, first_failure(run.output_tail)
+        failed = first_failed(run.output_tail)
+        if failed is None:  # only setup/teardown ERRORs: a fixture (a server that never came up), not an assertion
+            return ERROR, f"a setup or teardown error, not a kill: {first_failure(run.output_tail)}"
+        return KILLED, failed
     if run.returncode == PYTEST_COLLECTION_ERROR:
         return ERROR, f"its tests could not be collected (not a kill): {first_failure(run.output_tail)}"
     if run.returncode == PYTEST_NO_TESTS:
@@ -327,6 +374,9 @@ class Workers:
             self.free.put(copy)
 
     def mutant(self, mutant: Mutant, baseline: PytestRun) -> Result:
+        missing_isa = isa_missing(mutant)
+        if missing_isa is not None:
+            return self.result(mutant, NOT_RUN, f"this CPU does not run the {missing_isa} path")
         problem = baseline_error(baseline)
         if problem is not None:
             return self.result(mutant, ERROR, problem)
@@ -352,7 +402,23 @@ class Workers:
 
     def result(self, mutant: Mutant, outcome: str, detail: str, seconds: float = 0.0) -> Result:
         return Result(mutant.id, mutant.file, mutant.description, mutant.pytest_args(), outcome, seconds, detail,
-                      mutant.digest(), self.file_sha256.get(mutant.file, ""))
+                      mutant.digest(), self.file_sha256.get(mutant.file, ""), tests_digest(mutant, self.first))
+
+
+def cpu_paths() -> set[str]:
+    """The int8 kernel paths this CPU runs (the engine's own check), or none without the kernels."""
+    try:
+        from specdec.engine import kernels
+        from specdec.engine.kernels.int8 import ISA, isa_supported
+    except ImportError:
+        return set()
+    return {name for isa, name in ISA.NAMES.items() if kernels.available() and isa_supported(isa)}
+
+
+def isa_missing(mutant: Mutant) -> str | None:
+    """The ISA path a mutant's file is, when this CPU cannot run it (its mutant is then not run)."""
+    path = ISA_FILES.get(mutant.file)
+    return path if path is not None and path not in cpu_paths() else None
 
 
 def build_kernels(copy: Path) -> str | None:
@@ -393,7 +459,7 @@ def run_all(mutants: Sequence[Mutant], jobs: int, repo: Path = REPO_ROOT) -> tup
 
 # ---- report ---------------------------------------------------------------------------------
 def summary(results: Sequence[Result]) -> dict:
-    totals = {o: sum(r.outcome == o for r in results) for o in (KILLED, TIMEOUT, SURVIVED, ERROR)}
+    totals = {o: sum(r.outcome == o for r in results) for o in (KILLED, TIMEOUT, SURVIVED, ERROR, NOT_RUN)}
     scored = totals[KILLED] + totals[TIMEOUT] + totals[SURVIVED]
     score = (totals[KILLED] + totals[TIMEOUT]) / scored if scored else 0.0
     return {"mutants": len(results), **totals, "score": round(score, 4),
@@ -412,13 +478,21 @@ def tree_state() -> dict:
     return {"commit": git(REPO_ROOT, "rev-parse", "HEAD").strip(), "clean": not uncommitted, "uncommitted": uncommitted}
 
 
+def machine() -> str:
+    """The CPU the verdicts hold for (an ISA path's mutants run only where the CPU has it) and the kernel path."""
+    from specdec_client.envinfo import cpu_model, kernel_path
+
+    return (f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs, kernel path {kernel_path()} "
+            f"(runs: {', '.join(sorted(cpu_paths())) or 'none'}), Python {platform.python_version()}")
+
+
 def write_report(out: Path, command: str, results: Sequence[Result], baselines: dict, seconds: float, jobs: int,
                  tree: dict) -> dict:
     report = {
         "command": command,
         **tree,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": machine(),
         "pytest": f"python -m pytest {' '.join(PYTEST_ARGS)} <tests>",
         "jobs": jobs,
         "seconds": round(seconds, 1),
@@ -441,7 +515,8 @@ def update_report(path: Path, command: str, results: Sequence[Result], seconds: 
     merged = {r["id"]: r for r in report["mutants"]} | fresh
     report["mutants"] = [merged[i] for i in order if i in merged] + [r for i, r in merged.items() if i not in order]
     report["totals"] = summary([Result(**r) for r in report["mutants"]])
-    report.setdefault("updates", []).append({"command": command, **tree, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    report.setdefault("updates", []).append({"command": command, **tree, "machine": machine(),
+                                             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                              "seconds": round(seconds, 1), "mutants": sorted(fresh)})
     Path(path).write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -454,6 +529,7 @@ class RecordStatus:
     unlisted: list[str]  # results for mutants no longer listed
     changed_files: list[str]  # mutated files whose content differs from what the record ran on
     files: list[str]  # every file the record mutated
+    stale: list[str] = ()  # listed mutants whose file or tests changed since their result (or never hashed their tests)
 
 
 def record_status(record: dict, mutants: Sequence[Mutant], repo: Path = REPO_ROOT) -> RecordStatus:
@@ -463,7 +539,9 @@ def record_status(record: dict, mutants: Sequence[Mutant], repo: Path = REPO_ROO
     hashes = {r["file"]: r.get("file_sha256", "") for r in record["mutants"]}
     changed = [f for f, digest in sorted(hashes.items())
                if not (repo / f).is_file() or file_digest(repo / f) != digest]
-    return RecordStatus(missing, sorted(set(recorded) - listed), changed, sorted(hashes))
+    stale = [m.id for m in mutants if m.id in recorded and m.id not in missing and (
+             m.file in changed or recorded[m.id].get("tests_sha256") != tests_digest(m, repo))]
+    return RecordStatus(missing, sorted(set(recorded) - listed), changed, sorted(hashes), stale)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,12 +555,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="rerun only the --only mutants and replace their results in RECORD (a listed mutant edited "
                         "since the record, or a test added for a survivor); the record keeps its tree and adds this "
                         "run's under 'updates'")
+    p.add_argument("--stale", type=Path, metavar="RECORD",
+                   help="rerun only the mutants RECORD has no result for, or whose file or tests changed since their "
+                        "result, and replace their results in it (what keeps the record true in minutes)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
     if args.update and not args.only:
         p.error("--update needs --only: the mutants whose results it replaces")
     mutants = load_mutants(args.list)
+    if args.stale:
+        status = record_status(json.loads(args.stale.read_text()), mutants)
+        args.only, args.update = [*status.missing, *status.stale], args.stale
+        print(f"{len(status.missing)} without a result, {len(status.stale)} stale: {' '.join(args.only) or 'none'}")
+        if not args.only:
+            return 0
     if args.only:
         unknown = set(args.only) - {m.id for m in mutants}
         if unknown:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.tools.mutants import (DEFAULT_LIST, DEFAULT_OUT, ERROR, KILLED, REPO_ROOT, SURVIVED, TIMEOUT, MutantListError,
+from specdec.tools.mutants import (DEFAULT_LIST, DEFAULT_OUT, ERROR, KILLED, NOT_RUN, REPO_ROOT, SURVIVED, TIMEOUT, MutantListError,
                                    PytestRun, Result, baseline_error, classify, load_mutants, mutated, record_status, summary)
 
 MUTANTS = load_mutants(DEFAULT_LIST)
@@ -82,11 +82,19 @@ def test_verdicts():
     assert classify(passed, PytestRun(0, 10.0, ""), 60)[0] == SURVIVED
     assert classify(passed, PytestRun(None, 60.0, ""), 60)[0] == TIMEOUT  # hung: counted as killed
     assert classify(passed, PytestRun(5, 1.0, ""), 60)[0] == ERROR  # its tests select nothing
+    # a fixture's error (a server that never came up) is no kill: only a FAILED test is
+    fixture = "ERROR tests/server/test_a.py::t - TimeoutError: not ready"
+    assert classify(passed, PytestRun(1, 300.0, fixture), 600)[0] == ERROR
+    assert classify(passed, PytestRun(1, 300.0, fixture + "\nFAILED tests/server/test_a.py::u - x"), 600)[0] == KILLED
+    # a hang counts only when the unmutated run took less than half the limit
+    assert classify(PytestRun(0, 40.0, ""), PytestRun(None, 60.0, ""), 60)[0] == ERROR
     assert baseline_error(passed) is None
     assert "fail unmutated: FAILED tests/test_a.py::t" in baseline_error(PytestRun(1, 3.0, "ERROR    log: x\nFAILED tests/test_a.py::t"))
-    results = [Result(str(n), "f", "d", [], outcome, 1.0, "", "", "") for n, outcome in enumerate([KILLED, TIMEOUT, SURVIVED, ERROR])]
+    results = [Result(str(n), "f", "d", [], outcome, 1.0, "", "", "")
+               for n, outcome in enumerate([KILLED, TIMEOUT, SURVIVED, ERROR, NOT_RUN])]
     totals = summary(results)
     assert totals["score"] == round(2 / 3, 4) and totals["survivors"] == ["2"] and totals["errors"] == ["3"]
+    assert totals[NOT_RUN] == 1  # an ISA this CPU lacks: neither killed nor in the score
 
 
 def test_the_record_shows_a_changed_file_and_a_changed_definition(tmp_path: Path):
@@ -105,6 +113,37 @@ def test_the_record_shows_a_changed_file_and_a_changed_definition(tmp_path: Path
     assert record_status(record, [mutant], repo=tmp_path).changed_files == ["m.py"]
     listed.write_text(listed.read_text().replace("new = '2'", "new = '3'"))
     assert record_status(record, load_mutants(listed), repo=tmp_path).missing == ["a"]
+
+
+def test_a_result_goes_stale_when_its_tests_or_their_support_change(tmp_path: Path):
+    """The record's hash covers what a mutant's tests load, not only the mutated file: a test it
+    names, a conftest.py above it or tests/support changed since its result makes it stale."""
+    from specdec.tools.mutants import file_digest, tests_digest
+
+    (tmp_path / "tests" / "engine").mkdir(parents=True)
+    (tmp_path / "tests" / "support").mkdir()
+    source, test = tmp_path / "m.py", tmp_path / "tests" / "engine" / "test_m.py"
+    source.write_text("x = 1\n")
+    test.write_text("def test_m(): assert True\n")
+    (tmp_path / "tests" / "conftest.py").write_text("# shared fixtures\n")
+    (tmp_path / "tests" / "support" / "helper.py").write_text("h = 1\n")
+    listed = tmp_path / "list.toml"
+    listed.write_text("[[mutant]]\nid = 'a'\nfile = 'm.py'\nold = '1'\nnew = '2'\ndescription = 'd'\n"
+                      "tests = ['tests/engine/test_m.py::test_m']\n")
+    mutant, = load_mutants(listed)
+    record = {"mutants": [{"id": "a", "file": "m.py", "digest": mutant.digest(), "file_sha256": file_digest(source),
+                           "tests_sha256": tests_digest(mutant, tmp_path)}]}
+    assert record_status(record, [mutant], repo=tmp_path).stale == []
+    for changed in (test, tmp_path / "tests" / "conftest.py", tmp_path / "tests" / "support" / "helper.py"):
+        saved = changed.read_text()
+        changed.write_text(saved + "# edited\n")
+        assert record_status(record, [mutant], repo=tmp_path).stale == ["a"], changed
+        changed.write_text(saved)
+    source.write_text("x = 1  # edited\n")
+    assert record_status(record, [mutant], repo=tmp_path).stale == ["a"]
+    del record["mutants"][0]["tests_sha256"]  # a result from before the tests were hashed
+    source.write_text("x = 1\n")
+    assert record_status(record, [mutant], repo=tmp_path).stale == ["a"]
 
 
 def test_an_update_replaces_only_its_mutants_and_recomputes_the_totals(tmp_path: Path):
