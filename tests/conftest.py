@@ -86,6 +86,19 @@ def pbtxt_tensors(config, section: str) -> dict[str, tuple]:
     return {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims), optional(t)) for t in getattr(config, section)}
 
 
+def ancestor_mask(parents: list[int]):
+    """A draft tree's [n, n] ancestor-or-self mask from each node's parent (-1: the root's child)."""
+    import torch
+
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for j, p in enumerate(parents):
+        mask[j, j] = True
+        while p >= 0:
+            mask[j, p] = True
+            p = parents[p]
+    return mask
+
+
 def save_tiny_hf(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random tiny HF checkpoint (config.json + safetensors) with transformers."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,

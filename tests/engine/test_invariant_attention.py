@@ -92,13 +92,9 @@ def quantized_target(request, tmp_path_factory):
 
 
 def _tree(parents: list[int]) -> torch.Tensor:
-    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-    for j, p in enumerate(parents):
-        mask[j, j] = True
-        while p >= 0:
-            mask[j, p] = True
-            p = parents[p]
-    return mask
+    from conftest import ancestor_mask
+
+    return ancestor_mask(parents)
 
 
 def _prefilled(model, cache, tokens: list[int]) -> int:

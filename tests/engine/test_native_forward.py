@@ -56,13 +56,9 @@ def model(request, tmp_path_factory):
 
 
 def _tree(parents: list[int]) -> torch.Tensor:
-    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-    for j, p in enumerate(parents):
-        mask[j, j] = True
-        while p >= 0:
-            mask[j, p] = True
-            p = parents[p]
-    return mask
+    from conftest import ancestor_mask
+
+    return ancestor_mask(parents)
 
 
 def _steps(model, native: bool) -> list[torch.Tensor]:
