@@ -456,6 +456,9 @@ def mutation_score() -> Table:
     header = ["mutants", "killed", "killed by timeout", "survived", "errors", "score", "survivors",
               "mutated files changed since the record", "code mutated"]
     markdown = table(header, rows)
+    markdown += (f"\n\nResults stale (their file or what their tests load changed since, or recorded before the tests "
+                 f"were hashed): {len(status.stale)} of {totals['mutants']}; `python -m specdec.tools.mutants --stale "
+                 f"{path}` reruns them.")
     for update in record.get("updates", []):
         markdown += (f"\n\nRerun since (`--update`): {', '.join(f'`{m}`' for m in update['mutants'])} at commit "
                      f"{update['commit'][:7]}{'' if update.get('clean') else ' with local changes'}, {update['date'][:10]}.")
