@@ -170,13 +170,21 @@ def test_a_quantized_targets_logits_are_the_same_bits_however_a_token_is_compute
     assert _how_a_token_is_computed_changes_its_bits(quantized_target) == []
 
 
-def test_the_same_checks_catch_a_forward_that_is_not_invariant(quantized_target):
-    """Negative control: the same weights with PyTorch's SDPA for attention (and its norms)."""
+IDENTITY_CASES = ("chain", "tree beside another sequence", "16 sequences of 17 rows and a prompt chunk",
+                  "chunked prefill / cached prefix")
+
+
+@pytest.mark.parametrize("case", IDENTITY_CASES)
+def test_the_same_checks_catch_a_forward_that_is_not_invariant(quantized_target, case):
+    """Negative control, one identity case at a time: the same weights with PyTorch's SDPA for
+    attention (and its norms) break each of them, so each check above can fail."""
     quantized_target.batch_invariant = False
     try:
-        assert _how_a_token_is_computed_changes_its_bits(quantized_target) != []
+        broken = _how_a_token_is_computed_changes_its_bits(quantized_target)
     finally:
         quantized_target.batch_invariant = True
+    assert set(broken) <= set(IDENTITY_CASES)
+    assert case in broken, f"under SDPA the {case!r} case kept its bits: that check cannot fail"
 
 
 @pytest.mark.parametrize("weight_format", ["int8", "gguf"])  # int8: the served default
