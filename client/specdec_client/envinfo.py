@@ -150,7 +150,7 @@ def kernel_path() -> str:
 
 def thread_settings() -> dict[str, Any]:
     """The thread settings a measurement ran under: the environment's and, with torch loaded, its team."""
-    out: dict[str, Any] = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "SPECDEC_THREADS")}
+    out: dict[str, Any] = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.get_num_threads()

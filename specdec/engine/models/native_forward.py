@@ -183,10 +183,10 @@ class ForwardPlan:
         tokens, positions, columns = pick(batch.tokens), pick(batch.positions), pick(batch.write_index)
         slots = pick(batch.slots[:, None].expand(B, N))
         T = tokens.shape[0]
-        token_of = torch.full((B * N,), -1, dtype=torch.int32)
         if index is None:
             token_of = torch.arange(B * N, dtype=torch.int32)
         else:
+            token_of = torch.full((B * N,), -1, dtype=torch.int32)
             token_of[index] = torch.arange(T, dtype=torch.int32)
         self.rope.cover(int(positions.max()) + 1)
         self.plan.rope_cos, self.plan.rope_sin = _ptr(self.rope.cos), _ptr(self.rope.sin)
