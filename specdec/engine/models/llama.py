@@ -215,10 +215,7 @@ class Attention(nn.Module):
         else:
             k_cache[batch.slots[:, None], :, batch.write_index] = k.transpose(1, 2)
             v_cache[batch.slots[:, None], :, batch.write_index] = v.transpose(1, 2)
-        if step.invariant:
-            out = invariant_attention(q, *self._context(batch, cache, C), batch.attn_mask[:, 0])
-        else:
-            out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, *self._context(batch, cache, C), attn_mask=step.mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(B, N, self.n_heads * self.hd))
 
     def _invariant(self, qkv: Tensor, step: "Step", cache: KVCache) -> Tensor:
@@ -268,11 +265,6 @@ class Attention(nn.Module):
         v_cache[packing.token_slot, :, packing.token_position] = v
         if packing.split is not None:
             return self._split(q, step, cache)
-        if step.invariant:  # every row through the one kernel, on the columns it may attend to
-            B, N = batch.tokens.shape
-            rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
-            out = invariant_attention(rows, *self._context(batch, cache, packing.context), batch.attn_mask[:, 0])
-            return packing.pack(out.transpose(1, 2).reshape(B, N, h * hd))
         if not batch.fresh_prompts:
             B, N = batch.tokens.shape
             rows = packing.unpack(q.reshape(-1, h * hd)).view(B, N, h, hd).transpose(1, 2)  # [B, h, N, hd]
