@@ -460,7 +460,9 @@ def mutation_score() -> Table:
                  f"were hashed): {len(status.stale)} of {totals['mutants']}; `python -m specdec.tools.mutants --stale "
                  f"{path}` reruns them.")
     for update in record.get("updates", []):
-        markdown += (f"\n\nRerun since (`--update`): {', '.join(f'`{m}`' for m in update['mutants'])} at commit "
+        ids = update["mutants"]
+        named = ", ".join(f"`{m}`" for m in ids) if len(ids) <= 6 else f"{len(ids)} mutants (their ids in the record)"
+        markdown += (f"\n\nRerun since (`--update`): {named} at commit "
                      f"{update['commit'][:7]}{'' if update.get('clean') else ' with local changes'}, {update['date'][:10]}.")
     return Table(markdown, [path])
 
