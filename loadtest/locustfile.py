@@ -48,6 +48,7 @@ from specdec_client import GenerateRequest, SpecDecClient  # noqa: E402
 from specdec_client import datasets as D  # noqa: E402
 from specdec_client import metrics as M  # noqa: E402
 from specdec_client.errors import SpecDecClientError  # noqa: E402
+import specdec_wire as P  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener
@@ -153,6 +154,7 @@ class SpecDecUser(User):
             guide_type=prompt.guide_type, guide=prompt.guide,  # structured prompts (JSONL guide fields)
             cache_salt=uuid.uuid4().hex if salt == "unique" else salt,
             apply_chat_template=None if text is None else False,
+            perf_outputs=(P.OUTPUT_TOKENS, P.VERIFICATION_STEPS),  # all send() reads
         )
 
     @task
@@ -183,8 +185,8 @@ class SpecDecUser(User):
             error = exc
         if error is None and D.structured_valid(prompt, "".join(texts)) is False:
             error = StructuredOutputError(f"the output does not satisfy its {prompt.guide_type} guide")
-        trace = M.Trace(send, chunks, time.perf_counter(), int(perf.get("output_tokens", len(chunks))),
-                        int(perf.get("verification_steps", 0)))
+        trace = M.Trace(send, chunks, time.perf_counter(), int(perf.get(P.OUTPUT_TOKENS, len(chunks))),
+                        int(perf.get(P.VERIFICATION_STEPS, 0)))
         self.fire(trace, error)
         if error is None and turn is not None and trace.chunks:
             self.environment.stats.get(f"{self.mode} turn {turn + 1}", "TTFT").log(M.ttft(trace) * 1000, 0)

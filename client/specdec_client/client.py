@@ -84,6 +84,9 @@ class GenerateRequest:
     method: str | None = None  # None = the server's default method
     num_draft_tokens: int | None = None  # 0 = plain decoding (the matched baseline)
     return_perf_metrics: bool = True
+    # The perf outputs the caller reads (None: all of PERF_FIELDS); each one named is one more
+    # tensor built, sent and parsed per streamed response.
+    perf_outputs: tuple[str, ...] | None = None
     ignore_eos: bool | None = None
     apply_chat_template: bool | None = None
     # TensorRT-LLM's logits rules (None / empty = off)
@@ -155,21 +158,59 @@ def grpc_inputs(module, fields: dict[str, Any]) -> list:
     return inputs
 
 
-def _text_of(result, name: str = P.TEXT_OUTPUT) -> str:
-    array = result.as_numpy(name)
+def requested_outputs(model: str, request: GenerateRequest) -> list[str] | None:
+    """The outputs this client reads from `model`'s responses, named in the request so the
+    server builds and sends no others (a response of every output is about ten tensors, each
+    allocated, copied and serialized per streamed token); None for a model whose contract is
+    not ours (a stock TensorRT-LLM ensemble): every output, as before."""
+    if model not in P.MODELS:
+        return None
+    offered = P.MODELS[model][1]
+    names = [P.TEXT_OUTPUT, P.FINISH_REASON, P.OUTPUT_IDS]
+    if request.return_perf_metrics:
+        names += PERF_FIELDS if request.perf_outputs is None else request.perf_outputs
+    if request.return_log_probs or request.top_logprobs:
+        names += [P.OUTPUT_LOG_PROBS, P.TOP_LOG_PROB_IDS, P.TOP_LOG_PROBS]
+    return [name for name in dict.fromkeys(names) if name in offered]
+
+
+def _requested(module, model: str, request: GenerateRequest, stock: bool) -> list | None:
+    """tritonclient's requested outputs; none named for a stock ensemble (its inputs reshaped
+    by shape_fields), which lacks some of ours."""
+    names = None if stock else requested_outputs(model, request)
+    return None if names is None else [module.InferRequestedOutput(name) for name in names]
+
+
+def outputs_of(result) -> dict[str, np.ndarray]:
+    """Every output a gRPC response carries, decoded in one pass (tritonclient's as_numpy scans
+    the outputs per name: a dozen scans a streamed token for the names a chunk may hold)."""
+    from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
+
+    response = result.get_response()
+    raw = response.raw_output_contents
+    out = {}
+    for index, output in enumerate(response.outputs):
+        if index < len(raw):
+            array = deserialize_bytes_tensor(raw[index]) if output.datatype == "BYTES" \
+                else np.frombuffer(raw[index], dtype=triton_to_np_dtype(output.datatype))
+        elif output.contents.bytes_contents:
+            array = np.array(output.contents.bytes_contents)
+        else:
+            array = np.empty(0, dtype=triton_to_np_dtype(output.datatype))
+        out[output.name] = array.reshape(list(output.shape))
+    return out
+
+
+def _text_of(outputs: dict[str, np.ndarray], name: str = P.TEXT_OUTPUT) -> str:
+    array = outputs.get(name)
     if array is None or array.size == 0:
         return ""
     value = array.reshape(-1)[0]
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _perf_of(result) -> dict[str, float]:
-    perf = {}
-    for name in PERF_FIELDS:
-        array = result.as_numpy(name)
-        if array is not None and array.size:
-            perf[name] = float(array.reshape(-1)[0])
-    return perf
+def _perf_of(outputs: dict[str, np.ndarray]) -> dict[str, float]:
+    return {name: float(outputs[name].reshape(-1)[0]) for name in PERF_FIELDS if name in outputs and outputs[name].size}
 
 
 def _is_final(result) -> bool:
@@ -177,17 +218,10 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
-def _array_of(result, name: str) -> list:
+def _array_of(outputs: dict[str, np.ndarray], name: str) -> list:
     """An output as a flat list ([] from a model without it, e.g. the ensemble's output_ids)."""
-    try:
-        array = result.as_numpy(name)
-    except Exception:  # noqa: BLE001 - a model without the output
-        return []
+    array = outputs.get(name)
     return [] if array is None else array.reshape(-1).tolist()
-
-
-def _ids_of(result) -> list[int]:
-    return [int(t) for t in _array_of(result, P.OUTPUT_IDS)]
 
 
 def log_probs_of(ids: list[int], values: list, top_ids: list, top_values: list) -> tuple[list[float], list[list[tuple[int, float]]]]:
@@ -201,9 +235,11 @@ def log_probs_of(ids: list[int], values: list, top_ids: list, top_values: list) 
 
 def _chunk_of(result, arrived: float) -> tuple[Chunk | None, bool]:
     """(the chunk a gRPC stream response carries, or None for an empty one; is it the last)."""
-    text, perf, ids, reason = _text_of(result), _perf_of(result), _ids_of(result), _text_of(result, P.FINISH_REASON) or None
-    log_probs, top = log_probs_of(ids, _array_of(result, P.OUTPUT_LOG_PROBS), _array_of(result, P.TOP_LOG_PROB_IDS),
-                                  _array_of(result, P.TOP_LOG_PROBS))
+    outputs = outputs_of(result)
+    ids = [int(t) for t in _array_of(outputs, P.OUTPUT_IDS)]
+    text, perf, reason = _text_of(outputs), _perf_of(outputs), _text_of(outputs, P.FINISH_REASON) or None
+    log_probs, top = log_probs_of(ids, _array_of(outputs, P.OUTPUT_LOG_PROBS), _array_of(outputs, P.TOP_LOG_PROB_IDS),
+                                  _array_of(outputs, P.TOP_LOG_PROBS))
     chunk = Chunk(text, arrived, perf, ids, reason, log_probs, top) if text or perf or ids or reason else None
     return chunk, _is_final(result)
 
@@ -319,7 +355,7 @@ class SpecDecClient:
                 raise RequestTimeoutError(f"no answer to the promotion within {self.timeout_s} s") from None
             if error is not None:
                 raise _grpc_error(error)
-            return _text_of(result)
+            return _text_of(outputs_of(result))
         except (ClientConnectionError, ServerError, RequestTimeoutError):
             raise
         except Exception as exc:  # noqa: BLE001 - normalised into our exception types
@@ -377,6 +413,7 @@ class SpecDecClient:
             client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())),
                                 stream_timeout=self.timeout_s)
             client.async_stream_infer(self.model, grpc_inputs(grpcclient, request.fields(stream)),
+                                      outputs=_requested(grpcclient, self.model, request, self._shape_fields is not None),
                                       enable_empty_final_response=True)
             while True:
                 try:
@@ -529,7 +566,9 @@ class AsyncSpecDecClient:
         fields = self._fields(request, stream)
 
         async def requests():
-            yield {"model_name": self.model, "inputs": grpc_inputs(grpcclient, fields), "enable_empty_final_response": True}
+            yield {"model_name": self.model, "inputs": grpc_inputs(grpcclient, fields),
+                   "outputs": _requested(grpcclient, self.model, request, self._shape_fields is not None),
+                   "enable_empty_final_response": True}
 
         finished = False
         responses = None

@@ -62,7 +62,8 @@ def through_triton(endpoints, texts: list[str], method: str, k: int, max_tokens:
                 except queue.Empty:
                     return
                 gen = client.generate(GenerateRequest(text, max_tokens=max_tokens, method=method, num_draft_tokens=k,
-                                                      ignore_eos=True), stream=stream)
+                                                      ignore_eos=True, perf_outputs=(P.OUTPUT_TOKENS, P.VERIFICATION_STEPS)),
+                                      stream=stream)
                 with lock:
                     results.append(gen)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from torch import Tensor
 
@@ -36,6 +36,24 @@ class LoopUpdate:
     step_seconds: float = 0.0  # wall time of the step as the loop saw it (calls included)
     log_probs: TokenLogProbs | None = None  # of token_ids, when the request asked for them
     error: str | None = None  # the sequence ended with this error after token_ids (the verifier's message)
+
+
+async def coalesced(updates: AsyncIterator[LoopUpdate], ready: Callable[[], bool]) -> AsyncIterator[list[LoopUpdate]]:
+    """A sequence's updates in runs, each heard as one response: the rounds already waiting
+    (`ready`) when one arrives go with it, so a response path that fell behind the scheduler
+    catches up with one send instead of one per round. The last round ends its run; an error
+    comes after the run it interrupted."""
+    held: list[LoopUpdate] = []
+    try:
+        async for update in updates:
+            held.append(update)
+            if update.finished or not ready():
+                run, held = held, []
+                yield run
+    except Exception:
+        if held:
+            yield held
+        raise
 
 
 class LoopBackend(ABC):

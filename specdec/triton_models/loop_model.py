@@ -32,7 +32,7 @@ from specdec.triton_models import contract as C
 from specdec.serving.spec_engine import StepOutput, eos_ids_of_config
 from specdec.errors import CapacityError, SpecDecError
 from specdec.serving.engine_loop import name_os_thread
-from specdec.serving.loop import LoopUpdate
+from specdec.serving.loop import LoopUpdate, coalesced
 from specdec.serving.request import TokenRules, parse_request, served_offer
 from specdec.engine.models.loading import read_model_config
 from specdec.config import resolve_model_dir
@@ -148,12 +148,17 @@ class LocalStream:
 
     def __init__(self, verifier: Verifier, post: RoundPost, req: RequestState):
         self.verifier, self.post, self.req = verifier, post, req
+        self.sink: QueueSink | None = None
+
+    def ready(self) -> bool:
+        """Another round is already here (the scheduler ran ahead of the responses)."""
+        return self.sink is not None and not self.sink.queue.empty()
 
     async def updates(self, is_cancelled: Callable[[], bool]) -> AsyncIterator[LoopUpdate]:
         """The sequence's updates until it finishes; a client gone (asked at most every POLL_S,
         a round trip to the server each) stops it, and the stream ends `cancelled`."""
         req, loop = self.req, asyncio.get_running_loop()
-        sink = QueueSink(self.post, lambda: self.verifier.batch_sequences)
+        sink = self.sink = QueueSink(self.post, lambda: self.verifier.batch_sequences)
         self.verifier.scheduler.submit(req.request_id, req.prompt_ids, req.params, req.method, req.num_draft_tokens, sink,
                                        validated=True)
         stopping, asked, last = False, time.monotonic(), time.perf_counter()
@@ -209,6 +214,11 @@ class VerifierStream:
         wanted = [P.OUTPUT_LOG_PROBS] if req.params.wants_log_probs else []
         wanted += [P.TOP_LOG_PROB_IDS, P.TOP_LOG_PROBS] if req.params.top_logprobs else []
         self.outputs = VERIFIER_OUT + wanted
+
+    @staticmethod
+    def ready() -> bool:
+        """Rounds come one BLS response at a time: none is known to wait."""
+        return False
 
     def _request(self, inputs, outputs, correlation_id: int | None = None):
         inputs = {**inputs, C.INTERNAL_KEY: self.key}
@@ -428,24 +438,29 @@ class TritonPythonModel:
         verifier = (LocalStream(self.verifier, self._post, req) if self.verifier is not None
                     else VerifierStream(int(req.request_id), self.key, req, rounds=stream))
         finished = False
+        # A counted stream hears held-back steps too, so its num_output_tokens add up.
+        carries_ids = self.streams_ids or parsed.return_num_output_tokens
         try:
             updates = verifier.updates(request.is_cancelled)
+            runs = coalesced(updates, verifier.ready)
             try:
-                async for update in updates:
-                    self._record(req.method, update)
-                    pieces.append(update.text)
-                    if update.finished:  # counters are current before the client hears the end
-                        self.metrics.inc(P.REQUESTS_TOTAL, reason=update.finish_reason, method=req.method)
+                async for run in runs:
+                    for update in run:
+                        self._record(req.method, update)
+                        pieces.append(update.text)
+                    finished = run[-1].finished
+                    if finished:  # counters are current before the client hears the end
+                        self.metrics.inc(P.REQUESTS_TOTAL, reason=run[-1].finish_reason, method=req.method)
                         self.metrics.flush()
-                    # A counted stream hears held-back steps too, so its num_output_tokens add up.
-                    carries_ids = self.streams_ids or parsed.return_num_output_tokens
-                    finished = update.finished
-                    if stream and (update.text or update.finished or (carries_ids and update.token_ids)):
-                        response = self._response(request, req, update.text, update.token_ids, update.log_probs, parsed)
-                        if not send(sender, response, FINAL if update.finished else 0):
+                    text, ids = "".join(u.text for u in run), [t for u in run for t in u.token_ids]
+                    if stream and (text or finished or (carries_ids and ids)):
+                        log_probs = TokenLogProbs.joined([u.log_probs for u in run], [len(u.token_ids) for u in run],
+                                                         req.params.top_logprobs) if req.params.wants_log_probs else None
+                        if not send(sender, self._response(request, req, text, ids, log_probs, parsed), FINAL if finished else 0):
                             self.metrics.inc(P.REQUESTS_TOTAL, reason="disconnected", method=req.method)
                             return  # nobody is listening any more: stop generating (finally)
             finally:
+                await runs.aclose()
                 await updates.aclose()
                 if not finished:  # an error or a client gone: the verifier must not run on
                     await self._stop_quietly(verifier)

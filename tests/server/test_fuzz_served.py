@@ -49,7 +49,7 @@ from specdec.serving.runtime import encode_prompt
 from specdec_openai.frontend import Frontend, OpenAIError, Served, create_app, parse_job
 from specdec_client import GenerateRequest, SpecDecClient, server_metrics
 
-from fuzz_inputs import GRPC, NUMPY_OF, TOOLS, Limits, OpenAICase, TritonCase, forced_tool_call, waves
+from fuzz_inputs import GRPC, NUMPY_OF, TOOLS, Field, Limits, OpenAICase, TritonCase, forced_tool_call, waves
 from test_openai import BASE, api  # noqa: F401 - the front end on the session's server
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "0"))  # > 0: the long run (make fuzz)
@@ -73,6 +73,11 @@ CONTROLS = (
 INTERNAL_FAILURE = ("Traceback", "not healthy", "Stub process", "Internal Server Error")
 FINISHED = ("eos", "length", "stop")  # the loop's reasons for an answer that ran to its end
 DEFAULT_OPENAI_MAX_TOKENS = 256  # specdec_openai.frontend's, for a body without max_tokens
+# Every kind of answer check (Checker.counts' keys, by prefix) must have judged some answer in a
+# run, the short derandomized one included: a check whose answers never come checks nothing.
+CHECKS_THAT_MUST_FIRE = ("finish eos", "finish length", "finish stop", "stop strings", "text of ids", "prompt echo",
+                         "guide whole", "guide start", "guide json", "openai n=1", "openai n=2", "openai usage",
+                         "openai tokens (text re-encoded)", "tool call")
 
 
 @dataclass
@@ -609,6 +614,16 @@ class Checker:
                     if guide_type is None and not forced and tokens < (body.get("min_tokens") or 0):  # a guide's end overrides it
                         problems.append(f"finish_reason {reason} (the end token) after {tokens} tokens, before min_tokens")
             self._count("openai usage")
+        elif usage is None:  # a stream without include_usage: each text's tokens, counted by re-encoding it
+            for index, choice in choices.items():
+                if choice.tool_calls:  # the text is the parsed call's, not the tokens'
+                    continue
+                # Re-encoding gives BPE's canonical tokens, in practice no more than the generated
+                # ones; a character cut by max_tokens reads U+FFFD and is left out.
+                tokens = len(self.tokenizer.encode(choice.text.rstrip("\ufffd"), add_special_tokens=False))
+                if tokens > max_tokens:
+                    problems.append(f"choice {index}: {tokens} tokens (its text re-encoded), past max_tokens {max_tokens}")
+                self._count("openai tokens (text re-encoded)")
         return problems
 
 
@@ -786,6 +801,7 @@ def test_fuzz_through_the_server(triton_server, api, limits, smol_tokenizer):  #
     control.start()
     control.resume()
     try:
+        one_wave(fixed_wave())
         if FUZZ_SECONDS > 0:
             end = time.monotonic() + FUZZ_SECONDS
             while time.monotonic() < end:
@@ -798,6 +814,8 @@ def test_fuzz_through_the_server(triton_server, api, limits, smol_tokenizer):  #
         pool.shutdown()
     print(f"fuzz: {sum(tally.values())} requests {tally}; checked {checker.counts}; control runs "
           f"{[sum(1 for i, *_ in control.runs if i == k) for k in range(len(CONTROLS))]}")
+    silent = [check for check in CHECKS_THAT_MUST_FIRE if not any(k.startswith(check) for k in checker.counts)]
+    assert not silent, f"checks that never fired (their answers never came, or the check is dead): {silent}"
     assert not drained(triton_server), f"held after the fuzzing: {held(triton_server)}"
     assert triton_server.dead_stubs() == [] and ready(triton_server)
     assert not control.errors, control.errors
@@ -816,6 +834,65 @@ def _run(limits: Limits, check, examples: int, derandomize: bool) -> None:
         check(wave)
 
     fuzz()
+
+
+# ---- the checker's controls: a wrong answer of each kind is rejected ----------------------------------
+def _triton(stream: bool = True, **values) -> TritonCase:
+    """An ensemble request of these inputs (the checker reads only their values)."""
+    fields = {W.TEXT_INPUT: "Hi", W.MAX_TOKENS: 4, W.STREAM: stream, **values}
+    return TritonCase("ensemble", GRPC, tuple((name, Field("", (1,), tuple(v) if isinstance(v, tuple) else (v,)))
+                                              for name, v in fields.items()), ())
+
+
+def _openai(**body) -> OpenAICase:
+    route = "chat/completions" if "messages" in body else "completions"
+    return OpenAICase(route, json.dumps({"model": BASE, **body}).encode(), bool(body.get("stream")), ())
+
+
+WEATHER_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+CHAT = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": list(TOOLS), "max_tokens": 48}
+# (what is wrong, the request, the right answer, the wrong one, what the checker must say)
+WRONG_ANSWERS = {
+    "too many tokens": (_triton(), Output(text="one two", reason="length", tokens=4),
+                        Output(text="one two three", reason="length", tokens=6), "past max_tokens"),
+    "a stop string left in": (_triton(**{W.STOP_WORDS: ("END",)}), Output(text="one", reason="stop", tokens=2),
+                              Output(text="one END", reason="stop", tokens=2), "holds its stop string"),
+    "a finish reason its count denies": (_triton(), Output(text="one", reason="length", tokens=4),
+                                         Output(text="one", reason="length", tokens=2), "with room for 4"),
+    "an invalid guided output": (_triton(**{W.GUIDED_DECODING_GUIDE_TYPE: "json", W.MAX_TOKENS: 16}),
+                                 Output(text='{"a": 1}', reason="eos", tokens=5),
+                                 Output(text='{"a": 1', reason="eos", tokens=4), "guide"),
+    "the wrong choice count": (_openai(prompt="Hi", n=2, max_tokens=4),
+                               Output(choices={0: Choice("a", reasons=["stop"]), 1: Choice("b", reasons=["stop"])}),
+                               Output(choices={0: Choice("a", reasons=["stop"])}), "for n=2"),
+    "an unparseable tool call": (_openai(**CHAT), Output(choices={0: Choice(tool_calls=[WEATHER_CALL], reasons=["tool_calls"])}),
+                                 Output(choices={0: Choice(tool_calls=[{**WEATHER_CALL, "function": {
+                                     "name": "get_weather", "arguments": '{"city": "Os'}}], reasons=["tool_calls"])}),
+                                 "not JSON"),
+    "too many tokens in a stream without usage": (
+        _openai(prompt="Hi", max_tokens=3, stream=True), Output(choices={0: Choice("one two", reasons=["length"])}),
+        Output(choices={0: Choice(" ".join(["word"] * 12), reasons=["length"])}), "past max_tokens 3"),
+}
+
+
+def fixed_wave() -> list:
+    """Answers the drawn waves may not bring in a short run, so that every check judges some:
+    two choices, a forced tool call streamed and a parsed one not streamed."""
+    return [_openai(prompt="Name a colour.", n=2, max_tokens=8),
+            _openai(**CHAT, stream=True, tool_choice="required"),
+            _openai(**CHAT, tool_choice={"type": "function", "function": {"name": "add"}}),
+            _openai(prompt="Count to five.", max_tokens=6, stream=True, stream_options={"include_usage": True})]
+
+
+@pytest.mark.parametrize("kind", WRONG_ANSWERS)
+def test_the_checker_rejects_a_wrong_answer_of_each_kind(kind, smol_tokenizer):
+    """The fuzzer's validator given the right answer passes it, and given a wrong one of this
+    kind names what is wrong: a check that cannot fire would pass both."""
+    case, right, wrong, said = WRONG_ANSWERS[kind]
+    checker = Checker(smol_tokenizer)
+    assert checker.check(case, Answer("ok", out=right)) == []
+    problems = checker.check(case, Answer("ok", out=wrong))
+    assert any(said in problem for problem in problems), problems
 
 
 # ---- what the fuzzer found, pinned --------------------------------------------------------------------
