@@ -194,7 +194,8 @@ def stamped(record: dict[str, Any], started: dict[str, Any] | None = None) -> di
     clean = None if not known else (all(not c.endswith("+dirty") for c in known) and len({_head(c) for c in known}) == 1
                                     and start.get("clean") is not False and env.get("clean") is not False)
     host = start.get("host") if isinstance(start.get("host"), dict) else now["host"]
-    tree = start.get("tree") or env.get("tree") or "unknown"
+    # a start without a tree state (an env record) on a run clean at both ends: the tree was clean
+    tree = start.get("tree") or env.get("tree") or (now.get("tree") if clean else None) or "unknown"
     if clean is False and tree == "clean":  # clean at the start, changed under the run: that diff
         tree = now.get("tree") or "unknown"
     out: dict[str, Any] = {"commit": commit if commit is not None else now["commit"], "clean": clean,
