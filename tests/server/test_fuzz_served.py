@@ -49,7 +49,7 @@ from specdec.serving.runtime import encode_prompt
 from specdec_openai.frontend import Frontend, OpenAIError, Served, create_app, parse_job
 from specdec_client import GenerateRequest, SpecDecClient, server_metrics
 
-from fuzz_inputs import GRPC, NUMPY_OF, TOOLS, Field, Limits, OpenAICase, TritonCase, forced_tool_call, waves
+from fuzz_inputs import GRPC, NUMPY_OF, TOOLS, WIRE_OF, Field, Limits, OpenAICase, TritonCase, forced_tool_call, waves
 from test_openai import BASE, api  # noqa: F401 - the front end on the session's server
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", "0"))  # > 0: the long run (make fuzz)
@@ -838,10 +838,15 @@ def _run(limits: Limits, check, examples: int, derandomize: bool) -> None:
 
 # ---- the checker's controls: a wrong answer of each kind is rejected ----------------------------------
 def _triton(stream: bool = True, **values) -> TritonCase:
-    """An ensemble request of these inputs (the checker reads only their values)."""
+    """An ensemble request of these inputs, streamed over gRPC."""
     fields = {W.TEXT_INPUT: "Hi", W.MAX_TOKENS: 4, W.STREAM: stream, **values}
-    return TritonCase("ensemble", GRPC, tuple((name, Field("", (1,), tuple(v) if isinstance(v, tuple) else (v,)))
-                                              for name, v in fields.items()), ())
+    specs = W.MODELS["ensemble"][0]
+
+    def field_of(name, value) -> Field:
+        values = value if isinstance(value, tuple) else (value,)
+        return Field(WIRE_OF[specs[name].dtype], (1, len(values)), values)
+
+    return TritonCase("ensemble", GRPC, tuple((name, field_of(name, v)) for name, v in fields.items()), ())
 
 
 def _openai(**body) -> OpenAICase:
@@ -877,8 +882,11 @@ WRONG_ANSWERS = {
 
 def fixed_wave() -> list:
     """Answers the drawn waves may not bring in a short run, so that every check judges some:
-    two choices, a forced tool call streamed and a parsed one not streamed."""
-    return [_openai(prompt="Name a colour.", n=2, max_tokens=8),
+    a stop string that ends the answer (nearly every English sentence holds an "e"), two
+    choices, a forced tool call streamed and a named one not streamed."""
+    return [_triton(**{W.TEXT_INPUT: "Write one sentence about the sea.", W.MAX_TOKENS: 16, W.STOP_WORDS: ("e",)}),
+            _triton(**{W.TEXT_INPUT: "Reply with one word: yes or no. Is water wet?", W.MAX_TOKENS: 48}),  # ends by its end token
+            _openai(prompt="Name a colour.", n=2, max_tokens=8),
             _openai(**CHAT, stream=True, tool_choice="required"),
             _openai(**CHAT, tool_choice={"type": "function", "function": {"name": "add"}}),
             _openai(prompt="Count to five.", max_tokens=6, stream=True, stream_options={"include_usage": True})]
