@@ -536,12 +536,14 @@ def record_status(record: dict, mutants: Sequence[Mutant], repo: Path = REPO_ROO
     recorded = {r["id"]: r for r in record["mutants"]}
     missing = [m.id for m in mutants if recorded.get(m.id, {}).get("digest") != m.digest()]
     listed = {m.id for m in mutants}
-    hashes = {r["file"]: r.get("file_sha256", "") for r in record["mutants"]}
-    changed = [f for f, digest in sorted(hashes.items())
-               if not (repo / f).is_file() or file_digest(repo / f) != digest]
+    files = sorted({r["file"] for r in record["mutants"]})
+    today = {f: file_digest(repo / f) if (repo / f).is_file() else None for f in files}
+    # per result: results of one file run at different times hold different hashes of it
+    outdated = {r["id"] for r in record["mutants"] if today[r["file"]] != r.get("file_sha256", "")}
+    changed = sorted({r["file"] for r in record["mutants"] if r["id"] in outdated})
     stale = [m.id for m in mutants if m.id in recorded and m.id not in missing and (
-             m.file in changed or recorded[m.id].get("tests_sha256") != tests_digest(m, repo))]
-    return RecordStatus(missing, sorted(set(recorded) - listed), changed, sorted(hashes), stale)
+             m.id in outdated or recorded[m.id].get("tests_sha256") != tests_digest(m, repo))]
+    return RecordStatus(missing, sorted(set(recorded) - listed), changed, files, stale)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

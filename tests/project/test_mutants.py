@@ -115,6 +115,26 @@ def test_the_record_shows_a_changed_file_and_a_changed_definition(tmp_path: Path
     assert record_status(record, load_mutants(listed), repo=tmp_path).missing == ["a"]
 
 
+def test_an_older_result_of_a_file_is_stale_beside_a_newer_one(tmp_path: Path):
+    """Two mutants of one file, one rerun since the file changed: the other's result still ran
+    on the old file, so the file counts as changed and that result as stale (a hash per file,
+    the last result's, hid it)."""
+    from specdec.tools.mutants import file_digest, tests_digest
+
+    source = tmp_path / "m.py"
+    source.write_text("x = 1\ny = 1\n")
+    listed = tmp_path / "list.toml"
+    listed.write_text("".join(f"[[mutant]]\nid = '{name}'\nfile = 'm.py'\nold = '{name} = 1'\nnew = '{name} = 2'\n"
+                              f"description = 'd'\ntests = ['t']\n" for name in "xy"))
+    x, y = load_mutants(listed)
+    old = file_digest(source)
+    source.write_text("x = 1\ny = 1  # edited\n")
+    record = {"mutants": [{"id": m.id, "file": "m.py", "digest": m.digest(), "tests_sha256": tests_digest(m, tmp_path),
+                           "file_sha256": digest} for m, digest in ((x, old), (y, file_digest(source)))]}
+    status = record_status(record, [x, y], repo=tmp_path)
+    assert (status.changed_files, status.stale) == (["m.py"], ["x"])
+
+
 def test_a_result_goes_stale_when_its_tests_or_their_support_change(tmp_path: Path):
     """The record's hash covers what a mutant's tests load, not only the mutated file: a test it
     names, a conftest.py above it or tests/support changed since its result makes it stale."""
