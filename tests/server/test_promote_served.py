@@ -4,7 +4,8 @@ One server, the served settings plus a capture store:
 - capture: requests' tokens reach the store (the ones a salt keeps out do not), recorded by
   the verifier that served them;
 - promotion: `promote_heads` (an admin request) swaps another EAGLE-3 head into the running
-  engine while streams run; every stream finishes whole, no request fails, and the greedy
+  engine while streams run (a head with other weights: the drafts change, the accepted
+  count falls); every stream finishes whole, no request fails, and the greedy
   answers (during and after the swap, through every entry point) equal plain decoding's; a
   promotion without the admin key, or with a malformed body, is refused naming the field.
 """
@@ -14,6 +15,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +54,31 @@ def greedy(prompt: str, method: str, max_tokens: int = 48, **kw) -> GenerateRequ
     return GenerateRequest(prompt, max_tokens=max_tokens, temperature=0.0, method=method, ignore_eos=True, return_log_probs=False, **kw)
 
 
+def accepted_tokens(server, method: str, prompts: list[str], max_tokens: int) -> tuple[float, list[str]]:
+    """The draft tokens the server accepted for `method` over these greedy requests (one at a
+    time, through the ensemble), and their texts."""
+    before = server_metrics.by_label(server_metrics.scrape(server.endpoints.metrics_url), P.ACCEPTED_TOKENS_TOTAL, "method")
+    with SpecDecClient(server.endpoints.grpc) as client:
+        texts = [client.generate(greedy(p, method, max_tokens)).text for p in prompts]
+    time.sleep(0.6)  # the verifier flushes its counters every 0.25 s
+    after = server_metrics.by_label(server_metrics.scrape(server.endpoints.metrics_url), P.ACCEPTED_TOKENS_TOTAL, "method")
+    return after.get(method, 0.0) - before.get(method, 0.0), texts
+
+
+def other_head(source: Path, dest: Path) -> Path:
+    """A head with other weights: the shipped one with its output rows rolled by one, so each
+    draft names the next token of the draft vocabulary; its drafts are nearly all rejected."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, dest)
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        weights, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    weights["lm_head.weight"] = weights["lm_head.weight"].roll(1, dims=0).contiguous()
+    save_file(weights, str(dest / "model.safetensors"), metadata=metadata)
+    return dest
+
+
 def test_served_requests_are_captured_and_salted_ones_kept_out(capture_server, smol_tokenizer):
     from specdec.serving.traffic_capture import read_captures
     from specdec.serving.runtime import encode_prompt
@@ -62,15 +89,7 @@ def test_served_requests_are_captured_and_salted_ones_kept_out(capture_server, s
         client.generate(greedy(PROMPTS[2], "eagle3", 16, cache_salt="tenant-x"))  # not named in the settings: never recorded
     # The head served apart drafts what the co-located one does (the same head, greedy): its
     # hidden states are the right columns although the verifier also taps the capture's layer.
-    accepted = {}
-    for method in ("eagle3", "eagle3-apart"):
-        before = server_metrics.by_label(server_metrics.scrape(server.endpoints.metrics_url), P.ACCEPTED_TOKENS_TOTAL, "method")
-        with SpecDecClient(server.endpoints.grpc) as client:
-            for p in PROMPTS[2:]:
-                client.generate(greedy(p, method, 32))
-        time.sleep(0.6)  # the verifier flushes its counters every 0.25 s
-        after = server_metrics.by_label(server_metrics.scrape(server.endpoints.metrics_url), P.ACCEPTED_TOKENS_TOTAL, "method")
-        accepted[method] = after.get(method, 0.0) - before.get(method, 0.0)
+    accepted = {method: accepted_tokens(server, method, PROMPTS[2:], 32)[0] for method in ("eagle3", "eagle3-apart")}
     assert accepted["eagle3"] > 0 and accepted["eagle3-apart"] == accepted["eagle3"], accepted
     deadline, recorded = time.monotonic() + 30, []
     while time.monotonic() < deadline and len(recorded) < 6:  # shards are written 0.5 s after their first sequence
@@ -100,10 +119,10 @@ def test_a_promoted_head_serves_without_a_restart_and_fails_no_request(capture_s
             client.promote_heads({"eagle3": str(tmp_path / "missing")})
         with pytest.raises(ServerError, match=f"{P.HEAD_PARAMETERS['eagle3']}.*does not load"):
             client.promote_heads({"eagle3": str(tmp_path)})  # a directory without a head
-    head = tmp_path / "eagle3-v2"
-    shutil.copytree(REPO_ROOT / "models" / "eagle3-smollm2-135m", head)  # a new version of the head's directory
+    head = other_head(REPO_ROOT / "models" / "eagle3-smollm2-135m", tmp_path / "eagle3-v2")
     with SpecDecClient(server.endpoints.grpc) as client:
         baseline = {p: client.generate(greedy(p, "none", 96)).text for p in PROMPTS}
+    accepted_before, _ = accepted_tokens(server, "eagle3", PROMPTS[:2], 96)
     results, ended, errors, started = {}, {}, [], threading.Barrier(len(PROMPTS) + 1)
 
     def stream(prompt: str) -> None:
@@ -141,3 +160,7 @@ def test_a_promoted_head_serves_without_a_restart_and_fails_no_request(capture_s
             assert client.generate(greedy(p, "eagle3", 96)).text == baseline[p]
             assert relay.generate(greedy(p, "eagle3-tree", 96)).text == baseline[p]
             assert client.generate(greedy(p, "eagle3-apart", 96)).text == baseline[p]
+    # the swap changed the drafts (the new head's are nearly all rejected), not the answers
+    accepted_after, texts = accepted_tokens(server, "eagle3", PROMPTS[:2], 96)
+    assert texts == [baseline[p] for p in PROMPTS[:2]]
+    assert accepted_after < accepted_before / 2, (accepted_before, accepted_after)
