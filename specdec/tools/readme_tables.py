@@ -1,6 +1,6 @@
 """`specdec readme-tables`: the README's results tables, rendered from the files under results/.
 
-Each table in README.md sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` and is
+Each table in README.md (and docs/results.md) sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` and is
 rewritten from its source files by this command; nothing inside is edited by hand. Each ends
 with a source line: the files, the commit that was measured, the date and the machine, as
 the files record them. `--check` renders without writing and fails when the README differs
@@ -21,6 +21,9 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+RESULTS_DOC = ROOT / "docs" / "results.md"
+DOCUMENTS = (README, RESULTS_DOC)  # what `specdec readme-tables` renders by default
+CITED = re.compile(r"`(results/[^`\s]+)`")
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
@@ -467,7 +470,44 @@ def mutation_score() -> Table:
     return Table(markdown, [path])
 
 
+def files_behind(cited: str) -> list[str]:
+    """The files a cited results path stands for: itself, or for a folder its summary.json,
+    else the JSON files directly in it, else every summary.json below it."""
+    path = ROOT / cited
+    if path.is_file():
+        return [cited] if path.suffix == ".json" else []
+    if (path / "summary.json").is_file():
+        return [str(Path(cited.rstrip("/")) / "summary.json")]
+    found = sorted(path.glob("*.json")) or sorted(path.rglob("summary.json"))
+    return [str(p.relative_to(ROOT)) for p in found]
+
+
+def recorded_or_unknown(path: str) -> tuple[str, str, str]:
+    """provenance(), or "unknown" for a file that records no commit or date itself (measured
+    before the writer recorded them; results/provenance.json's inferences are not shown as
+    measured)."""
+    try:
+        return provenance(path)
+    except (ValueError, AttributeError, KeyError, TypeError, json.JSONDecodeError):
+        return "unknown", "unknown", "unknown"
+
+
+def cited_in_results_doc() -> Table:
+    """Where docs/results.md's figures come from: every results path its prose cites, each with
+    the commit (and tree state), date and machine that the file records, or unknown."""
+    text = BLOCK.sub("", RESULTS_DOC.read_text())
+    rows: dict[str, list[str]] = {}  # a folder and a file in it can name one file
+    for cited in sorted(set(CITED.findall(text))):
+        files = files_behind(cited)
+        if not files:
+            rows[cited] = [f"`{cited}`", "no JSON record", "", ""]
+        for path in files:
+            rows[path] = [f"`{path}`", *recorded_or_unknown(path)]
+    return Table(table(["file", "commit", "date", "machine"], [rows[k] for k in sorted(rows)]), [])
+
+
 TABLES: dict[str, Callable[[], Table]] = {
+    "results-doc-sources": cited_in_results_doc,
     "mutants": mutation_score,
     "structured": structured,
     "tools": lambda: structured("results/bench/tools/summary.json", "are one call whose arguments validate"),
@@ -493,7 +533,7 @@ TABLES: dict[str, Callable[[], Table]] = {
 
 def render(name: str) -> str:
     t = TABLES[name]()
-    return f"{t.markdown}\n\n{source_line(t.sources)}\n"
+    return f"{t.markdown}\n\n{source_line(t.sources)}\n" if t.sources else f"{t.markdown}\n"
 
 
 def rewrite(text: str) -> tuple[str, list[str]]:
@@ -513,19 +553,20 @@ def rewrite(text: str) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specdec readme-tables", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail when the README's tables differ from their sources")
-    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--readme", help=f"one document (default: {', '.join(str(d.relative_to(ROOT)) for d in DOCUMENTS)})")
     args = ap.parse_args(argv)
-    path = Path(args.readme)
-    text = path.read_text()
-    new, unknown = rewrite(text)
-    if unknown:
-        print(f"unknown tables: {', '.join(unknown)} (known: {', '.join(TABLES)})", file=sys.stderr)
-        return 1
-    if args.check:
-        if new != text:
-            print(f"{path}: tables differ from their sources: run `specdec readme-tables`", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(new)
-    print(f"rewrote {len(BLOCK.findall(new))} tables in {path}")
-    return 0
+    status = 0
+    for path in [Path(args.readme)] if args.readme else DOCUMENTS:
+        text = path.read_text()
+        new, unknown = rewrite(text)
+        if unknown:
+            print(f"{path}: unknown tables: {', '.join(unknown)} (known: {', '.join(TABLES)})", file=sys.stderr)
+            status = 1
+        elif args.check:
+            if new != text:
+                print(f"{path}: tables differ from their sources: run `specdec readme-tables`", file=sys.stderr)
+                status = 1
+        else:
+            path.write_text(new)
+            print(f"rewrote {len(BLOCK.findall(new))} tables in {path}")
+    return status
