@@ -97,9 +97,14 @@ def test_salted_requests_are_recorded_only_when_their_salt_is_named(tmp_path, sm
     assert not CaptureConfig("x").admits("team-a") and CaptureConfig("x").admits(None)
 
 
-def test_the_store_keeps_under_its_cap_by_deleting_the_oldest(tmp_path, smol_int8_model, smol_tokenizer):
-    """One shard per sequence, a cap of 1 MiB: the oldest shards go, the newest stays, and
+def test_the_store_keeps_under_its_cap_by_deleting_the_oldest(tmp_path, smol_int8_model, smol_tokenizer, monkeypatch):
+    """One shard per sequence, a cap of 1 MiB: the oldest shards go, the newest stay, and
     the store never holds more than the cap; a sample rate draws a share of requests."""
+    from specdec.serving.traffic_capture import CaptureStore
+
+    written = []
+    write = CaptureStore.write
+    monkeypatch.setattr(CaptureStore, "write", lambda self, sequences: written.append(write(self, sequences)) or written[-1])
     store = tmp_path / "store"
     engine, capture = engine_with(smol_int8_model, smol_tokenizer, CaptureConfig(str(store), shard_sequences=1, max_bytes=1 << 20))
     prompt = " ".join(["A long prompt about ships and harbours and the weather at sea."] * 12)
@@ -108,6 +113,7 @@ def test_the_store_keeps_under_its_cap_by_deleting_the_oldest(tmp_path, smol_int
     shards = sorted(store.glob("shard-*.npz"))
     sizes = [p.stat().st_size for p in shards]
     assert capture.captured == 6 and 1 <= len(shards) < 6  # some were rotated out
+    assert shards == written[-len(shards):]  # what stays is the newest, in order
     assert sum(sizes) <= 1 << 20 and sizes[-1] > (1 << 20) // 6  # each shard is big enough that six pass the cap
     half, sampler = engine_with(smol_int8_model, smol_tokenizer, CaptureConfig(str(tmp_path / "half"), sample_rate=0.5), seed=3)
     run(half, smol_tokenizer, [(PROMPTS[0], "none", SamplingParams(max_tokens=2))] * 12)
