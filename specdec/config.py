@@ -702,13 +702,19 @@ class ServingConfig:
     admission_timeout_s: float = 60.0
     threads: Mapping[str, int] = field(default_factory=dict)  # per model: verifier, drafter, ...
     capture: CaptureConfig | None = None  # recording served traffic for drafter training (None: off)
+    # "auto": with more cores than the forward's team, the team and the stubs' other threads on
+    # separate cores (specdec.serving.placement); "off": wherever the OS puts them
+    thread_placement: str = "auto"
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> "ServingConfig":
         raw = dict(raw)
         known = {"engine", "methods", "default_method", "model_dir", "apply_chat_template", "idle_timeout_s",
-                 "admission_timeout_s", "threads", "capture"}
+                 "admission_timeout_s", "threads", "capture", "thread_placement"}
         _check_known(raw, known, "")
+        placement = raw.get("thread_placement", "auto")
+        if placement not in ("auto", "off"):
+            raise ConfigError("thread_placement", f"must be 'auto' or 'off', got {placement!r}")
         engine_raw = dict(raw.get("engine", {}))
         _check_known(engine_raw, {f.name for f in dataclasses.fields(EngineConfig)} - {"speculative"}, "engine.")
         engine = EngineConfig(**engine_raw)
@@ -733,7 +739,7 @@ class ServingConfig:
             apply_chat_template=bool(raw.get("apply_chat_template", True)),
             idle_timeout_s=float(raw.get("idle_timeout_s", 300.0)), threads=capped_threads(raw.get("threads", {})),
             admission_timeout_s=float(raw.get("admission_timeout_s", 60.0)),
-            capture=_capture_config(raw.get("capture")),
+            capture=_capture_config(raw.get("capture")), thread_placement=placement,
         )
 
     @staticmethod

@@ -17,6 +17,7 @@ import specdec_wire as P
 from specdec.triton_models import contract as C
 from specdec.config import ServingConfig, team_size
 from specdec.errors import ConfigError, InvalidRequestError
+from specdec.serving.placement import CoreSplit, pin_process, planned_split
 
 SETTINGS_FILE = "specdec.json"
 
@@ -31,11 +32,34 @@ def load_settings(args: dict[str, Any]) -> ServingConfig:
     settings = ServingConfig.from_file(path)
     import torch
 
+    global _core_split
+    split = _core_split = engine_core_split(settings)
+    if split is not None:  # this stub's threads off the forward's cores; the engine host's scheduler moves back onto them
+        pin_process(split.rest)
     threads = team_size(settings.threads, model_config["name"], torch.get_num_threads())
     if threads:
         torch.set_num_threads(threads)
-    logging.getLogger("specdec").info("%s: settings from %s", model_config["name"], path)
+    logging.getLogger("specdec").info("%s: settings from %s%s", model_config["name"], path,
+                                      f"; cores {sorted(split.rest)} (the forward's: {sorted(split.forward)})" if split else "")
     return settings
+
+
+_core_split: CoreSplit | None = None  # this stub process's, set once by load_settings (one model per stub)
+
+
+def engine_core_split(settings: ServingConfig) -> CoreSplit | None:
+    """The forward's cores and the rest's (specdec.serving.placement), for the engine host's
+    team of `threads.verifier` (torch's default where unset), or None."""
+    import torch
+
+    default = torch.get_num_threads()
+    return planned_split(settings, team_size(settings.threads, C.VERIFIER_THREADS, default) or default)
+
+
+def core_split() -> CoreSplit | None:
+    """This stub's split (the engine host's scheduler thread builds the engine and runs every
+    forward on `forward`), or None where nothing is pinned."""
+    return _core_split
 
 
 def check_max_batch_size(args: dict[str, Any], settings: ServingConfig) -> None:

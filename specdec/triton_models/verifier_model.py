@@ -32,13 +32,14 @@ from specdec.engine.models.native_forward import engine_info
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
 from specdec.serving.heap import HeapTrimmer
+from specdec.serving.placement import built_on_the_forwards_cores
 from specdec.serving.runtime import build_colocated_speculator, build_drafters, colocated_methods, load_tokenizer, tap_layers_of
 from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
 from specdec.triton_models import contract as C
 from specdec.triton_models.common import (
-    Metrics, array, batched, error_response, from_an_admin, from_the_loop, internal_key, refused, scalar, strings,
-    text_tensor,
+    Metrics, array, batched, core_split, error_response, from_an_admin, from_the_loop, internal_key, refused, scalar,
+    strings, text_tensor,
 )
 from specdec.triton_models.drafter_calls import DrafterCalls
 
@@ -128,11 +129,16 @@ class Verifier:
         target_cfg = read_model_config(model_dir)
         threads = team_size(settings.threads, C.VERIFIER_THREADS, torch.get_num_threads())
 
+        split = core_split()
+
         def build_engine():  # on the scheduler's thread, where every forward will run
-            if threads:  # OpenMP's team size is per thread: this one runs the forwards
-                torch.set_num_threads(int(threads))
-            return SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir),
-                              speculator=build_colocated_speculator(settings))
+            def build() -> SpecEngine:
+                if threads:  # OpenMP's team size is per thread: this one runs the forwards
+                    torch.set_num_threads(int(threads))
+                return SpecEngine(None, settings.engine, tokenizer=load_tokenizer(model_dir),
+                                  speculator=build_colocated_speculator(settings))
+
+            return build() if split is None else built_on_the_forwards_cores(split, build)
 
         apart = colocated_methods(settings, False)
         key = internal_key()

@@ -1,0 +1,79 @@
+"""Where a served engine's threads run (issue 74, cores placed on purpose).
+
+The target's forward is one OpenMP team whose passes end in barriers: when any thread of the
+team is preempted, the others wait for it at the next barrier. On a machine with more cores
+than that team, the team gets cores of its own and every other thread of the server's Python
+stubs (the asyncio event loops that send responses, the relays, a drafter served apart, guide
+compiles) runs on the rest, so a response being sent never takes a core from the forward.
+
+Nothing is pinned where no core is left over (2 cores and a team of 2, the CI machine: there
+both the team and the response path need the same cores, measured in docs/serving.md), where
+the server shares its machine (`SPECDEC_MAX_THREADS`: test workers, a pod's share), or with
+`"thread_placement": "off"`. Threads inherit their creator's cores: the scheduler thread
+moves onto the team's cores before it builds the engine, so the OpenMP workers it starts there
+(the build runs a parallel region) are the team's; the Python threads the build starts (the
+guide worker, the capture writer) go back to the rest. Native threads the build starts besides
+OpenMP's (the tokenizers' rayon pool, idle in serving) stay with the team: nothing outside
+tells them apart.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+T = TypeVar("T")
+
+from specdec.config import ServingConfig, max_threads
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    forward: frozenset[int]  # the forward's team: the scheduler thread and its OpenMP workers
+    rest: frozenset[int]  # every other thread of the stubs
+
+
+def split_cores(usable: Iterable[int], team: int) -> CoreSplit | None:
+    """The lowest `team` usable cores for the forward, the others for the rest; None when no
+    core would be left for the rest."""
+    cores = sorted(usable)
+    if team < 1 or len(cores) <= team:
+        return None
+    return CoreSplit(frozenset(cores[:team]), frozenset(cores[team:]))
+
+
+def planned_split(settings: ServingConfig, team: int) -> CoreSplit | None:
+    """This server's split, or None where it places nothing (see the module's docstring)."""
+    if settings.thread_placement == "off" or max_threads() is not None:
+        return None
+    return split_cores(os.sched_getaffinity(0), team)
+
+
+def pin_process(cores: frozenset[int]) -> None:
+    """Every thread this process has now (and so every thread they start later) on `cores`."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except ProcessLookupError:  # a thread that ended since the listing
+            pass
+
+
+def pin_this_thread(cores: frozenset[int]) -> None:
+    os.sched_setaffinity(0, cores)  # Linux: 0 is the calling thread, not the whole process
+
+
+def built_on_the_forwards_cores(split: CoreSplit, build: Callable[[], T]) -> T:
+    """build() on this thread (the one that will run every forward) moved onto the forward's
+    cores first; the Python threads started meanwhile are moved back to the rest's."""
+    pin_this_thread(split.forward)
+    before = {t.native_id for t in threading.enumerate()}
+    built = build()
+    for t in threading.enumerate():
+        if t.native_id is not None and t.native_id not in before and t is not threading.current_thread():
+            try:
+                os.sched_setaffinity(t.native_id, split.rest)
+            except ProcessLookupError:  # ended since
+                pass
+    return built
