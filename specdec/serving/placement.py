@@ -66,14 +66,40 @@ def pin_this_thread(cores: frozenset[int]) -> None:
 
 def built_on_the_forwards_cores(split: CoreSplit, build: Callable[[], T]) -> T:
     """build() on this thread (the one that will run every forward) moved onto the forward's
-    cores first; the Python threads started meanwhile are moved back to the rest's."""
+    cores first; the Python threads and the child processes (the guide compiler's probe)
+    started meanwhile are moved back to the rest's."""
     pin_this_thread(split.forward)
     before = {t.native_id for t in threading.enumerate()}
+    children_before = child_processes()
     built = build()
-    for t in threading.enumerate():
-        if t.native_id is not None and t.native_id not in before and t is not threading.current_thread():
-            try:
-                os.sched_setaffinity(t.native_id, split.rest)
-            except ProcessLookupError:  # ended since
-                pass
+    started = [t.native_id for t in threading.enumerate()
+               if t.native_id is not None and t.native_id not in before and t is not threading.current_thread()]
+    for pid in child_processes() - children_before:
+        started += [int(task.name) for task in _tasks(pid)]
+    for tid in started:
+        try:
+            os.sched_setaffinity(tid, split.rest)
+        except ProcessLookupError:  # ended since
+            pass
     return built
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # ended since
+        return []
+
+
+def child_processes() -> set[int]:
+    """This process's children now (by their parent id in /proc)."""
+    me, children = os.getpid(), set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == me:
+                children.add(int(proc.name))
+    return children

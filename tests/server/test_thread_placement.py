@@ -39,6 +39,8 @@ def test_nothing_is_pinned_when_off_or_when_the_server_shares_its_machine(monkey
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_the_builder_moves_onto_the_forwards_cores_and_the_threads_it_starts_go_back():
     import concurrent.futures
+    import subprocess
+    import sys
     import threading
 
     from specdec.serving.placement import CoreSplit, built_on_the_forwards_cores
@@ -50,17 +52,21 @@ def test_the_builder_moves_onto_the_forwards_cores_and_the_threads_it_starts_go_
     def scheduler():
         def build():
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # a helper the build starts (the guides' worker)
-            pool.submit(lambda: None).result()
-            return pool
-        pool = built_on_the_forwards_cores(split, build)
+            # and a process it starts (the guide compiler's probe)
+            child = pool.submit(lambda: subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                                         stdin=subprocess.PIPE)).result()
+            return pool, child
+        pool, child = built_on_the_forwards_cores(split, build)
         seen["scheduler"] = os.sched_getaffinity(0)
         seen["helper"] = pool.submit(lambda: os.sched_getaffinity(0)).result()
+        seen["child"] = os.sched_getaffinity(child.pid)
+        child.communicate(b"")
         pool.shutdown()
 
     thread = threading.Thread(target=scheduler)
     thread.start()
     thread.join()
-    assert seen == {"scheduler": split.forward, "helper": split.rest}
+    assert seen == {"scheduler": split.forward, "helper": split.rest, "child": split.rest}
     assert os.sched_getaffinity(0) == set(usable)  # the caller's thread untouched
 
 
