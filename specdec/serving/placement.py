@@ -8,8 +8,9 @@ compiles) runs on the rest, so a response being sent never takes a core from the
 
 Nothing is pinned where no core is left over (2 cores and a team of 2, the CI machine: there
 both the team and the response path need the same cores, measured in docs/serving.md), where
-the server shares its machine (`SPECDEC_MAX_THREADS`: test workers, a pod's share), or with
-`"thread_placement": "off"`. Threads inherit their creator's cores: the scheduler thread
+the server shares its machine (`SPECDEC_MAX_THREADS`: test workers; a CPU quota below the cores
+it may run on: a Kubernetes pod without exclusive cores, where pinning would put the forward on
+cores other pods use), or with `"thread_placement": "off"`. Threads inherit their creator's cores: the scheduler thread
 moves onto the team's cores before it builds the engine, so the OpenMP workers it starts there
 (the build runs a parallel region) are the team's; the Python threads the build starts (the
 guide worker, the capture writer) go back to the rest. Native threads the build starts besides
@@ -46,9 +47,27 @@ def split_cores(usable: Iterable[int], team: int) -> CoreSplit | None:
 
 def planned_split(settings: ServingConfig, team: int) -> CoreSplit | None:
     """This server's split, or None where it places nothing (see the module's docstring)."""
-    if settings.thread_placement == "off" or max_threads() is not None:
+    usable = os.sched_getaffinity(0)
+    quota = cpu_quota()
+    if settings.thread_placement == "off" or max_threads() is not None or (quota is not None and quota < len(usable)):
         return None
-    return split_cores(os.sched_getaffinity(0), team)
+    return split_cores(usable, team)
+
+
+def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs this process's cgroup may use per period (cgroup v2 `cpu.max`, or v1's CFS
+    quota), or None without a quota."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 def pin_process(cores: frozenset[int]) -> None:

@@ -2,7 +2,8 @@
 every `old` snippet occurs exactly once in today's code (a mutant that no longer applies is
 an error there, not a survivor), every Python mutant still compiles, and the tests it names are
 files `make test` runs. The record (results/mutants.json) holds a result for every mutant as
-listed today and reaches the score the README claims. Also the runner's verdicts on a run's
+listed today, none of them stale (each ran on today's version of its file and of what its tests
+load), and reaches the score the README claims. Also the runner's verdicts on a run's
 exit status."""
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ def test_the_list_is_at_least_80_mutants_where_bugs_hurt_most():
         assert any(subject in m.id for m in MUTANTS), f"no mutant whose id names {subject!r}"
 
 
-def test_the_record_holds_a_result_for_every_listed_mutant_and_the_score_the_readme_claims():
+def test_the_record_holds_a_fresh_result_for_every_listed_mutant_and_the_score_the_readme_claims():
     record = json.loads(RECORD.read_text())
     status = record_status(record, MUTANTS)
     assert not status.missing, (f"results/mutants.json has no result for {status.missing} as listed today: "
                                 "run `make mutants`")
     assert not status.unlisted, f"results/mutants.json holds mutants no longer listed: {status.unlisted}"
+    # the record describes this tree: no result ran on another version of its mutated file or
+    # of what its tests load (the test files, their conftest.py, tests/support, a C mutant's headers)
+    assert not status.stale, (f"results/mutants.json is stale for {len(status.stale)} mutants ({', '.join(status.stale[:8])}"
+                              f"{', ...' if len(status.stale) > 8 else ''}): run `python -m specdec.tools.mutants --stale "
+                              "results/mutants.json`")
     totals = record["totals"]
     assert totals == summary([Result(**r) for r in record["mutants"]])  # the totals are the results'
     assert totals["errors"] == [] and totals["score"] >= 0.95 and totals["mutants"] >= 80

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specdec.config import ServingConfig
+from specdec.serving import placement
 from specdec.serving.placement import planned_split, split_cores
 from specdec_client import GenerateRequest, SpecDecClient
 
@@ -27,13 +28,33 @@ def test_the_team_gets_the_lowest_cores_and_the_rest_the_others():
 def test_nothing_is_pinned_when_off_or_when_the_server_shares_its_machine(monkeypatch):
     base = {"engine": {}, "methods": {}, "default_method": "none"}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(placement, "cpu_quota", lambda: None)
     monkeypatch.delenv("SPECDEC_MAX_THREADS", raising=False)
     assert planned_split(ServingConfig.from_dict(base), 2).forward == {0, 1}
     assert planned_split(ServingConfig.from_dict({**base, "thread_placement": "off"}), 2) is None
-    monkeypatch.setenv("SPECDEC_MAX_THREADS", "2")  # test workers, a pod's share: the cores are not ours to split
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 2.0)  # a pod's quota of 2 CPUs on a 4-core node: not its cores
+    assert planned_split(ServingConfig.from_dict(base), 2) is None
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 4.0)
+    assert planned_split(ServingConfig.from_dict(base), 2) is not None
+    monkeypatch.setenv("SPECDEC_MAX_THREADS", "2")  # test workers: the cores are not this server's to split
     assert planned_split(ServingConfig.from_dict(base), 2) is None
     with pytest.raises(Exception, match="thread_placement"):
         ServingConfig.from_dict({**base, "thread_placement": "pinned"})
+
+
+def test_the_cpu_quota_is_read_from_either_cgroup_version(tmp_path):
+    assert placement.cpu_quota(tmp_path) is None  # neither file: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert placement.cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert placement.cpu_quota(tmp_path) == 2.5
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert placement.cpu_quota(tmp_path) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    assert placement.cpu_quota(tmp_path) == 1.5
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
@@ -108,7 +129,8 @@ def stubs_of(server_pid: int) -> dict[str, int]:
     return stubs
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core beside the forward's")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or (placement.cpu_quota() or 1e9) < len(os.sched_getaffinity(0)),
+                    reason="needs a core beside the forward's, and the cores its own (no CPU quota below them)")
 def test_the_forward_runs_on_its_cores_and_every_other_stub_thread_on_the_rest(tmp_path):
     from specdec.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, free_ports
     from specdec.triton_models.keys import INTERNAL_KEY_ENV
