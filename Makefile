@@ -312,10 +312,11 @@ mutants: prepare
 # The served fuzzer (issue 43) for FUZZ_SECONDS: fresh waves of hostile requests to ensemble, ensemble_unary,
 # speculative_loop and the OpenAI front end beside a greedy control stream; no crash, no leaked slot, every
 # request answered and every answer checked against its request, each control run equal to plain decoding
-# (make test runs a short fixed pass of the same test)
+# (make test runs a short fixed pass of the same test); a passing run writes FUZZ_RECORD with its provenance
 FUZZ_SECONDS ?= 1800
+FUZZ_RECORD ?= results/fuzz/make-fuzz.json
 fuzz: prepare
-	FUZZ_SECONDS=$(FUZZ_SECONDS) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_RECORD=$(FUZZ_RECORD) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server
 
 # Tool calls (issue 47): 20 chat requests with four tools, the call forced by its grammar
 # (tool_choice required or named), as the OpenAI front end sends them; c=1, greedy (~15 min)
