@@ -106,11 +106,13 @@ class EngineLoop:
         on_round: Callable[[RoundInfo], None] | None = None,
         on_live: Callable[[int], None] | None = None,
         drafter_keepalive_s: float = 60.0,
+        blocking_calls: concurrent.futures.Executor | None = None,
     ):
         """engine: the engine, or a function that builds it, called on the scheduler's own
         thread (what the server does: see _start); on_round: after each forward, before its
         outputs go out; on_live(sequences holding a slot): whenever that may have changed
-        (joins, ends, cancels)."""
+        (joins, ends, cancels); blocking_calls: the scheduler loop's default executor (the
+        blocking half of a call to a drafter served apart), asyncio's own when None."""
         self.engine: SpecEngine | None = engine if isinstance(engine, SpecEngine) else None
         build = (lambda: engine) if isinstance(engine, SpecEngine) else engine
         self.apart_backend, self.apart_methods, self.hidden_methods = apart_backend, apart_methods, hidden_methods
@@ -124,6 +126,8 @@ class EngineLoop:
         # Guided requests whose grammar compiles on the guide worker: they join when it is done.
         self._compiling: dict[str, tuple[RequestState, Sink, concurrent.futures.Future]] = {}
         self._loop = asyncio.new_event_loop()
+        if blocking_calls is not None:
+            self._loop.set_default_executor(blocking_calls)
         self._wake = asyncio.Event()
         self._stopping = False
         self._ready = threading.Event()

@@ -488,7 +488,7 @@ def recorded_or_unknown(path: str) -> tuple[str, str, str]:
     measured)."""
     try:
         return provenance(path)
-    except (ValueError, AttributeError, KeyError, TypeError, json.JSONDecodeError):
+    except (ValueError, AttributeError, json.JSONDecodeError):  # no commit or date; not a JSON object
         return "unknown", "unknown", "unknown"
 
 

@@ -37,6 +37,8 @@ def load_settings(args: dict[str, Any]) -> ServingConfig:
     if split is not None:  # this stub's threads off the forward's cores; the engine host's scheduler moves back onto them
         pin_process(split.rest)
     threads = team_size(settings.threads, model_config["name"], torch.get_num_threads())
+    if split is not None:  # no more threads than the cores it has left
+        threads = min(threads or torch.get_num_threads(), len(split.rest))
     if threads:
         torch.set_num_threads(threads)
     logging.getLogger("specdec").info("%s: settings from %s%s", model_config["name"], path,

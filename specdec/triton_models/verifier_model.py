@@ -32,7 +32,7 @@ from specdec.engine.models.native_forward import engine_info
 from specdec.errors import InvalidRequestError
 from specdec.engine.logits_processing import TokenLogProbs
 from specdec.serving.heap import HeapTrimmer
-from specdec.serving.placement import built_on_the_forwards_cores
+from specdec.serving.placement import built_on_the_forwards_cores, pool_on
 from specdec.serving.runtime import build_colocated_speculator, build_drafters, colocated_methods, load_tokenizer, tap_layers_of
 from specdec.serving.engine_loop import EngineLoop, RoundInfo
 from specdec.serving.spec_engine import SpecEngine, StepOutput
@@ -127,9 +127,10 @@ class Verifier:
         self.settings = settings
         model_dir = resolve_model_dir(settings.model_dir)
         target_cfg = read_model_config(model_dir)
-        threads = team_size(settings.threads, C.VERIFIER_THREADS, torch.get_num_threads())
-
         split = core_split()
+        threads = team_size(settings.threads, C.VERIFIER_THREADS, torch.get_num_threads())
+        if split is not None:  # the team the cores were split for
+            threads = len(split.forward)
 
         def build_engine():  # on the scheduler's thread, where every forward will run
             def build() -> SpecEngine:
@@ -155,6 +156,8 @@ class Verifier:
             on_round=self._on_round,
             on_live=self._on_live,
             drafter_keepalive_s=settings.idle_timeout_s / 4,
+            # started by the scheduler's thread, on the forward's cores, unless told where
+            blocking_calls=None if split is None else pool_on(split.rest, "specdec-sched-io"),
         )
         self.engine = self.scheduler.engine
         self._planner_published = 0.0
