@@ -465,7 +465,8 @@ def mutation_score() -> Table:
     for update in record.get("updates", []):
         ids = update["mutants"]
         named = ", ".join(f"`{m}`" for m in ids) if len(ids) <= 6 else f"{len(ids)} mutants (their ids in the record)"
-        markdown += (f"\n\nRerun since (`--update`): {named} at commit "
+        how = "--stale" if "--stale" in update.get("command", "") else "--update"
+        markdown += (f"\n\nRerun since (`{how}`, results/mutants.json's updates): {named} at commit "
                      f"{update['commit'][:7]}{'' if update.get('clean') else ' with local changes'}, {update['date'][:10]}.")
     return Table(markdown, [path])
 
