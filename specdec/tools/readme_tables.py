@@ -86,11 +86,12 @@ HISTORY = {
 }
 
 
-def source_line(paths: list[str]) -> str:
+def source_line(paths: list[str], to_root: str = "") -> str:
+    """to_root: the links' way from the document to the repository root ("../" from docs/)."""
     parts = []
     for path in paths:
         commit, date, machine = provenance(path)
-        parts.append(f"[`{path}`]({path}) (commit {commit}, {date}, {machine})")
+        parts.append(f"[`{path}`]({to_root}{path}) (commit {commit}, {date}, {machine})")
     line = "Source: " + "; ".join(parts) + "."
     stale = {HISTORY[p] for p in paths if p in HISTORY}
     for before, command in sorted(stale):
@@ -507,7 +508,82 @@ def cited_in_results_doc() -> Table:
     return Table(table(["file", "commit", "date", "machine"], [rows[k] for k in sorted(rows)]), [])
 
 
+# --- docs/results.md's tables (rendered there as README's are here) ---
+
+def capture_cost() -> Table:
+    """Capture on over off, per load: bench-capture's verdict, its blocks, ITL and TTFT, and the
+    greedy outputs the harness compared."""
+    path = "results/capture/capture_cost.json"
+    rows, sources = [], [path]
+    for concurrency, point in sorted(read(path)["load_points"].items(), key=lambda kv: int(kv[0])):
+        entry = point["speedup"][0]
+        summary_path = f"results/capture/c{concurrency}/summary.json"
+        check = read(summary_path)["lossless"]
+        sources.append(summary_path)
+        blocks = entry["block_gains"]
+        rows.append([f"c={concurrency}", f"{entry['output_tok_s_ratio']:.2f}x", f"{min(blocks):.2f}-{max(blocks):.2f}",
+                     f"{entry['itl_p50_ratio']:.2f}x", f"{entry['ttft_p50_ratio']:.2f}x",
+                     f"{check['identical']}/{check['compared']}"])
+    header = ["load", "capture on / off, output tok/s", "blocks", "ITL p50", "TTFT p50", "outputs identical"]
+    return Table(table(header, rows), sources)
+
+
+ISSUE74 = "results/bench/load/issue74"
+
+
+def _points(path: str) -> dict[tuple[int, str], list[dict]]:
+    """bench-load's points by (concurrency, mode), in block order."""
+    points: dict[tuple[int, str], list[dict]] = {}
+    for point in read(path)["points"]:
+        points.setdefault((point["concurrency"], point["mode"]), []).append(point)
+    return points
+
+
+def served_over_in_process() -> Table:
+    """Issue 74's first round: Triton's output tok/s over the in-process engine's, per block,
+    before and after, at c=1 and c=16, baseline and eagle3-hybrid."""
+    columns = [(1, "baseline"), (1, "eagle3-hybrid"), (16, "baseline"), (16, "eagle3-hybrid")]
+    rows, sources = [], []
+    for path in (f"{ISSUE74}/before_81df8db.json", f"{ISSUE74}/after_7ffaba5.json"):
+        points = _points(path)
+        sources.append(path)
+        rows.append([f"{provenance(path)[0][:7]}, blocks " + " / ".join(str(p["block"]) for p in points[columns[0]])]
+                    + [" / ".join(f"{p['triton_over_in_process']:.2f}" for p in points[c]) for c in columns])
+    header = [""] + [f"c={c} {mode}" for c, mode in columns]
+    return Table(table(header, rows), sources)
+
+
+VERIFIER_THREADS_RUNS = [  # (row, files in the order they ran)
+    ("2 (no core to spare: nothing placed)", ["verifier2_a", "verifier2_b", "verifier2_c", "verifier2_d"]),
+    ("1, unplaced", ["verifier1_a", "verifier1_b"]),
+    ("1, placed (forward on one core, every other stub thread on the other)", ["placed_verifier1_a", "placed_verifier1_b"]),
+]
+
+
+def verifier_threads() -> Table:
+    """threads.verifier 2 against 1, unplaced and placed: Triton's baseline tok/s per run and
+    the range of its ratio to the in-process engine."""
+    rows, sources = [], []
+    for label, names in VERIFIER_THREADS_RUNS:
+        paths = [f"{ISSUE74}/threads/{name}.json" for name in names]
+        sources += paths
+        runs = [_points(path) for path in paths]
+        cells = []
+        for concurrency in (1, 16):
+            cells.append(", ".join(f"{run[(concurrency, 'baseline')][0]['triton']['output_tok_s']:.0f}" for run in runs))
+        ratios = []
+        for concurrency in (1, 16):
+            values = [p["triton_over_in_process"] for run in runs for p in run[(concurrency, "baseline")]]
+            ratios.append(f"{min(values):.2f}-{max(values):.2f}")
+        rows.append([label, *cells, ", ".join(ratios)])
+    header = ["`threads.verifier`", "c=1", "c=16", "Triton / in process, c=1 and c=16"]
+    return Table(table(header, rows), sources)
+
+
 TABLES: dict[str, Callable[[], Table]] = {
+    "capture-cost": capture_cost,
+    "served-over-in-process": served_over_in_process,
+    "verifier-threads": verifier_threads,
     "results-doc-sources": cited_in_results_doc,
     "mutants": mutation_score,
     "structured": structured,
@@ -532,21 +608,24 @@ TABLES: dict[str, Callable[[], Table]] = {
 }
 
 
-def render(name: str) -> str:
+def render(name: str, to_root: str = "") -> str:
     t = TABLES[name]()
-    return f"{t.markdown}\n\n{source_line(t.sources)}\n" if t.sources else f"{t.markdown}\n"
+    return f"{t.markdown}\n\n{source_line(t.sources, to_root)}\n" if t.sources else f"{t.markdown}\n"
 
 
-def rewrite(text: str) -> tuple[str, list[str]]:
-    """The README with every table re-rendered; the names of unknown tables."""
+def rewrite(text: str, document: Path = README) -> tuple[str, list[str]]:
+    """A document (README.md, docs/results.md) with every table re-rendered, its links relative
+    to where the document lives; the names of unknown tables."""
     unknown = []
+    depth = len(Path(document).resolve().parent.relative_to(ROOT).parts)
+    to_root = "../" * depth
 
     def replace(m: re.Match) -> str:
         name = m["name"]
         if name not in TABLES:
             unknown.append(name)
             return m[0]
-        return m[1] + render(name) + m[4]
+        return m[1] + render(name, to_root) + m[4]
 
     return BLOCK.sub(replace, text), unknown
 
@@ -559,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for path in [Path(args.readme)] if args.readme else DOCUMENTS:
         text = path.read_text()
-        new, unknown = rewrite(text)
+        new, unknown = rewrite(text, path)
         if unknown:
             print(f"{path}: unknown tables: {', '.join(unknown)} (known: {', '.join(TABLES)})", file=sys.stderr)
             status = 1
