@@ -528,6 +528,53 @@ def capture_cost() -> Table:
     return Table(table(header, rows), sources)
 
 
+MODE_NOTES = {"eagle3-hybrid": "eagle3-hybrid (EAGLE-3 + n-gram + suffix)",
+              "eagle3-hybrid-ngram": "eagle3-hybrid-ngram (the hybrid before suffix)"}
+
+
+def conversation_ttft() -> Table:
+    """TTFT p50 over turns 3 and 4 of bench-conversations' requests, with the prefix cache
+    (each mode's own salt) and without (`/no-cache`), and their ratio."""
+    import statistics
+
+    path = "results/bench/conversations/requests.jsonl"
+    ttfts: dict[str, list[float]] = {}
+    for line in (ROOT / path).read_text().splitlines():
+        request = json.loads(line)
+        if request["turn"] in (2, 3):  # 0-based: the third and fourth turns
+            ttfts.setdefault(request["mode"], []).append(request["chunks"][0] - request["send"])
+    rows = []
+    for mode in [m for m in ttfts if not m.endswith("/no-cache")]:
+        cached, uncached = (statistics.median(ttfts[m]) * 1000 for m in (mode, f"{mode}/no-cache"))
+        ratio = f"{cached / uncached:.2f}x"
+        rows.append([MODE_NOTES.get(mode, mode), f"{cached:.0f} ms", f"{uncached:.0f} ms",
+                     f"**{ratio}**" if mode == "baseline" else ratio])
+    return Table(table(["mode", "with the cache", "without", "ratio"], rows), ["results/bench/conversations/summary.json"])
+
+
+SUFFIX_NOTES = {**MODE_NOTES, "suffix": "suffix (ours)", "arctic-suffix": "arctic-suffix (Arctic Inference's)"}
+
+
+def suffix_blocks() -> Table:
+    """bench-suffix per mode with each block's gain and the TPOT ratio (README's `suffix`
+    table, in full)."""
+    path = "results/bench/suffix/summary.json"
+    runs, speedups, _ = summary_index(path)
+    load = "c=1"
+    best = best_mode(speedups, load)
+    rows = []
+    for mode in by_ratio(speedups, modes_of(runs, load), load):
+        entry = speedups[(mode, load)]
+        name, _, note = SUFFIX_NOTES.get(mode, mode).partition(" ")
+        gain = f"{entry['output_tok_s_ratio']:.2f}x"
+        rows.append([" ".join(filter(None, [f"**{name}**" if mode == best else name, note])),
+                     f"**{gain}**" if mode == best else gain, ", ".join(f"{g:.2f}" for g in entry["block_gains"]),
+                     f"{entry['tpot_p50_ratio']:.2f}x", accept_len(runs[(mode, load)])])
+    base = runs[("baseline", load)]["output_tok_s"]
+    header = [f"mode (x baseline, {base:.1f} tok/s)", "output tok/s", "blocks", "TPOT p50", "accept len"]
+    return Table(table(header, rows), [path])
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -582,6 +629,8 @@ def verifier_threads() -> Table:
 
 TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
+    "conversation-ttft": conversation_ttft,
+    "suffix-blocks": suffix_blocks,
     "served-over-in-process": served_over_in_process,
     "verifier-threads": verifier_threads,
     "results-doc-sources": cited_in_results_doc,
