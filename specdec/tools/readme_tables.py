@@ -631,6 +631,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
     "conversation-ttft": conversation_ttft,
     "suffix-blocks": suffix_blocks,
+    "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
+    "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
     "served-over-in-process": served_over_in_process,
     "verifier-threads": verifier_threads,
     "results-doc-sources": cited_in_results_doc,
