@@ -575,6 +575,57 @@ def suffix_blocks() -> Table:
     return Table(table(header, rows), [path])
 
 
+def heads_by_workload() -> Table:
+    """The latest bench-head-acceptance run's head versions side by side per workload (README's
+    `head-acceptance` rows, one cell per version)."""
+    path = "results/heads/summary.json"
+    rows = [r for r in read(path)["rows"] if r["head"] != "shipped"]
+    heads = list(dict.fromkeys(r["head"] for r in rows))
+    cell = {(r["head"], r["workload"]): r for r in rows}
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        picked = [cell[(h, workload)] for h in heads]
+        out.append([workload] + [" / ".join(f"{value(r):.2f}" for r in picked) for value in (
+            lambda r: r["chain"]["mean_acceptance_length"], lambda r: r["tree"]["mean_acceptance_length"],
+            lambda r: r["chain"]["speedup_c1"], lambda r: r["tree"]["speedup_c1"])])
+    versions = " / ".join(heads)
+    header = ["workload", f"MAL chain K=5, {versions}", "MAL tree d4k4n12", "c=1 x plain, chain", "tree"]
+    return Table(table(header, out), [path])
+
+
+def shapes_by_head_dtype() -> Table:
+    """bench-tree-shapes per shape, the int8 and bfloat16 head side by side (README's
+    `tree-shapes` rows, paired)."""
+    path = "results/tree_shapes/summary.json"
+    by_shape: dict[str, dict[str, dict]] = {}
+    for r in read(path)["rows"]:
+        by_shape.setdefault(r["shape"], {})[r.get("draft_dtype", "bfloat16")] = r
+    rows = [[shape, f"{pair['int8']['mean_acceptance_length']:.2f} / {pair['bfloat16']['mean_acceptance_length']:.2f}",
+             f"{pair['int8']['speedup_c1']:.2f}", f"{pair['bfloat16']['speedup_c1']:.2f}"]
+            for shape, pair in by_shape.items()]
+    return Table(table(["shape", "MAL int8 / bf16", "c=1 x plain, int8 head", "bf16 head"], rows), [path])
+
+
+def second_model_blocks() -> Table:
+    """README's `second-model` table with each ratio's block range."""
+    paths = {"Gemma 3 270M": "results/gemma/c1/summary.json", "SmolLM2-135M": "results/gemma/smollm2-c1/summary.json"}
+    indexed = []
+    for path in paths.values():
+        runs, speedups, _ = summary_index(path)
+        indexed.append(({m.split("/")[0]: r for (m, lo), r in runs.items() if lo == "c=1"},
+                        {m.split("/")[0]: e for (m, lo), e in speedups.items() if lo == "c=1"}))
+    rows = [["baseline tok/s"] + [f"{runs['baseline']['output_tok_s']:.1f}" for runs, _ in indexed]]
+    for mode in dict.fromkeys(m for runs, speedups in indexed for m in speedups):
+        cells = []
+        for runs, speedups in indexed:
+            e = speedups.get(mode)
+            blocks = e["block_gains"] if e else []
+            cells.append("-" if e is None else f"{e['output_tok_s_ratio']:.2f}x ({accept_len(runs[mode])}), blocks "
+                                               f"{min(blocks):.2f}-{max(blocks):.2f}")
+        rows.append([mode, *cells])
+    return Table(table(["c=1, x its baseline (accept len)", *paths], rows), list(paths.values()))
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -631,6 +682,9 @@ TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
     "conversation-ttft": conversation_ttft,
     "suffix-blocks": suffix_blocks,
+    "heads-by-workload": heads_by_workload,
+    "shapes-by-head-dtype": shapes_by_head_dtype,
+    "second-model-blocks": second_model_blocks,
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
     "served-over-in-process": served_over_in_process,
