@@ -626,6 +626,30 @@ def second_model_blocks() -> Table:
     return Table(table(["c=1, x its baseline (accept len)", *paths], rows), list(paths.values()))
 
 
+FAMILY_NOTES = {0.7: {"eagle3": "eagle3 (sampled chain)", "eagle3-tree": "eagle3-tree (top-k, one-hot rule)",
+                      "eagle3-hybrid": "eagle3-hybrid (sampled chain + one-hot n-gram continuation)",
+                      "medusa": "medusa (sampled chain)"}}
+
+
+def drafting_families(path: str, temperature: float) -> Table:
+    """bench-heads per method at c=1 and c=4 (mean acceptance at c=1, each ratio's blocks) with
+    bench-drafters' draft cost per sequence step at the same temperature; the best ratio per
+    load in bold."""
+    runs, speedups, _ = summary_index(path)
+    drafters_path = "results/drafters/bench_drafters.json"
+    draft_ms = next(r["methods"] for r in read(drafters_path)["runs"] if r["temperature"] == temperature)
+    modes = modes_of(runs, "c=1")
+    best = {load: best_mode(speedups, load) for load in ("c=1", "c=4")}
+    rows = []
+    for mode in modes:
+        name, _, note = FAMILY_NOTES.get(temperature, {}).get(mode, mode).partition(" ")
+        label = " ".join(filter(None, [f"**{name}**" if best["c=1"] == mode else name, note]))
+        rows.append([label, accept_len(runs[(mode, "c=1")]), f"{draft_ms[mode]['draft_ms_per_seq_step']:.1f}",
+                     *[ratio(speedups[(mode, load)], bold=best[load] == mode) for load in ("c=1", "c=4")]])
+    return Table(table(["method", "mean acc. length", "draft ms / step", "c=1 x baseline", "c=4 x baseline"], rows),
+                 [path, drafters_path])
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -685,6 +709,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "heads-by-workload": heads_by_workload,
     "shapes-by-head-dtype": shapes_by_head_dtype,
     "second-model-blocks": second_model_blocks,
+    "families-greedy": lambda: drafting_families("results/bench/heads-greedy/summary.json", 0.0),
+    "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
     "served-over-in-process": served_over_in_process,
