@@ -90,8 +90,9 @@ def source_line(paths: list[str], to_root: str = "") -> str:
     """to_root: the links' way from the document to the repository root ("../" from docs/)."""
     parts = []
     for path in paths:
-        commit, date, machine = provenance(path)
-        parts.append(f"[`{path}`]({to_root}{path}) (commit {commit}, {date}, {machine})")
+        commit, date, machine = recorded_or_unknown(path)
+        said = f"commit {commit}, {date}, {machine}" if commit != "unknown" else "commit, date and machine unknown: not recorded"
+        parts.append(f"[`{path}`]({to_root}{path}) ({said})")
     line = "Source: " + "; ".join(parts) + "."
     stale = {HISTORY[p] for p in paths if p in HISTORY}
     for before, command in sorted(stale):
