@@ -651,6 +651,33 @@ def drafting_families(path: str, temperature: float) -> Table:
                  [path, drafters_path])
 
 
+V5_LABELS = {"eagle3": "eagle3 (K=5)", "eagle3-tree": "eagle3-tree, top-k tree at T > 0",
+             "eagle3-tree-sampled": "eagle3-tree, sampled tree at T > 0 (now shipped)"}
+
+
+def v5_blocks() -> Table:
+    """README's `v5` table with each ratio's block range beside its acceptance length, the best
+    per temperature in bold."""
+    paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
+             "T=1.0": "results/bench/v5-t10/summary.json"}
+    indexed = {name: summary_index(path) for name, path in paths.items()}
+    best = {name: best_mode(speedups, "c=1") for name, (_, speedups, _) in indexed.items()}
+    rows = []
+    for mode in dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")):
+        row = [V5_LABELS.get(mode, mode)]
+        for name, (runs, speedups, _) in indexed.items():
+            entry = speedups.get((mode, "c=1"))
+            if entry is None:
+                row.append("")
+                continue
+            gains = entry["block_gains"]
+            value = f"{entry['output_tok_s_ratio']:.2f}"
+            row.append(f"{f'**{value}**' if best[name] == mode else value} ({min(gains):.2f}-{max(gains):.2f}; "
+                       f"{accept_len(runs[(mode, 'c=1')])})")
+        rows.append(row)
+    return Table(table(["method", *paths], rows), list(paths.values()))
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -711,6 +738,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "shapes-by-head-dtype": shapes_by_head_dtype,
     "second-model-blocks": second_model_blocks,
     "families-greedy": lambda: drafting_families("results/bench/heads-greedy/summary.json", 0.0),
+    "v5-blocks": v5_blocks,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
