@@ -678,6 +678,29 @@ def v5_blocks() -> Table:
     return Table(table(["method", *paths], rows), list(paths.values()))
 
 
+STOPS_WHERE = {"engine": "in process (engine, c=16)",
+               "server": "Triton (speculative_loop and ensemble alternating, gRPC, c=16)"}
+
+
+def stop_checks() -> Table:
+    """check-stops in process and through Triton: every method's outputs against the
+    baseline's, how many ended by a stop, and baseline cuts that were wrong."""
+    rows, sources = [], []
+    for where, label in STOPS_WHERE.items():
+        path = f"results/stops/{where}.json"
+        record = read(path)
+        sources.append(path)
+        methods = record["methods"].values()
+        per = {m["identical"] for m in methods}
+        stopped = {m["stopped"] for m in methods}
+        each = f"{per.pop()}/{record['cases']} each" if len(per) == 1 else "differs by method"
+        rows.append([label, str(record["prompts"]), str(record["cases"]), f"the {len(record['methods'])} served then",
+                     f"{each} ({sum(m['identical'] for m in methods):,}/{record['cases'] * len(record['methods']):,})",
+                     str(stopped.pop()) if len(stopped) == 1 else "differs by method", str(len(record["baseline_cut_wrong"]))])
+    header = ["where", "prompts", "cases per method", "methods", "identical to the baseline", "ended by a stop", "baseline cut wrong"]
+    return Table(table(header, rows), sources)
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -739,6 +762,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "second-model-blocks": second_model_blocks,
     "families-greedy": lambda: drafting_families("results/bench/heads-greedy/summary.json", 0.0),
     "v5-blocks": v5_blocks,
+    "stop-checks": stop_checks,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
