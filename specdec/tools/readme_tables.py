@@ -701,6 +701,23 @@ def stop_checks() -> Table:
     return Table(table(header, rows), sources)
 
 
+SIBLING_LABELS = {"baseline": "baseline (the {n} choices at once)", "suffix": "suffix, the {n} choices at once",
+                  "suffix in turn": "suffix, in turn (`siblings_in_turn`)"}
+
+
+def siblings() -> Table:
+    """bench-siblings: n choices through the OpenAI front end, at once and in turn."""
+    path = "results/openai/siblings.json"
+    record = read(path)
+    rows = []
+    for mode, run in record["modes"].items():
+        gain = record["x_baseline"][mode]
+        rows.append([SIBLING_LABELS.get(mode, mode).format(n=record["siblings"]), f"{run['tok_s']:.1f}",
+                     "1" if mode == "baseline" else f"{gain:.2f}x", f"{run['tokens_per_step']:.2f}", str(run["accepted"])])
+    header = ["mode", "output tok/s (wall)", "x baseline", "tokens per verification step", "accepted draft tokens"]
+    return Table(table(header, rows), [path])
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -763,6 +780,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "families-greedy": lambda: drafting_families("results/bench/heads-greedy/summary.json", 0.0),
     "v5-blocks": v5_blocks,
     "stop-checks": stop_checks,
+    "siblings": siblings,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
