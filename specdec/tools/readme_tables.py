@@ -781,6 +781,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "v5-blocks": v5_blocks,
     "stop-checks": stop_checks,
     "siblings": siblings,
+    "in-flight-now": in_flight,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
