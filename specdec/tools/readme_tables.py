@@ -718,6 +718,44 @@ def siblings() -> Table:
     return Table(table(header, rows), [path])
 
 
+DRAFT_PLACES = {"draft_model": ("`draft_model` (K=3)", "`drafter` model, its own process"),
+                "draft_model:2": ("`draft_model:2`", "`drafter` model"),
+                "draft-colocated": ("`draft_model-colocated` (K=3)", "beside the target in `verifier`"),
+                "draft_model-adaptive": ("`draft_model-adaptive`", "beside the target, planned"),
+                "eagle3-hybrid": ("`eagle3-hybrid` (same run)", "beside the target")}
+
+
+def draft_served() -> Table:
+    """The independent draft model through Triton (specdec-client bench), where it runs."""
+    path = "results/bench/draft-c1/summary.json"
+    runs, speedups, _ = summary_index(path)
+    rows = []
+    for mode in modes_of(runs, "c=1"):
+        entry = speedups[(mode, "c=1")]
+        label, where = DRAFT_PLACES.get(mode, (f"`{mode}`", ""))
+        rows.append([label, where, ratio(entry), f"{entry['per_user_tok_s_ratio']:.2f}x", accept_len(runs[(mode, "c=1")])])
+    header = ["mode", "where the draft runs", "output tok/s vs baseline (blocks)", "per-user", "mean acc. len"]
+    return Table(table(header, rows), [path])
+
+
+DRAFT_LABELS = {"L1": "first layers + head, ShareGPT only", "L2": "same", "L4": "same",
+                "draft-smollm2-135m": "shipped: 2 layers + self-distilled answers"}
+
+
+def draft_tradeoff() -> Table:
+    """make bench-draft: each draft's size, its pass against a target step, and c=1 speed at
+    K=1-3 in process."""
+    path = "results/draft/bench_draft.json"
+    rows = []
+    for name, draft in read(path)["drafts"].items():
+        runs = draft["runs"]
+        rows.append([DRAFT_LABELS.get(name, name), str(draft["layers"]), f"{draft['bf16_mb_without_embedding']:.1f}",
+                     f"{draft['draft_cost_fraction']:.3f}", *[f"{runs[k]['over_baseline']:.2f}x" for k in ("1", "2", "3")],
+                     ", ".join(f"{a:.2f}" for a in runs["3"]["per_position_acceptance"])])
+    header = ["draft", "layers", "MB", "draft pass / target step", "K=1", "K=2", "K=3", "per-position acceptance (K=3)"]
+    return Table(table(header, rows), [path])
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -782,6 +820,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "stop-checks": stop_checks,
     "siblings": siblings,
     "in-flight-now": in_flight,
+    "draft-served": draft_served,
+    "draft-tradeoff": draft_tradeoff,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
     "load-sweep-greedy": lambda: by_concurrency("results/bench/matrix-greedy/summary.json"),
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
