@@ -314,7 +314,7 @@ mutants: prepare
 # request answered and every answer checked against its request, each control run equal to plain decoding
 # (make test runs a short fixed pass of the same test); a passing run writes FUZZ_RECORD with its provenance
 FUZZ_SECONDS ?= 1800
-FUZZ_RECORD ?= results/fuzz/make-fuzz.json
+FUZZ_RECORD ?= results/fuzz/make-fuzz/record.json
 fuzz: prepare
 	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_RECORD=$(FUZZ_RECORD) $(BIN)/python -m pytest -q -s tests/server/test_fuzz_served.py -k through_the_server
 
