@@ -206,8 +206,9 @@ def suffix() -> Table:
     return Table(text, [path])
 
 
-def by_concurrency(path: str, modes: list[str] | None = None, blocks: bool = True) -> Table:
-    """Every mode x every load of a closed-loop sweep: the baseline's tok/s, then ratios."""
+def by_concurrency(path: str, modes: list[str] | None = None, blocks: bool = True, acceptance: bool = False) -> Table:
+    """Every mode x every load of a closed-loop sweep: the baseline's tok/s, then ratios (and,
+    with acceptance, each mode's mean acceptance length per load)."""
     runs, speedups, s = summary_index(path)
     loads = sorted({load for _, load in runs}, key=lambda lo: int(lo.split("=")[1]))
     modes = modes or list(dict.fromkeys(m for m, _ in runs if m != "baseline"))
@@ -215,6 +216,9 @@ def by_concurrency(path: str, modes: list[str] | None = None, blocks: bool = Tru
     rows = [["baseline tok/s"] + [f"{runs[('baseline', lo)]['output_tok_s']:.1f}" for lo in loads]]
     for mode in modes:
         rows.append([mode] + [ratio(speedups[(mode, lo)], blocks, bold=best[lo] == mode) for lo in loads])
+    if acceptance:
+        rows.append([f"mean acceptance length: {', '.join(modes)}"]
+                    + [", ".join(accept_len(runs[(mode, lo)]) for mode in modes) for lo in loads])
     text = table(["mode"] + loads, rows) + f"\n\n{lossless_line(s)}"
     return Table(text, [path])
 
@@ -820,6 +824,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "stop-checks": stop_checks,
     "siblings": siblings,
     "in-flight-now": in_flight,
+    "closed-loop-greedy": lambda: by_concurrency("results/bench/load/closed_greedy/summary.json", acceptance=True),
     "draft-served": draft_served,
     "draft-tradeoff": draft_tradeoff,
     "families-t07": lambda: drafting_families("results/bench/heads-t07/summary.json", 0.7),
