@@ -760,6 +760,45 @@ def draft_tradeoff() -> Table:
     return Table(table(header, rows), [path])
 
 
+PATH_NAMES = {"avx2": "AVX2", "avx512_vnni": "AVX-512 VNNI", "amx": "AMX"}
+
+
+def paths_and_threads() -> Table:
+    """The whole int8 forward per kernel path and thread count (medians of the runs)."""
+    path = "results/kernels/paths_and_threads.json"
+    rows = []
+    for n, (key, ms) in enumerate(read(path)["forward_ms_median"].items()):
+        kernel, threads = key.split("/")
+        unit = " ms" if n == 0 else ""
+        rows.append([f"{PATH_NAMES.get(kernel, kernel)}, {threads} thread{'s' if threads != '1' else ''}",
+                     *[f"{ms[k]:.1f}{unit}" for k in ("k1", "k16", "b16_k1")]])
+    return Table(table(["path / threads", "1 row", "16 rows (one sequence)", "16 sequences x 1 row"], rows), [path])
+
+
+SERVED_PATH_PAIRED = "results/profiles/served_path/paired"
+
+
+def served_path_paired() -> Table:
+    """Issue 60's before/after rounds: served tok/s, and CPU per token outside the verifier's
+    stub (the relay stub and tritonserver; after: tritonserver only, the relay gone)."""
+    def outside(point: dict) -> float:  # tritonserver and every stub but the one hosting the verifier (the busiest)
+        server = {k: v["total_ms_per_token"] for k, v in point["cpu"].items() if k == "tritonserver" or k.startswith("stub:")}
+        host = max((k for k in server if k.startswith("stub:")), key=server.get)
+        return sum(v for k, v in server.items() if k != host)
+
+    sides = {side: [{p["concurrency"]: p for p in read(f"{SERVED_PATH_PAIRED}/{side}_r{r}.json")["points"]} for r in (1, 2)]
+             for side in ("before", "after")}
+    rows = []
+    for c in (1, 16):
+        rows.append([f"c={c} output tok/s"] + [" / ".join(f"{run[c]['served']['output_tok_s']:.1f}" for run in runs)
+                                               for runs in sides.values()])
+    for c in (1, 16):
+        rows.append([f"c={c} CPU per token outside the verifier's stub"]
+                    + [" / ".join(f"{outside(run[c]):.2f}" for run in runs) + " ms" for runs in sides.values()])
+    sources = [f"{SERVED_PATH_PAIRED}/{side}_r{r}.json" for side in sides for r in (1, 2)]
+    return Table(table(["", "before, round 1 / 2", "after, round 1 / 2"], rows), sources)
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -824,6 +863,8 @@ TABLES: dict[str, Callable[[], Table]] = {
     "stop-checks": stop_checks,
     "siblings": siblings,
     "in-flight-now": in_flight,
+    "paths-and-threads": paths_and_threads,
+    "served-path-paired": served_path_paired,
     "closed-loop-greedy": lambda: by_concurrency("results/bench/load/closed_greedy/summary.json", acceptance=True),
     "draft-served": draft_served,
     "draft-tradeoff": draft_tradeoff,
