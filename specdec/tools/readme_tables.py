@@ -799,6 +799,24 @@ def served_path_paired() -> Table:
     return Table(table(["", "before, round 1 / 2", "after, round 1 / 2"], rows), sources)
 
 
+def v5_heldout() -> Table:
+    """The shipped head's held-out checks beside the head it continued (its training log)."""
+    path = "models/eagle3-smollm2-135m/train_log.json"
+    log = read(path)
+
+    def cells(record: dict) -> list[str]:
+        overlap = record["heldout_sampled_overlap"]
+        return [", ".join(f"{a:.3f}" for a in values)
+                for values in (record["heldout_top1_by_position"], overlap["T=0.7"], overlap["T=1.0"])]
+
+    accepted = log["heldout_acceptance"]
+    rows = [["v3 (shipped before)", *cells(log["init_head_heldout"]), "not in this log"],
+            ["v5 (shipped now)", *cells(log), f"{accepted['mean_acceptance_length']:.2f} ("
+             + ", ".join(f"{a:.2f}" for a in accepted["per_position_acceptance"][:4]) + ")"]]
+    header = ["", "top-1 by draft position", "sum min(p, q), T=0.7", "sum min(p, q), T=1.0", "greedy MAL K=5 (per position)"]
+    return Table(table(header, rows), [path])
+
+
 ISSUE74 = "results/bench/load/issue74"
 
 
@@ -863,6 +881,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "stop-checks": stop_checks,
     "siblings": siblings,
     "in-flight-now": in_flight,
+    "v5-heldout": v5_heldout,
     "paths-and-threads": paths_and_threads,
     "served-path-paired": served_path_paired,
     "closed-loop-greedy": lambda: by_concurrency("results/bench/load/closed_greedy/summary.json", acceptance=True),
