@@ -10,17 +10,19 @@ The team takes whole physical cores (one logical CPU of each, the highest-number
 usually takes the interrupts) and the rest is every usable CPU outside them, hyperthread
 siblings included, so no stub thread shares a physical core with a forward thread. Nothing is
 pinned where no core is left over (2 cores and a team of 2, the CI machine: there both the team
-and the response path need the same cores, measured in docs/serving.md); where the server
+and the response path need the same cores, measured in docs/results.md); where the server
 shares its machine (`SPECDEC_MAX_THREADS`: test workers; a CPU quota below the cores it may run
-on; a Kubernetes pod that may run on every CPU of its node, i.e. without exclusive cores), where
-OpenMP is bound already (`OMP_PROC_BIND`, `GOMP_CPU_AFFINITY`), or with
-`"thread_placement": "off"`. Threads inherit their creator's cores: the scheduler thread
-moves onto the team's cores before it builds the engine, so the OpenMP workers it starts there
-(the build runs a parallel region) are the team's; the Python threads and processes the build
-starts (the guide worker and its probe, the capture writer) go back to the rest, and the pool
-its event loop hands blocking calls to (BLS to a drafter served apart) starts its threads there. Native threads the build starts besides
-OpenMP's (the tokenizers' rayon pool, idle in serving) stay with the team: nothing outside
-tells them apart.
+on; a Kubernetes pod that may run on every CPU of its node, i.e. without exclusive cores); where
+OpenMP is bound already (`OMP_PROC_BIND`, `OMP_PLACES`, `GOMP_CPU_AFFINITY`); or with
+`"thread_placement": "off"`.
+
+Threads inherit their creator's cores: the scheduler thread moves onto the team's cores before
+it builds the engine, so the OpenMP workers it starts there (the build runs a parallel region)
+are the team's; the Python threads and processes the build starts (the guide worker and its
+probe, the capture writer) go back to the rest, and the pool its event loop hands blocking calls
+to (BLS to a drafter served apart) starts its threads there. Native threads the build starts
+besides OpenMP's (the tokenizers' rayon pool, idle in serving) stay with the team: nothing
+outside tells them apart.
 """
 from __future__ import annotations
 

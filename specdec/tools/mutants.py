@@ -269,7 +269,25 @@ def run_pytest(copy: Path, args: Sequence[str], env: dict[str, str], timeout_s: 
         code = None
     finally:
         _running.discard(proc)
+        stop_left_behind(copy)
     return PytestRun(code, round(time.monotonic() - t0, 1), output[-4000:])
+
+
+def stop_left_behind(copy: Path) -> list[int]:
+    """Kill what a run left running from its copy: a tritonserver and its stubs start in their own
+    session (out of reach of the run's killpg), and a fixture whose teardown a mutant broke, or a
+    run ended at its limit, never stops them. Returns the pids killed."""
+    marker, killed = (str(copy) + os.sep).encode(), []  # inside the copy: worker1/ is not worker10/
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
 
 
 def stop_running() -> None:

@@ -128,6 +128,12 @@ def accept_len(run: dict) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def noted(mode: str, notes: dict[str, str], bold: bool = False) -> str:
+    """A mode's label with its note ("suffix (ours)"), the mode's own name bold when it won."""
+    name, _, note = notes.get(mode, mode).partition(" ")
+    return " ".join(filter(None, [f"**{name}**" if bold else name, note]))
+
+
 def mode_cell(mode: str, best: str | None) -> str:
     return f"**{mode}**" if mode == best else mode
 
@@ -327,25 +333,39 @@ def served_shapes() -> Table:
     return Table(table(["mode", "shape", "c=1 x baseline (accept len)", "c=4 x baseline (accept len)"], rows), [path])
 
 
-def v5() -> Table:
+V5_LABELS = {"eagle3": "eagle3 (K=5)", "eagle3-tree": "eagle3-tree, top-k tree at T > 0",
+             "eagle3-tree-sampled": "eagle3-tree, sampled tree at T > 0 (now shipped)"}
+
+
+def v5(detail: bool = False) -> Table:
+    """EAGLE-3 v5's served modes per temperature (x baseline, acceptance length); detail: with
+    each ratio's block range, the modes' labels and the best per temperature in bold."""
     paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
              "T=1.0": "results/bench/v5-t10/summary.json"}
     indexed = {name: summary_index(path) for name, path in paths.items()}
-    modes = list(dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")))
-    rows = []
-    for mode in modes:
-        row = [mode]
-        for runs, speedups, _ in indexed.values():
-            key = (mode, "c=1")
-            row.append(f"{speedups[key]['output_tok_s_ratio']:.2f} ({accept_len(runs[key])})" if key in speedups else "")
-        rows.append(row)
-    return Table(table(["method (x baseline, accept len)", *paths], rows), list(paths.values()))
+    best = {name: best_mode(speedups, "c=1") for name, (_, speedups, _) in indexed.items()}
+
+    def cell(name: str, runs: dict, speedups: dict, mode: str) -> str:
+        entry = speedups.get((mode, "c=1"))
+        if entry is None:
+            return ""
+        value, accepted = f"{entry['output_tok_s_ratio']:.2f}", accept_len(runs[(mode, "c=1")])
+        if not detail:
+            return f"{value} ({accepted})"
+        gains = entry["block_gains"]
+        return f"{f'**{value}**' if best[name] == mode else value} ({min(gains):.2f}-{max(gains):.2f}; {accepted})"
+
+    modes = dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1"))
+    rows = [[V5_LABELS.get(mode, mode) if detail else mode]
+            + [cell(name, runs, speedups, mode) for name, (runs, speedups, _) in indexed.items()] for mode in modes]
+    header = "method" if detail else "method (x baseline, accept len)"
+    return Table(table([header, *paths], rows), list(paths.values()))
 
 
-def second_model() -> Table:
+def second_model(blocks: bool = False) -> Table:
     """Gemma 3 270M beside SmolLM2 (make bench-gemma): the same methods, prompts and lengths at
     c=1, each model against its own baseline on its own server (prefix cache off: the modes
-    are named `<method>/no-cache`, shown by method)."""
+    are named `<method>/no-cache`, shown by method); blocks: each ratio's block range too."""
     paths = {"Gemma 3 270M": "results/gemma/c1/summary.json", "SmolLM2-135M": "results/gemma/smollm2-c1/summary.json"}
     indexed = {}
     for name, path in paths.items():
@@ -353,9 +373,16 @@ def second_model() -> Table:
         indexed[name] = ({(m.split("/")[0], lo): r for (m, lo), r in runs.items()},
                          {(m.split("/")[0], lo): e for (m, lo), e in speedups.items()}, s)
     rows = [["baseline tok/s"] + [f"{runs[('baseline', 'c=1')]['output_tok_s']:.1f}" for runs, _, _ in indexed.values()]]
+    def cell(runs: dict, speedups: dict, mode: str) -> str:
+        entry = speedups.get((mode, "c=1"))
+        if entry is None:
+            return "-"
+        gains = entry.get("block_gains") or []
+        spread = f", blocks {min(gains):.2f}-{max(gains):.2f}" if blocks and gains else ""
+        return f"{ratio(entry, blocks=False)} ({accept_len(runs[(mode, 'c=1')])}){spread}"
+
     for mode in dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")):
-        rows.append([mode] + [f"{ratio(speedups[(mode, 'c=1')], blocks=False)} ({accept_len(runs[(mode, 'c=1')])})" if (mode, "c=1") in speedups else "-"
-                              for runs, speedups, _ in indexed.values()])
+        rows.append([mode] + [cell(runs, speedups, mode) for runs, speedups, _ in indexed.values()])
     lossless = " ".join(f"{name}: {lossless_line(s)}" for name, (_, _, s) in indexed.items())
     return Table(table(["method (x its baseline, accept len), c=1", *paths], rows) + f"\n\n{lossless}", list(paths.values()))
 
@@ -570,9 +597,8 @@ def suffix_blocks() -> Table:
     rows = []
     for mode in by_ratio(speedups, modes_of(runs, load), load):
         entry = speedups[(mode, load)]
-        name, _, note = SUFFIX_NOTES.get(mode, mode).partition(" ")
         gain = f"{entry['output_tok_s_ratio']:.2f}x"
-        rows.append([" ".join(filter(None, [f"**{name}**" if mode == best else name, note])),
+        rows.append([noted(mode, SUFFIX_NOTES, mode == best),
                      f"**{gain}**" if mode == best else gain, ", ".join(f"{g:.2f}" for g in entry["block_gains"]),
                      f"{entry['tpot_p50_ratio']:.2f}x", accept_len(runs[(mode, load)])])
     base = runs[("baseline", load)]["output_tok_s"]
@@ -611,26 +637,6 @@ def shapes_by_head_dtype() -> Table:
     return Table(table(["shape", "MAL int8 / bf16", "c=1 x plain, int8 head", "bf16 head"], rows), [path])
 
 
-def second_model_blocks() -> Table:
-    """README's `second-model` table with each ratio's block range."""
-    paths = {"Gemma 3 270M": "results/gemma/c1/summary.json", "SmolLM2-135M": "results/gemma/smollm2-c1/summary.json"}
-    indexed = []
-    for path in paths.values():
-        runs, speedups, _ = summary_index(path)
-        indexed.append(({m.split("/")[0]: r for (m, lo), r in runs.items() if lo == "c=1"},
-                        {m.split("/")[0]: e for (m, lo), e in speedups.items() if lo == "c=1"}))
-    rows = [["baseline tok/s"] + [f"{runs['baseline']['output_tok_s']:.1f}" for runs, _ in indexed]]
-    for mode in dict.fromkeys(m for runs, speedups in indexed for m in speedups):
-        cells = []
-        for runs, speedups in indexed:
-            e = speedups.get(mode)
-            blocks = e["block_gains"] if e else []
-            cells.append("-" if e is None else f"{e['output_tok_s_ratio']:.2f}x ({accept_len(runs[mode])}), blocks "
-                                               f"{min(blocks):.2f}-{max(blocks):.2f}")
-        rows.append([mode, *cells])
-    return Table(table(["c=1, x its baseline (accept len)", *paths], rows), list(paths.values()))
-
-
 FAMILY_NOTES = {0.7: {"eagle3": "eagle3 (sampled chain)", "eagle3-tree": "eagle3-tree (top-k, one-hot rule)",
                       "eagle3-hybrid": "eagle3-hybrid (sampled chain + one-hot n-gram continuation)",
                       "medusa": "medusa (sampled chain)"}}
@@ -647,39 +653,10 @@ def drafting_families(path: str, temperature: float) -> Table:
     best = {load: best_mode(speedups, load) for load in ("c=1", "c=4")}
     rows = []
     for mode in modes:
-        name, _, note = FAMILY_NOTES.get(temperature, {}).get(mode, mode).partition(" ")
-        label = " ".join(filter(None, [f"**{name}**" if best["c=1"] == mode else name, note]))
-        rows.append([label, accept_len(runs[(mode, "c=1")]), f"{draft_ms[mode]['draft_ms_per_seq_step']:.1f}",
+        rows.append([noted(mode, FAMILY_NOTES.get(temperature, {}), best["c=1"] == mode), accept_len(runs[(mode, "c=1")]), f"{draft_ms[mode]['draft_ms_per_seq_step']:.1f}",
                      *[ratio(speedups[(mode, load)], bold=best[load] == mode) for load in ("c=1", "c=4")]])
     return Table(table(["method", "mean acc. length", "draft ms / step", "c=1 x baseline", "c=4 x baseline"], rows),
                  [path, drafters_path])
-
-
-V5_LABELS = {"eagle3": "eagle3 (K=5)", "eagle3-tree": "eagle3-tree, top-k tree at T > 0",
-             "eagle3-tree-sampled": "eagle3-tree, sampled tree at T > 0 (now shipped)"}
-
-
-def v5_blocks() -> Table:
-    """README's `v5` table with each ratio's block range beside its acceptance length, the best
-    per temperature in bold."""
-    paths = {"greedy": "results/bench/v5-greedy/summary.json", "T=0.7": "results/bench/v5-t07/summary.json",
-             "T=1.0": "results/bench/v5-t10/summary.json"}
-    indexed = {name: summary_index(path) for name, path in paths.items()}
-    best = {name: best_mode(speedups, "c=1") for name, (_, speedups, _) in indexed.items()}
-    rows = []
-    for mode in dict.fromkeys(m for runs, _, _ in indexed.values() for m in modes_of(runs, "c=1")):
-        row = [V5_LABELS.get(mode, mode)]
-        for name, (runs, speedups, _) in indexed.items():
-            entry = speedups.get((mode, "c=1"))
-            if entry is None:
-                row.append("")
-                continue
-            gains = entry["block_gains"]
-            value = f"{entry['output_tok_s_ratio']:.2f}"
-            row.append(f"{f'**{value}**' if best[name] == mode else value} ({min(gains):.2f}-{max(gains):.2f}; "
-                       f"{accept_len(runs[(mode, 'c=1')])})")
-        rows.append(row)
-    return Table(table(["method", *paths], rows), list(paths.values()))
 
 
 STOPS_WHERE = {"engine": "in process (engine, c=16)",
@@ -875,9 +852,9 @@ TABLES: dict[str, Callable[[], Table]] = {
     "suffix-blocks": suffix_blocks,
     "heads-by-workload": heads_by_workload,
     "shapes-by-head-dtype": shapes_by_head_dtype,
-    "second-model-blocks": second_model_blocks,
+    "second-model-blocks": lambda: second_model(blocks=True),
     "families-greedy": lambda: drafting_families("results/bench/heads-greedy/summary.json", 0.0),
-    "v5-blocks": v5_blocks,
+    "v5-blocks": lambda: v5(detail=True),
     "stop-checks": stop_checks,
     "siblings": siblings,
     "in-flight-now": in_flight,

@@ -185,3 +185,24 @@ def test_an_update_replaces_only_its_mutants_and_recomputes_the_totals(tmp_path:
     assert [r["outcome"] for r in report["mutants"]] == [KILLED, KILLED]
     assert report["totals"]["score"] == 1.0 and report["commit"] == "abc"  # the record keeps its own tree
     assert report["updates"][0]["mutants"] == [listed[1].id] and json.loads(path.read_text()) == report
+
+
+def test_what_a_run_leaves_running_from_its_copy_is_stopped(tmp_path: Path):
+    """A server a mutant's fixture never stopped (its own session, out of the run's killpg) is
+    killed after the run; a process outside the copy is left alone."""
+    import subprocess
+    import sys
+
+    from specdec.tools.mutants import stop_left_behind
+
+    copy, other = tmp_path / "worker1", tmp_path / "worker10"  # a prefix of another copy's path is not inside it
+    copy.mkdir(), other.mkdir()
+    script = "import time; time.sleep(60)"
+    left = subprocess.Popen([sys.executable, "-c", script, str(copy / "model_repository")], start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", script, str(other / "model_repository")], start_new_session=True)
+    try:
+        assert stop_left_behind(copy) == [left.pid]
+        assert left.wait(10) != 0 and bystander.poll() is None
+    finally:
+        bystander.kill()
+        left.kill()
