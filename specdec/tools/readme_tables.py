@@ -846,6 +846,42 @@ def verifier_threads() -> Table:
     return Table(table(header, rows), sources)
 
 
+def aiperf_cross_check(folder: str = "results/aiperf-1thread") -> Table:
+    """bench-aiperf: our client and aiperf against the same server, per mode and concurrency,
+    each figure as `client / aiperf` (the ratio aiperf / client where the page explains it);
+    the server's own step time under each tool from its counters."""
+    comparison = f"{folder}/comparison.json"
+    data = read(comparison)
+    sources = [comparison]
+    step_ms = {(run["tool"], run["concurrency"], label): counters["step_ms"]
+               for run in data["runs"] for label, counters in run["server"].items()}
+    rows = []
+    for row in data["rows"]:
+        mode, concurrency = row["mode"], row["concurrency"]
+        client_summary = f"{folder}/client/c{concurrency}/summary.json"
+        aiperf_export = f"{folder}/aiperf/{mode}-c{concurrency}/profile_export_aiperf.json"
+        for path in (client_summary, aiperf_export):
+            if path not in sources:
+                sources.append(path)
+        client_ttft = summary_index(client_summary)[0][(mode, f"c={concurrency}")]["ttft_ms"]["mean"]
+        aiperf_ttft = read(aiperf_export)["time_to_first_token"]["avg"]
+        client, aiperf = row["client"], row["aiperf"]
+        label = "none" if mode == "baseline" else mode
+        speedup = f"{row['speedup']['client']:.2f}x / {row['speedup']['aiperf']:.2f}x"
+        rows.append([
+            mode, str(concurrency),
+            f"{client['output_tok_s']:.1f} / {aiperf['output_tok_s']:.1f} ({aiperf['output_tok_s'] / client['output_tok_s']:.2f})",
+            f"{client_ttft:.0f} / {aiperf_ttft:.0f} ({aiperf_ttft / client_ttft:.2f})",
+            f"{client['ttft_p50_ms']:.0f} / {aiperf['ttft_p50_ms']:.0f}",
+            f"{client['itl_p50_ms']:.1f} / {aiperf['itl_p50_ms']:.1f}",
+            f"{step_ms[('specdec-client', concurrency, label)]:.1f} / {step_ms[('aiperf', concurrency, label)]:.1f}",
+            f"**{speedup}**" if mode != "baseline" else speedup,
+        ])
+    header = ["mode", "c", "output tok/s client / aiperf", "TTFT mean ms client / aiperf", "TTFT p50 ms client / aiperf",
+              "client inter-chunk / aiperf ITL p50 ms", "server step ms under client / aiperf", "speedup client / aiperf"]
+    return Table(table(header, rows), sources)
+
+
 TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
     "conversation-ttft": conversation_ttft,
@@ -869,6 +905,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "load-sweep-t07": lambda: by_concurrency("results/bench/matrix-t07/summary.json"),
     "served-over-in-process": served_over_in_process,
     "verifier-threads": verifier_threads,
+    "aiperf-cross-check": aiperf_cross_check,
     "results-doc-sources": cited_in_results_doc,
     "mutants": mutation_score,
     "structured": structured,
