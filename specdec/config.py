@@ -564,10 +564,15 @@ class EngineConfig:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None
-    # Chunked prefill: while sequences decode, a call prefills at most this many prompt
-    # tokens in the same forward as their steps (running streams wait one chunk, not a wave
-    # of prompts); 0 prefills whole prompts. 256 tokens cost about 5 decode steps here.
+    # Chunked prefill (specdec/engine/prefill_budget.py): a forward prefills at most this many
+    # prompt tokens, oldest prompt first, the first wave of prompts included (its first prompts
+    # start streaming before its last is prefilled); 0 prefills whole prompts at once.
     prefill_chunk_tokens: int = 256
+    # Beside running sequences a chunk is also cut to the prompt tokens that keep the forward
+    # within this many times its cost without them (from the forwards served so far), so no
+    # running stream's gap grows past about this multiple of its step: 256 prompt tokens beside
+    # 16 decoding streams would cost ~6 of their steps here. 0: chunks of prefill_chunk_tokens.
+    prefill_max_slowdown: float = 2.5
     # Prefix caching (vLLM's enable_prefix_caching, TensorRT-LLM's enable_kv_cache_reuse): a
     # prompt starts from the KV of its longest prefix still held in the slots (a finished
     # sequence's slot keeps its content until reused, LRU), matched in blocks of
@@ -604,6 +609,8 @@ class EngineConfig:
             raise ConfigError("max_num_draft_tokens", f"must be >= 0, got {self.max_num_draft_tokens}")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError("prefill_chunk_tokens", f"must be >= 0 (0: whole prompts), got {self.prefill_chunk_tokens}")
+        if not (self.prefill_max_slowdown == 0 or 1 < self.prefill_max_slowdown < math.inf):
+            raise ConfigError("prefill_max_slowdown", f"must be 0 (off) or a finite factor > 1, got {self.prefill_max_slowdown}")
         if self.prefix_block_tokens < 1:
             raise ConfigError("prefix_block_tokens", f"must be >= 1, got {self.prefix_block_tokens}")
         if self.max_guide_bytes < 1:

@@ -36,6 +36,7 @@ from specdec.engine.models.llama import Transformer
 from specdec.engine.grammar import Grammars
 from specdec.engine.logits_processing import TokenLogProbs
 from specdec.engine.planner import BudgetPlanner, DraftCut, PlanItem
+from specdec.engine.prefill_budget import PrefillBudget
 from specdec.engine.sequences import draft_budget
 from specdec.engine.sequences import KeyedSequences, SequenceRecord
 from specdec.engine.tree import DraftTree
@@ -83,6 +84,8 @@ class ScheduledBatch:
     trees: list[DraftTree]  # decoding[i]'s tree
     want_hidden: bool  # the forward taps hidden states (a drafter needs them)
     prefill_tokens: int | None  # prompt tokens this forward at most (chunked prefill); None: whole prompts
+    prompt_tokens: int = 0  # prompt tokens this forward runs (what prefill_tokens leaves of the prompts')
+    decode_rows: int = 0  # rows of the decoding sequences' trees (root + nodes each)
 
 
 class SequenceObserver(Protocol):
@@ -146,6 +149,7 @@ class Speculator(KeyedSequences[_Sequence]):
         self.target_pass = TargetPass(target, config, tap_layers=taps, grammars=grammars)
         self.adaptive = {m for m, d in self.drafts.drafters.items() if d.config is not None and d.config.adaptive}
         self.planner = BudgetPlanner()
+        self.prefill_budget = PrefillBudget(config.prefill_chunk_tokens, config.prefill_max_slowdown)
         self._last_verify: tuple[float, float] | None = None  # (start, seconds) of the last verification
         if self.adaptive:
             self._calibrate()
@@ -202,22 +206,26 @@ class Speculator(KeyedSequences[_Sequence]):
         """Start sequences: prefill their prompts in one forward, sample the first token, and
         draft the first tree of those with a co-located drafter. Nothing changes on error.
         Methods are the caller's to check (check_method)."""
-        return self.run(items, [])[0]
+        return self.run(items, [], whole_prompts=True)[0]
 
     def step(self, items: Sequence[StepItem]) -> list[StepResult]:
         """Verify every item's tree in one batched forward, commit, then draft the next trees."""
         return self.run([], items)[1]
 
-    def run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
+    def run(self, starts: Sequence[StartItem], steps: Sequence[StepItem],
+            whole_prompts: bool = False) -> tuple[list[StepResult], list[StepResult]]:
         """Everything ready in ONE target forward: the new sequences' prompts, the prompts
         still being prefilled (a step of a sequence that has no first token yet continues
-        its prompt), and every running sequence's tree. While sequences are decoding,
-        prompts go in chunks of at most engine.prefill_chunk_tokens per call (oldest
-        first), so running streams keep emitting during a wave of prompts (chunked
-        prefill, as vLLM and Sarathi-Serve schedule it); with nothing decoding, whole
-        prompts go at once. A prompt not finished in this call answers no tokens
-        (StepResult.emitted == []): its caller sends another step. New sequences are all or
-        nothing: on error none of them holds a slot anywhere."""
+        its prompt), and every running sequence's tree. Prompts go in chunks, oldest first
+        (chunked prefill, as vLLM and Sarathi-Serve schedule it): at most
+        engine.prefill_chunk_tokens per call, and beside running sequences no more than keeps
+        the forward within engine.prefill_max_slowdown of its cost without them
+        (PrefillBudget), so running streams keep emitting during a wave of prompts and a
+        wave's first prompts start before its last is prefilled. whole_prompts: this call
+        prefills every prompt whole (prefill(): its callers get first tokens). A prompt not
+        finished in this call answers no tokens (StepResult.emitted == []): its caller sends
+        another step. New sequences are all or nothing: on error none of them holds a slot
+        anywhere."""
         records = []
         for item in starts:
             speculative = item.method != METHOD_NONE and item.num_draft_tokens > 0
@@ -229,19 +237,19 @@ class Speculator(KeyedSequences[_Sequence]):
         for item, record in zip(starts, records):
             self._seqs[item.seq_id] = _Sequence(record, start=item, observed=item.seq_id in observed)
         try:
-            return self._run(starts, steps)
+            return self._run(starts, steps, whole_prompts)
         except Exception:
             for item in starts:
                 self._drop(item.seq_id)
             raise
 
-    def schedule(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> ScheduledBatch:
+    def schedule(self, starts: Sequence[StartItem], steps: Sequence[StepItem], whole_prompts: bool = False) -> ScheduledBatch:
         """What the next target forward runs (vLLM's Scheduler.schedule, TensorRT-LLM's
-        ScheduledRequests): the prompts to prefill (those continuing first, then the new ones;
-        TargetPass.run takes them in this order, in chunks of at most `prefill_tokens` while
-        sequences decode), each decoding sequence's tree (cut to its budget, its grammar's
-        forced tokens first, then chosen by the planner for the adaptive methods), and whether
-        the forward must tap hidden states."""
+        ScheduledRequests): each decoding sequence's tree (cut to its budget, its grammar's
+        forced tokens first, then chosen by the planner for the adaptive methods), the prompts
+        to prefill (those continuing first, then the new ones; TargetPass.run takes them in
+        this order, at most `prefill_tokens` in all: the budget left beside the trees), and
+        whether the forward must tap hidden states."""
         continuing = [i for i in steps if self._get(i.seq_id).start is not None]
         decoding = [i for i in steps if self._get(i.seq_id).start is None]
         prefilling = [self._get(i.seq_id).start for i in continuing] + list(starts)
@@ -260,17 +268,22 @@ class Speculator(KeyedSequences[_Sequence]):
         want_hidden = any(self.drafts.needs_hidden(s.method) or i.want_hidden for i, s in zip(decoding, seqs)) or any(
             self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling) or any(
             self._get(i.seq_id).observed for i in [*decoding, *prefilling])
-        chunk = self.config.prefill_chunk_tokens if decoding and self.config.prefill_chunk_tokens else None
-        return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk)
+        decode_rows = sum(1 + len(tree) for tree in trees)
+        chunk = None if whole_prompts else self.prefill_budget.tokens(decode_rows)
+        waiting = sum(self.target_pass.unprefilled(i.seq_id) for i in prefilling)
+        return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk,
+                              waiting if chunk is None else min(chunk, waiting), decode_rows)
 
-    def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem]) -> tuple[list[StepResult], list[StepResult]]:
-        batch = self.schedule(starts, steps)
+    def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem],
+             whole_prompts: bool = False) -> tuple[list[StepResult], list[StepResult]]:
+        batch = self.schedule(starts, steps, whole_prompts)
         prefilling, decoding, trees = batch.prefilling, batch.decoding, batch.trees
         seqs = [self._get(i.seq_id) for i in decoding]
         t0 = time.perf_counter()
         prefilled, outs = self.target_pass.run([i.seq_id for i in prefilling], [(i.seq_id, t) for i, t in zip(decoding, trees)],
                                                batch.want_hidden, batch.prefill_tokens)
         t1 = time.perf_counter()
+        self.prefill_budget.observe(batch.prompt_tokens, batch.decode_rows, t1 - t0)
         if self.adaptive and decoding and not prefilling:
             self._observe_timing(sum(1 + len(t) for t in trees), len(decoding), t0, t1)
         by_id: dict[Hashable, StepResult] = {}

@@ -197,6 +197,10 @@ class TargetPass(KeyedSequences[_TargetSequence]):
         done, _ = self.run(ids, [], want_hidden)
         return [done[seq_id] for seq_id in ids]
 
+    def unprefilled(self, seq_id: Hashable) -> int:
+        """Prompt tokens of the sequence not yet run (after its cached prefix)."""
+        return len(self._get(seq_id).unprefilled)
+
     def verify(self, items: Sequence[tuple[Hashable, DraftTree]], want_hidden: bool = False) -> list[VerifyOutput]:
         return self.run([], items, want_hidden)[1]
 

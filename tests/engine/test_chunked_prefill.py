@@ -16,8 +16,9 @@ LONG = ("Summarise the following notes for a newcomer to the team, keeping every
         " ".join(f"step {i}: the server restarted after {3 * i} minutes and {i + 2} requests were retried;" for i in range(12)))
 
 
-def make_engine(model, tokenizer, chunk: int) -> SpecEngine:
-    cfg = EngineConfig(max_batch_size=4, max_seq_len=1024, max_num_draft_tokens=8, prefill_chunk_tokens=chunk)
+def make_engine(model, tokenizer, chunk: int, max_slowdown: float = 2.5) -> SpecEngine:
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=1024, max_num_draft_tokens=8, prefill_chunk_tokens=chunk,
+                       prefill_max_slowdown=max_slowdown)
     spec = {"eagle3": SpeculativeConfig(method="eagle3", max_draft_len=4),
             "ngram": SpeculativeConfig(method="ngram", max_draft_len=4, prompt_lookup_min=1, prompt_lookup_max=3)}
     return SpecEngine(model, cfg, tokenizer=tokenizer, drafters=build_drafters(model.cfg, spec, cfg, embed=model.embed))
@@ -76,7 +77,7 @@ def test_chunked_prefill_through_the_loop_hooks(target, smol_tokenizer):
     smol_model = target
     long = encode_prompt(smol_tokenizer, LONG)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine = make_engine(smol_model, smol_tokenizer, 32)
+    engine = make_engine(smol_model, smol_tokenizer, 32, max_slowdown=0)  # chunks of 32 whatever the forwards cost
     spec = engine.speculator
     spec.prefill([StartItem("running", encode_prompt(smol_tokenizer, SHORT), SamplingParams(max_tokens=64))])
     first, steps = spec.run([StartItem("long", long, params, "eagle3", 4)], [StepItem("running")])
@@ -88,3 +89,32 @@ def test_chunked_prefill_through_the_loop_hooks(target, smol_tokenizer):
     assert calls == -(-len(long) // 32)
     alone = make_engine(smol_model, smol_tokenizer, 0).speculator.prefill([StartItem("long", long, params, "eagle3", 4)])[0]
     assert reply.emitted == alone.emitted and reply.num_draft_tokens == alone.num_draft_tokens
+
+
+def test_a_first_wave_streams_in_arrival_order_before_its_last_prompt_is_prefilled(target, smol_tokenizer):
+    """Prompts arriving together with nothing decoding are chunked too (the first wave): the
+    first prompt's first token comes in an earlier forward than the last's, prompts finish in
+    the order they arrived, and every output equals whole-prompt prefill's."""
+    prompts = [encode_prompt(smol_tokenizer, f"{SHORT} Then explain why, in {n} sentences.") for n in (2, 3, 4)]
+    chunk = 32
+    assert sum(map(len, prompts)) > 2 * chunk
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def wave(engine: SpecEngine) -> tuple[dict, dict]:
+        for n, ids in enumerate(prompts):
+            engine.add_request(str(n), ids, params)
+        out, first_at, step = {str(n): [] for n in range(len(prompts))}, {}, 0
+        while engine.has_work():
+            step += 1
+            for o in engine.step():
+                if not out[o.request_id]:
+                    first_at[o.request_id] = step
+                out[o.request_id] += o.new_token_ids
+        return out, first_at
+
+    chunked, first_at = wave(make_engine(target, smol_tokenizer, chunk))
+    whole, whole_first_at = wave(make_engine(target, smol_tokenizer, 0))
+    assert chunked == whole
+    assert set(whole_first_at.values()) == {1}  # whole prompts: the wave's first tokens all come from one forward
+    order = [first_at[str(n)] for n in range(len(prompts))]
+    assert order == sorted(order) and order[0] < order[-1], first_at
