@@ -20,6 +20,7 @@ import numpy as np
 
 class PrefillBudget:
     WINDOW = 256  # forwards in the fit: recent enough to follow drift (threads, load), enough to span the kinds
+    RECENT_STEPS = 64  # forwards with decode rows whose median stands for a running stream's step
 
     def __init__(self, most_tokens: int, max_slowdown: float, least_tokens: int = 16):
         """most_tokens: prompt tokens per forward at most (0: whole prompts); max_slowdown: a
@@ -31,30 +32,48 @@ class PrefillBudget:
         self.least_tokens = min(least_tokens, most_tokens) if most_tokens else least_tokens
         self._forwards: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)
         self._fit: tuple[float, float, float] | None = None
+        self._prompt_cost: float | None = None
+        self._recent_steps: deque[float] = deque(maxlen=self.RECENT_STEPS)
         self._stale = False
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One target forward as it ran."""
         self._forwards.append((prompt_tokens, decode_rows, seconds))
+        if decode_rows:
+            self._recent_steps.append(seconds)
         self._stale = True
+        if prompt_tokens:  # learn what a prompt token costs while such forwards are in the window
+            self.fit()
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(a, b_prompt, b_decode) in seconds, or None while the forwards seen cannot tell
-        the three apart (none of one kind yet, or all of one size) or make no sense (a
-        prompt token that costs nothing)."""
+        """(a, b_prompt, b_decode) in seconds, or None before any forward with prompt tokens
+        (a prompt token's cost unknown). At a steady load every forward has the same decode
+        rows, so a and b_decode cannot be told apart: the least-norm solution splits them, and
+        its prediction at the rows served (all the budget uses) is still the least-squares one.
+        A prompt token's cost is kept from the last fit that saw prompts (a long stretch of
+        decoding alone says nothing about it)."""
         if self._stale:
             self._stale = False
-            self._fit = None
             if len(self._forwards) >= 3:
                 rows = np.array(self._forwards, dtype=float)
                 features = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
-                scale = np.maximum(np.abs(features).max(axis=0), 1.0)  # columns of one size: the rank test below means it
-                coef, _, rank, singular = np.linalg.lstsq(features / scale, rows[:, 2], rcond=None)
-                if rank == 3 and singular[-1] > 1e-3 * singular[0]:
-                    a, prompt, decode = coef / scale
-                    if prompt > 0 and decode > 0:
-                        self._fit = (float(a), float(prompt), float(decode))
+                scale = np.maximum(np.abs(features).max(axis=0), 1.0)
+                coef = np.linalg.lstsq(features / scale, rows[:, 2], rcond=None)[0] / scale
+                a, prompt, decode = (float(c) for c in coef)
+                seen_prompts = bool(rows[:, 0].any())
+                if seen_prompts and not (rows[:, 0] == rows[0, 0]).all() and prompt > 0:
+                    self._prompt_cost = prompt
+                elif self._prompt_cost is not None:  # refit the rest with the prompt cost held
+                    fixed = rows[:, 2] - self._prompt_cost * rows[:, 0]
+                    a, decode = (float(c) for c in np.linalg.lstsq(features[:, [0, 2]] / scale[[0, 2]], fixed, rcond=None)[0]
+                                 / scale[[0, 2]])
+                if self._prompt_cost is not None:
+                    self._fit = (a, self._prompt_cost, decode)
         return self._fit
+
+    def _decode_seconds(self, decode_rows: int) -> float | None:
+        fit = self.fit()
+        return None if fit is None else fit[0] + fit[2] * decode_rows
 
     def tokens(self, decode_rows: int) -> int | None:
         """The prompt tokens the next forward may carry beside `decode_rows` rows of running
@@ -64,9 +83,12 @@ class PrefillBudget:
         if not decode_rows or not self.max_slowdown:
             return self.most_tokens
         fit = self.fit()
-        if fit is None:  # not learnt yet: chunks of most_tokens, as before the fit
+        without = self._decode_seconds(decode_rows)
+        if fit is None or without is None or without <= 0:  # not learnt yet: chunks of most_tokens, as before the fit
             return self.most_tokens
-        a, prompt, decode = fit
-        without = max(a + decode * decode_rows, decode * decode_rows)
-        allowed = int((self.max_slowdown - 1.0) * without / prompt)
+        # a running stream's gap is judged against its own typical step: the recent forwards that
+        # carried decode rows (while a wave's first prompts start, the few rows decoding cost far
+        # less than the steps those streams will mostly see)
+        step = max(without, float(np.median(self._recent_steps))) if self._recent_steps else without
+        allowed = int((self.max_slowdown * step - without) / fit[1])
         return max(self.least_tokens, min(self.most_tokens, allowed))

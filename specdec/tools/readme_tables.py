@@ -882,6 +882,38 @@ def aiperf_cross_check(folder: str = "results/aiperf-1thread") -> Table:
     return Table(table(header, rows), sources)
 
 
+PREFILL_BUDGET = "results/bench/prefill-budget"
+PREFILL_WORKLOADS = [("waves", "baseline", "c=16, 64 tokens, EOS ignored (waves of 16 prompts)"),
+                     ("waves", "eagle3-hybrid", "the same, eagle3-hybrid"),
+                     ("to-eos", "baseline", "c=16, to EOS (at most 128 tokens)"),
+                     ("c1-1000", "baseline", "c=1, 1,000-token prompts, 16 tokens")]
+
+
+def prefill_budget() -> Table:
+    """Issue 74 item 4: the commit before the prefill budget against the one after, ABBA (the
+    two rounds' figures as `round 1 / round 2`), per workload: TTFT (all, a block's first wave),
+    each stream's longest gap over its median, the streams whose longest gap passed 3x, tok/s."""
+    path = f"{PREFILL_BUDGET}/summary.json"
+    runs = read(path)["runs"]
+    sources = [path]
+    rows = []
+    for workload, mode, label in PREFILL_WORKLOADS:
+        for side in ("before", "after"):
+            points = [runs[f"{workload}-{side}-{n}"][mode] for n in (1, 2)]
+            for n in (1, 2):
+                sources.append(f"{PREFILL_BUDGET}/{workload}-{side}-{n}/summary.json")
+
+            def both(key: str, form: str) -> str:
+                return " / ".join("-" if p[key] is None else format(p[key], form) for p in points)
+
+            rows.append([label if side == "before" else "", side, both("ttft_p50_ms", ".0f"), both("first_wave_ttft_p50_ms", ".0f"),
+                         both("gap_over_median_max", ".1f"),
+                         " / ".join(f"{p['streams_over_3x']} of {p['streams']}" for p in points), both("output_tok_s", ".1f")])
+    header = ["workload", "tree", "TTFT p50 ms", "first wave TTFT p50 ms", "longest gap / the stream's median, worst stream",
+              "streams with a gap > 3x their median", "output tok/s"]
+    return Table(table(header, rows), sources)
+
+
 TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
     "conversation-ttft": conversation_ttft,
@@ -906,6 +938,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "served-over-in-process": served_over_in_process,
     "verifier-threads": verifier_threads,
     "aiperf-cross-check": aiperf_cross_check,
+    "prefill-budget": prefill_budget,
     "results-doc-sources": cited_in_results_doc,
     "mutants": mutation_score,
     "structured": structured,

@@ -1,7 +1,10 @@
 """The prefill budget (specdec/engine/prefill_budget.py): the prompt tokens a forward carries
 beside running sequences, from a fit of the forwards served so far; fed forwards that cost a
-known line, it learns the line and cuts chunks to the slowdown asked for."""
+known line, it learns the line and cuts chunks so the forward stays within the slowdown asked
+for of a running stream's typical step."""
 from __future__ import annotations
+
+import statistics
 
 import pytest
 
@@ -11,35 +14,53 @@ from specdec.engine.prefill_budget import PrefillBudget
 A, PER_PROMPT, PER_DECODE = 0.005, 0.0006, 0.0017  # seconds: about SmolLM2 int8 on 2 cores
 
 
+def cost(prompt: int, decode: int) -> float:
+    return A + PER_PROMPT * prompt + PER_DECODE * decode
+
+
 def served(budget: PrefillBudget, forwards: list[tuple[int, int]]) -> None:
     for prompt, decode in forwards:
-        budget.observe(prompt, decode, A + PER_PROMPT * prompt + PER_DECODE * decode)
+        budget.observe(prompt, decode, cost(prompt, decode))
 
 
 MIXED = [(256, 0), (200, 0), (0, 16), (0, 4), (48, 16), (32, 4), (0, 1), (16, 1)]
 
 
-def test_the_fit_recovers_the_cost_line_and_sizes_chunks_from_it():
+def test_the_fit_recovers_the_cost_line_and_sizes_chunks_to_the_slowdown():
     budget = PrefillBudget(most_tokens=256, max_slowdown=2.5)
     served(budget, MIXED)
     assert budget.fit() == pytest.approx((A, PER_PROMPT, PER_DECODE), rel=1e-6)
+    typical = statistics.median(cost(p, d) for p, d in MIXED if d)  # the streams' usual step
+    sizes = {}
     for decode_rows in (1, 4, 16, 64):
-        without = A + PER_DECODE * decode_rows
-        n = budget.tokens(decode_rows)
-        expected = max(16, min(256, int(1.5 * without / PER_PROMPT)))
-        assert n == expected
-        if 16 < n < 256:  # the forward with the chunk costs the slowdown asked for, to a token
-            assert A + PER_PROMPT * n + PER_DECODE * decode_rows <= 2.5 * without < A + PER_PROMPT * (n + 1) + PER_DECODE * decode_rows
-    assert budget.tokens(4) < budget.tokens(16)  # fewer running rows: a dearer chunk relative to their step
+        n = sizes[decode_rows] = budget.tokens(decode_rows)
+        step = max(cost(0, decode_rows), typical)
+        if 16 < n < 256:  # the forward with the chunk costs the slowdown asked for of that step, to a token
+            assert cost(n, decode_rows) <= 2.5 * step < cost(n + 1, decode_rows)
+    assert sizes[64] > sizes[16] > 16  # more running rows: a longer step, a larger chunk within its slowdown
+    # while a wave's first prompts start, the few rows decoding do not shrink the chunk to their
+    # own short step: the streams' usual step sets it, and fewer rows leave more of it to prompts
+    assert cost(0, 4) < typical and sizes[1] > sizes[4] > int(1.5 * cost(0, 4) / PER_PROMPT)
+
+
+def test_at_a_steady_load_the_decode_rows_alone_still_give_the_budget():
+    """Every forward with 16 decode rows: a and b_decode cannot be told apart, and need not be."""
+    budget = PrefillBudget(most_tokens=256, max_slowdown=2.5)
+    served(budget, [(0, 16)] * 50 + [(40, 16), (80, 16), (60, 16)])
+    a, prompt, decode = budget.fit()
+    assert prompt == pytest.approx(PER_PROMPT) and a + 16 * decode == pytest.approx(cost(0, 16))
+    assert budget.tokens(16) == int(1.5 * cost(0, 16) / PER_PROMPT)
 
 
 def test_nothing_decoding_or_off_or_unlearnt_gives_whole_chunks():
     budget = PrefillBudget(most_tokens=256, max_slowdown=2.5)
     assert budget.tokens(16) == 256  # nothing seen: chunks of most_tokens
-    served(budget, [(256, 0), (0, 16), (0, 16), (0, 16)])  # two kinds, two sizes: a line not yet told apart
-    assert budget.fit() is None and budget.tokens(16) == 256
+    served(budget, [(0, 16)] * 10)
+    assert budget.fit() is None and budget.tokens(16) == 256  # no prompt seen: its cost unknown
     served(budget, MIXED)
     assert budget.tokens(0) == 256  # nobody waits but the prompts
+    served(budget, [(0, 16)] * 300)  # a long stretch of decoding alone keeps what a prompt token costs
+    assert budget.fit()[1] == pytest.approx(PER_PROMPT) and budget.tokens(16) < 256
     off = PrefillBudget(most_tokens=256, max_slowdown=0)
     served(off, MIXED)
     assert off.tokens(16) == 256
@@ -50,10 +71,10 @@ def test_nothing_decoding_or_off_or_unlearnt_gives_whole_chunks():
 def test_a_prompt_always_advances_and_never_past_the_cap():
     budget = PrefillBudget(most_tokens=256, max_slowdown=1.01)  # almost no slowdown allowed
     served(budget, MIXED)
-    assert budget.tokens(1) == 16
+    assert budget.tokens(64) == 16  # 1% of a 64-row step buys no prompt token: the floor
     capped = PrefillBudget(most_tokens=8, max_slowdown=1.01)
     served(capped, MIXED)
-    assert capped.tokens(1) == 8  # the floor is never above the cap
+    assert capped.tokens(64) == 8  # the floor is never above the cap
     generous = PrefillBudget(most_tokens=256, max_slowdown=50)
     served(generous, MIXED)
     assert generous.tokens(16) == 256

@@ -1,7 +1,7 @@
 """The prefill budget's A/B (run.sh): per tree and workload, TTFT (the first wave of each
 block apart), each stream's longest gap against its own median, and output tok/s, from the
-client's requests.jsonl. Writes results/bench/prefill-budget/summary.json (with the
-provenance of the tree that analysed it; each run's summary.json records its own)."""
+client's requests.jsonl. Writes results/bench/prefill-budget/summary.json, or the folder given's
+(with the provenance of the tree that analysed it; each run's summary.json records its own)."""
 from __future__ import annotations
 
 import json
@@ -54,10 +54,11 @@ def analyse(run: Path) -> dict:
 
 def main() -> None:
     started = provenance()
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
     runs = {}
-    for run in sorted(p for p in ROOT.iterdir() if (p / "requests.jsonl").exists()):
+    for run in sorted(p for p in root.iterdir() if (p / "requests.jsonl").exists()):
         runs[run.name] = analyse(run)
-    write_result(str(ROOT / "summary.json"), {"runs": runs, "command": "specdec/bench/experiments/prefill_budget/run.sh"}, started)
+    write_result(str(root / "summary.json"), {"runs": runs, "command": "specdec/bench/experiments/prefill_budget/run.sh"}, started)
     for name, modes in runs.items():
         for mode, r in modes.items():
             print(f"{name:28s} {mode:14s} tok/s {r['output_tok_s']:6.1f}  TTFT p50 {r['ttft_p50_ms']:6.0f} first wave "
