@@ -5,9 +5,10 @@ decode tokens first, then prompt chunks in arrival order. On a GPU a forward cos
 same up to a few hundred tokens, so a fixed budget is also a fixed delay. On a CPU every row
 costs: here a 16-stream decode forward takes ~32 ms and 256 prompt tokens beside it ~190 ms
 more, so a fixed 256-token chunk makes each running stream's gap ~6x its step. So the budget
-is a time: the prompt tokens that keep a forward within `max_slowdown` times what the same
-forward costs without them, from a fit of the forwards served so far (seconds ~ a + b_prompt
-x prompt tokens + b_decode x decode rows, least squares over the recent ones). With nothing
+is a time: the prompt tokens that keep a forward within `max_slowdown` times a running
+stream's usual step (the step once every sequence held decodes, or the recent steps' median
+if longer), from a fit of the forwards served so far (seconds ~ a + b_prompt x prompt tokens
++ b_decode x decode rows, least squares over the recent ones). With nothing
 decoding nobody waits but the prompts themselves, and they go in chunks of `most_tokens`,
 oldest first, so the first prompts of a wave start streaming before the last is prefilled.
 """
@@ -75,9 +76,10 @@ class PrefillBudget:
         fit = self.fit()
         return None if fit is None else fit[0] + fit[2] * decode_rows
 
-    def tokens(self, decode_rows: int) -> int | None:
+    def tokens(self, decode_rows: int, waiting: int = 0) -> int | None:
         """The prompt tokens the next forward may carry beside `decode_rows` rows of running
-        sequences (their roots and draft nodes); None: whole prompts."""
+        sequences (their roots and draft nodes), with `waiting` sequences still prefilling;
+        None: whole prompts."""
         if not self.most_tokens:
             return None
         if not decode_rows or not self.max_slowdown:
@@ -86,9 +88,12 @@ class PrefillBudget:
         without = self._decode_seconds(decode_rows)
         if fit is None or without is None or without <= 0:  # not learnt yet: chunks of most_tokens, as before the fit
             return self.most_tokens
-        # a running stream's gap is judged against its own typical step: the recent forwards that
-        # carried decode rows (while a wave's first prompts start, the few rows decoding cost far
-        # less than the steps those streams will mostly see)
-        step = max(without, float(np.median(self._recent_steps))) if self._recent_steps else without
+        # A running stream's gap is judged against its usual step, not against the few rows
+        # decoding now: the step once every sequence held decodes (each waiting prompt adds a
+        # row at least: while a wave's first prompts start, that is the step they will mostly
+        # see), or the recent forwards' median when prompts keep arriving (then most steps carry one).
+        step = max(without, self._decode_seconds(decode_rows + waiting))
+        if self._recent_steps:
+            step = max(step, float(np.median(self._recent_steps)))
         allowed = int((self.max_slowdown * step - without) / fit[1])
         return max(self.least_tokens, min(self.most_tokens, allowed))

@@ -41,6 +41,10 @@ def test_the_fit_recovers_the_cost_line_and_sizes_chunks_to_the_slowdown():
     # while a wave's first prompts start, the few rows decoding do not shrink the chunk to their
     # own short step: the streams' usual step sets it, and fewer rows leave more of it to prompts
     assert cost(0, 4) < typical and sizes[1] > sizes[4] > int(1.5 * cost(0, 4) / PER_PROMPT)
+    # 12 prompts still waiting beside 4 decoding rows: the step is the one all 16 will decode at
+    wave = budget.tokens(4, waiting=12)
+    assert cost(0, 16) > typical and wave > sizes[4]
+    assert cost(wave, 4) <= 2.5 * cost(0, 16) < cost(wave + 1, 4)
 
 
 def test_at_a_steady_load_the_decode_rows_alone_still_give_the_budget():
