@@ -269,10 +269,10 @@ class Speculator(KeyedSequences[_Sequence]):
             self.drafts.needs_hidden(i.method) or i.want_hidden for i in prefilling) or any(
             self._get(i.seq_id).observed for i in [*decoding, *prefilling])
         decode_rows = sum(1 + len(tree) for tree in trees)
-        chunk = None if whole_prompts else self.prefill_budget.tokens(decode_rows, waiting=len(prefilling))
-        waiting = sum(self.target_pass.unprefilled(i.seq_id) for i in prefilling)
+        left = [self.target_pass.unprefilled(i.seq_id) for i in prefilling]
+        chunk = None if whole_prompts else self.prefill_budget.tokens(decode_rows, len(prefilling), left[0] if left else 0)
         return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk,
-                              waiting if chunk is None else min(chunk, waiting), decode_rows)
+                              sum(left) if chunk is None else min(chunk, sum(left)), decode_rows)
 
     def _run(self, starts: Sequence[StartItem], steps: Sequence[StepItem],
              whole_prompts: bool = False) -> tuple[list[StepResult], list[StepResult]]:
