@@ -566,12 +566,14 @@ class EngineConfig:
     num_threads: int | None = None
     # Chunked prefill (specdec/engine/prefill_budget.py): a forward prefills at most this many
     # prompt tokens, oldest prompt first, the first wave of prompts included (its first prompts
-    # start streaming before its last is prefilled); 0 prefills whole prompts at once.
+    # start streaming before its last is prefilled; with nothing decoding the oldest prompt goes
+    # whole); 0 prefills whole prompts at once.
     prefill_chunk_tokens: int = 256
     # Beside running sequences a chunk is also cut to the prompt tokens that keep the forward
-    # within this many times its cost without them (from the forwards served so far), so no
-    # running stream's gap grows past about this multiple of its step: 256 prompt tokens beside
-    # 16 decoding streams would cost ~6 of their steps here. 0: chunks of prefill_chunk_tokens.
+    # within this many times the step they decode at once every held sequence decodes (from a
+    # fit of the forwards served so far), so no running stream's gap grows past about this
+    # multiple of its step: 256 prompt tokens beside 16 decoding streams would cost ~6 of their
+    # steps here. 0: chunks of prefill_chunk_tokens.
     prefill_max_slowdown: float = 2.5
     # Prefix caching (vLLM's enable_prefix_caching, TensorRT-LLM's enable_kv_cache_reuse): a
     # prompt starts from the KV of its longest prefix still held in the slots (a finished
