@@ -900,8 +900,7 @@ def prefill_budget() -> Table:
     for workload, mode, label in PREFILL_WORKLOADS:
         for side in ("before", "after"):
             points = [runs[f"{workload}-{side}-{n}"][mode] for n in (1, 2)]
-            for n in (1, 2):
-                sources.append(f"{PREFILL_BUDGET}/{workload}-{side}-{n}/summary.json")
+            sources += [f for f in (f"{PREFILL_BUDGET}/{workload}-{side}-{n}/summary.json" for n in (1, 2)) if f not in sources]
 
             def both(key: str, form: str) -> str:
                 return " / ".join("-" if p[key] is None else format(p[key], form) for p in points)
