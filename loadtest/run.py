@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import Iterator, Sequence
 
 from loadtest import scenarios
 from specdec_client.envinfo import provenance, write_result
+from specdec_client.locust_stats import mode_figures
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 REPO_ROOT = LOCUSTFILE.parent.parent
@@ -124,12 +124,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return worst
 
 
-def read_stats(path: Path) -> dict[str, dict[str, str]]:
-    """Locust's stats CSV: Type -> row (the mode's one Name per file)."""
-    with path.open(newline="") as fh:
-        return {row["Type"]: row for row in csv.DictReader(fh) if row["Name"] != "Aggregated"}
-
-
 def side_by_side(out: Path, scenario: str, names: Sequence[str]) -> str:
     """Every mode of one runner call in one table, each against the baseline's row: request
     count, failures, output tok/s (requests/s x mean output tokens), TTFT, TPOT and E2E p50
@@ -138,21 +132,14 @@ def side_by_side(out: Path, scenario: str, names: Sequence[str]) -> str:
     header = ("| mode | requests | failures | output tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | tok/s / baseline "
               "| TPOT p50 / baseline |")
     for name in names:
-        path = out / f"{scenario}_{name}_stats.csv"
-        if not path.is_file():
+        figures = mode_figures(out, scenario, name)
+        if figures is None:
             continue
-        stats = read_stats(path)
-        request = next((stats[t] for t in ("gRPC", "HTTP") if t in stats), None)
-        if request is None:
-            continue
-        tok_s = float(request["Requests/s"]) * float(request["Average Content Size"])
-        tpot = float(stats["TPOT"]["50%"]) if "TPOT" in stats else float("nan")
-        entry = (name, int(request["Request Count"]), int(request["Failure Count"]), tok_s,
-                 float(stats["TTFT"]["50%"]) if "TTFT" in stats else float("nan"), tpot, float(request["50%"]))
-        base = base or (entry if name == "baseline" else None)
-        ratio = (f"{tok_s / base[3]:.2f}" if base and base[3] else "") , (f"{tpot / base[5]:.2f}" if base and base[5] else "")
-        rows.append(f"| {name} | {entry[1]} | {entry[2]} | {tok_s:.1f} | {entry[4]:.0f} | {tpot:.0f} | {entry[6]:.0f} | "
-                    f"{ratio[0]} | {ratio[1]} |")
+        base = base or (figures if name == "baseline" else None)
+        ratio = ((f"{figures.output_tok_s / base.output_tok_s:.2f}" if base and base.output_tok_s else ""),
+                 (f"{figures.tpot_p50_ms / base.tpot_p50_ms:.2f}" if base and base.tpot_p50_ms else ""))
+        rows.append(f"| {name} | {figures.requests} | {figures.failures} | {figures.output_tok_s:.1f} | "
+                    f"{figures.ttft_p50_ms:.0f} | {figures.tpot_p50_ms:.0f} | {figures.e2e_p50_ms:.0f} | {ratio[0]} | {ratio[1]} |")
     return "\n".join([f"{scenario}: every mode against the baseline (same server, same prompts)", "", header,
                       "|" + "---|" * 9, *rows])
 

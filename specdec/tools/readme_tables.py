@@ -913,6 +913,32 @@ def prefill_budget() -> Table:
     return Table(table(header, rows), sources)
 
 
+LOCUST_AB = "results/loadtest/issue74"
+LOCUST_AB_RUNS = ["old-2", "old-3", "new-1", "new-2"]  # old-1 ran beside a test run: left out (docs/results.md)
+
+
+def locust_production_ab() -> Table:
+    """Issue 74 item 5: Locust production (16 users, 128 tokens, 120 s a mode) through Triton on
+    140f0e6 and on this round's tree, run by run: the baseline's tok/s and TTFT, each method's
+    tok/s over the baseline's of the same run, and failures."""
+    from specdec_client.locust_stats import mode_figures
+
+    modes = ["baseline", "eagle3-hybrid", "ngram-adaptive"]
+    rows, sources = [], []
+    for run in LOCUST_AB_RUNS:
+        folder = ROOT / LOCUST_AB / run
+        record = f"{LOCUST_AB}/{run}/production_run.json"
+        sources.append(record)
+        figures = {mode: mode_figures(folder, "production", mode) for mode in modes}
+        base = figures["baseline"]
+        rows.append([run, provenance(record)[0], f"{base.output_tok_s:.1f}", f"{base.ttft_p50_ms:.0f}", f"{base.tpot_p50_ms:.0f}",
+                     *(f"{figures[m].output_tok_s / base.output_tok_s:.2f}x" for m in modes[1:]),
+                     str(sum(f.failures for f in figures.values())), str(sum(f.requests for f in figures.values()))])
+    header = ["run", "commit", "baseline tok/s", "baseline TTFT p50 ms", "baseline TPOT p50 ms", "eagle3-hybrid / baseline",
+              "ngram-adaptive / baseline", "failures", "requests"]
+    return Table(table(header, rows), sources)
+
+
 TABLES: dict[str, Callable[[], Table]] = {
     "capture-cost": capture_cost,
     "conversation-ttft": conversation_ttft,
@@ -938,6 +964,7 @@ TABLES: dict[str, Callable[[], Table]] = {
     "verifier-threads": verifier_threads,
     "aiperf-cross-check": aiperf_cross_check,
     "prefill-budget": prefill_budget,
+    "locust-production-ab": locust_production_ab,
     "results-doc-sources": cited_in_results_doc,
     "mutants": mutation_score,
     "structured": structured,
