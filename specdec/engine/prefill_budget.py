@@ -6,10 +6,11 @@ same up to a few hundred tokens, so a fixed budget is also a fixed delay. On a C
 costs: here a 16-stream decode forward takes ~32 ms and 256 prompt tokens beside it ~190 ms
 more, so a fixed 256-token chunk makes each running stream's gap ~6x its step. So the budget
 is a time: the prompt tokens that keep a forward within `max_slowdown` times a running
-stream's usual step (the step once every sequence held decodes), from a fit of the forwards served so far (seconds ~ a + b_prompt x prompt tokens
-+ b_decode x decode rows, least squares over the recent ones). With nothing
-decoding nobody waits but the prompts themselves: the oldest goes whole and the next ones fill
-`most_tokens`, so the first prompts of a wave start streaming before the last is prefilled.
+stream's usual step (the step once every sequence held decodes), from a fit of the forwards
+served so far (seconds ~ a + b_prompt x prompt tokens + b_decode x decode rows, least squares
+over the recent ones). With nothing decoding nobody waits but the prompts themselves: the
+oldest goes whole and the next ones fill `most_tokens`, so the first prompts of a wave start
+streaming before the last is prefilled.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ class PrefillBudget:
     def __init__(self, most_tokens: int, max_slowdown: float, least_tokens: int = 16):
         """most_tokens: prompt tokens per forward at most (0: whole prompts); max_slowdown: a
         forward with prompt tokens beside running sequences costs at most this many times the
-        same forward without them (0: off, chunks of most_tokens); least_tokens: prompt tokens a
-        forward beside running sequences carries at least, so a prompt always advances."""
+        step they decode at once every held sequence decodes (0: off, chunks of most_tokens);
+        least_tokens: prompt tokens a forward beside running sequences carries at least, so a
+        prompt always advances."""
         self.most_tokens = most_tokens
         self.max_slowdown = max_slowdown
         self.least_tokens = min(least_tokens, most_tokens) if most_tokens else least_tokens
@@ -56,8 +58,7 @@ class PrefillBudget:
                 scale = np.maximum(np.abs(features).max(axis=0), 1.0)
                 coef = np.linalg.lstsq(features / scale, rows[:, 2], rcond=None)[0] / scale
                 a, prompt, decode = (float(c) for c in coef)
-                seen_prompts = bool(rows[:, 0].any())
-                if seen_prompts and not (rows[:, 0] == rows[0, 0]).all() and prompt > 0:
+                if not (rows[:, 0] == rows[0, 0]).all() and prompt > 0:  # prompt tokens that vary: their cost is told
                     self._prompt_cost = prompt
                 elif self._prompt_cost is not None:  # refit the rest with the prompt cost held
                     fixed = rows[:, 2] - self._prompt_cost * rows[:, 0]
@@ -67,29 +68,29 @@ class PrefillBudget:
                     self._fit = (a, self._prompt_cost, decode)
         return self._fit
 
-    def _decode_seconds(self, decode_rows: int) -> float | None:
-        fit = self.fit()
-        return None if fit is None else fit[0] + fit[2] * decode_rows
-
     def tokens(self, decode_rows: int, waiting: int = 0, oldest: int = 0) -> int | None:
         """The prompt tokens the next forward may carry beside `decode_rows` rows of running
         sequences (their roots and draft nodes), with `waiting` sequences still prefilling, the
         oldest of them with `oldest` tokens left; None: whole prompts."""
         if not self.most_tokens:
             return None
-        if not decode_rows or not self.max_slowdown:
+        if not decode_rows:
             # nobody waits but the prompts: the oldest goes whole (split, a prompt nobody waits
-            # beside only takes longer: ~15% for 1,000 tokens alone), the next ones fill most_tokens
-            return max(self.most_tokens, oldest) if not decode_rows else self.most_tokens
-        fit = self.fit()
-        without = self._decode_seconds(decode_rows)
-        if fit is None or without is None or without <= 0:  # not learnt yet: chunks of most_tokens, as before the fit
+            # beside mostly took longer: median ~+15% for 1,000 tokens alone), the next ones fill most_tokens
+            return max(self.most_tokens, oldest)
+        fit = self.fit() if self.max_slowdown else None
+        if fit is None:  # off, or not learnt yet: chunks of most_tokens, as before the fit
+            return self.most_tokens
+        a, prompt, decode = fit
+        without = a + decode * decode_rows
+        if without <= 0:
             return self.most_tokens
         # A running stream's gap is judged against its usual step, not against the few rows
         # decoding now: the step once every sequence held decodes (each waiting prompt adds a
         # row at least: while a wave's first prompts start, that is the step they will mostly
         # see). Not the recent forwards' median: with prompts arriving often most forwards carry
-        # a chunk, and a budget grown from them grows itself (measured: 20-26 of 48 streams past 3x).
-        step = max(without, self._decode_seconds(decode_rows + waiting))
-        allowed = int((self.max_slowdown * step - without) / fit[1])
+        # a chunk, and a budget grown from them can grow itself (to EOS at c=16, 20-26 of 48
+        # streams past 3x with it, 15-19 without: docs/results.md).
+        step = max(without, a + decode * (decode_rows + waiting))
+        allowed = int((self.max_slowdown * step - without) / prompt)
         return max(self.least_tokens, min(self.most_tokens, allowed))

@@ -218,8 +218,9 @@ class Speculator(KeyedSequences[_Sequence]):
         still being prefilled (a step of a sequence that has no first token yet continues
         its prompt), and every running sequence's tree. Prompts go in chunks, oldest first
         (chunked prefill, as vLLM and Sarathi-Serve schedule it): at most
-        engine.prefill_chunk_tokens per call, and beside running sequences no more than keeps
-        the forward within engine.prefill_max_slowdown of its cost without them
+        engine.prefill_chunk_tokens per call (with nothing decoding, the oldest prompt whole),
+        and beside running sequences no more than keeps the forward within
+        engine.prefill_max_slowdown of the step they decode at once every held sequence decodes
         (PrefillBudget), so running streams keep emitting during a wave of prompts and a
         wave's first prompts start before its last is prefilled. whole_prompts: this call
         prefills every prompt whole (prefill(): its callers get first tokens). A prompt not
@@ -270,7 +271,8 @@ class Speculator(KeyedSequences[_Sequence]):
             self._get(i.seq_id).observed for i in [*decoding, *prefilling])
         decode_rows = sum(1 + len(tree) for tree in trees)
         left = [self.target_pass.unprefilled(i.seq_id) for i in prefilling]
-        chunk = None if whole_prompts else self.prefill_budget.tokens(decode_rows, len(prefilling), left[0] if left else 0)
+        # the budget only where a prompt waits: a decode-only step refits nothing
+        chunk = None if whole_prompts or not left else self.prefill_budget.tokens(decode_rows, len(left), left[0])
         return ScheduledBatch(prefilling, decoding, trees, want_hidden, chunk,
                               sum(left) if chunk is None else min(chunk, sum(left)), decode_rows)
 

@@ -10,13 +10,9 @@ import sys
 from pathlib import Path
 
 from specdec_client.envinfo import provenance, write_result
+from specdec_client.metrics import percentile
 
 ROOT = Path("results/bench/prefill-budget")
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def stream_gaps(request: dict) -> tuple[float, float] | None:
@@ -42,7 +38,7 @@ def analyse(run: Path) -> dict:
         out[mode] = {
             "requests": len(mine), "concurrency": concurrency,
             "output_tok_s": run_summary["output_tok_s"],
-            "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": percentile(ttft, 0.9),
+            "ttft_p50_ms": statistics.median(ttft), "ttft_p90_ms": percentile(ttft, 90),
             "first_wave_ttft_p50_ms": statistics.median(first_wave) if first_wave else None,
             "itl_p50_ms": run_summary["itl_ms"]["p50"],
             "gap_over_median_p50": statistics.median(ratios) if ratios else None,
